@@ -1,0 +1,431 @@
+"""The event store over JetStream: streams as code, append with optimistic concurrency, reads.
+
+- One subject per aggregate instance gives per-aggregate order; :meth:`EventStore.append`
+  sends ``Nats-Expected-Last-Subject-Sequence`` and raises :class:`AppendConflict` when another
+  writer got there first, so the caller re-reads and re-decides.
+- ``Nats-Msg-Id`` is the event id, so a retried publish is stored once.
+- Several events are written as one atomic batch (``allow_atomic``): all or none, one flush.
+- A message that cannot be decoded is quarantined (raw bytes kept in ``LLMGW_QUARANTINE``,
+  counted, logged) and reading goes on: a poison message never stops a service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import (
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from llmgw.events import subjects as S
+from llmgw.events.codec import EventDecodeError, decode_event, encode_envelope
+from llmgw.events.envelope import Envelope, RecordedEvent, utc_now
+from llmgw.events.ids import new_id
+from llmgw.events.metrics import StoreMetrics
+from llmgw.events.registry import EventRegistry
+
+log = structlog.get_logger("llmgw.events.store")
+
+# JetStream API error codes we act on.
+ERR_WRONG_LAST_SEQUENCE = 10071
+ERR_BATCH_DUPLICATE_MSG_ID = 10201
+MAX_ATOMIC_BATCH = 1000
+
+
+class StreamSpec(msgspec.Struct, frozen=True):
+    name: str
+    subjects: tuple[str, ...]
+    retention: str = "limits"  # limits | workqueue
+    max_age_s: float = 0.0  # 0: kept
+    max_msgs_per_subject: int = -1
+    duplicate_window_s: float = 120.0
+    allow_atomic: bool = True
+    description: str = ""
+
+
+# The streams, as code. Created (or updated) idempotently at start by every process that needs them.
+STREAMS: tuple[StreamSpec, ...] = (
+    StreamSpec(S.STREAM_EVENTS, (f"{S.EVENTS_ROOT}.>",), description="durable facts: the source of truth"),
+    StreamSpec(
+        S.STREAM_COMMANDS,
+        (f"{S.COMMANDS_ROOT}.>",),
+        retention="workqueue",
+        max_age_s=7 * 86400,
+        allow_atomic=False,
+        description="what people and tools ask for",
+    ),
+    StreamSpec(S.STREAM_USAGE, (f"{S.USAGE_ROOT}.>",), max_age_s=400 * 86400, description="one record per request"),
+    StreamSpec(
+        S.STREAM_TELEMETRY,
+        (f"{S.TELEMETRY_ROOT}.>",),
+        max_age_s=3600,
+        max_msgs_per_subject=120,
+        allow_atomic=False,
+        description="heartbeats, load, sensors",
+    ),
+    StreamSpec(
+        S.STREAM_QUARANTINE,
+        (f"{S.QUARANTINE_ROOT}.>",),
+        max_age_s=90 * 86400,
+        allow_atomic=False,
+        description="messages no reader could decode, kept with their raw bytes",
+    ),
+)
+
+
+class StoreError(Exception):
+    """The event store could not do what was asked; the message says what to check."""
+
+
+class AppendConflict(StoreError):
+    """Another writer appended to the aggregate first: re-read, re-decide, try again."""
+
+    def __init__(self, subject: str, expected: int, actual: int | None) -> None:
+        self.subject = subject
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"{subject} has moved on (expected last sequence {expected}, it is {actual}); "
+            "re-read the aggregate and decide again"
+        )
+
+
+class NewEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """An event to append: its payload and who/what caused it. The id doubles as ``Nats-Msg-Id``."""
+
+    payload: msgspec.Struct
+    actor: str
+    causation: str | None = None
+    correlation: str | None = None
+    id: str = msgspec.field(default_factory=new_id)
+
+
+class Quarantined(msgspec.Struct, frozen=True):
+    """A position in the log that held an undecodable message; readers move past it."""
+
+    subject: str
+    seq: int
+    error: str
+
+
+class AppendResult(msgspec.Struct, frozen=True):
+    seqs: tuple[int, ...]
+    duplicate: bool = False
+
+    @property
+    def last_seq(self) -> int:
+        return self.seqs[-1] if self.seqs else 0
+
+
+def _stream_config(spec: StreamSpec, replicas: int) -> StreamConfig:
+    return StreamConfig(
+        name=spec.name,
+        description=spec.description,
+        subjects=list(spec.subjects),
+        retention=RetentionPolicy.WORK_QUEUE if spec.retention == "workqueue" else RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        max_age=spec.max_age_s,
+        max_msgs_per_subject=spec.max_msgs_per_subject,
+        duplicate_window=spec.duplicate_window_s,
+        discard=DiscardPolicy.OLD,
+        allow_direct=True,
+        allow_atomic=spec.allow_atomic or None,
+    )
+
+
+class EventStore:
+    """Append and read events on ``LLMGW_EVENTS``; the other streams share the connection."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        registry: EventRegistry,
+        *,
+        replicas: int = 1,
+        metrics: StoreMetrics | None = None,
+        stream: str = S.STREAM_EVENTS,
+    ) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=10.0)
+        self.registry = registry
+        self.replicas = replicas
+        self.metrics = metrics or StoreMetrics()
+        self.stream = stream
+
+    @classmethod
+    async def connect(cls, url: str, registry: EventRegistry, **kwargs: Any) -> EventStore:
+        try:
+            nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=-1, name="llmgw")
+        except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
+            raise StoreError(f"cannot reach NATS at {url}: {exc}; is `llmgw up` running?") from exc
+        return cls(nc, registry, **kwargs)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+
+    # -- streams -----------------------------------------------------------------------------
+
+    async def ensure_streams(self, specs: Sequence[StreamSpec] = STREAMS) -> None:
+        """Create each stream, or bring its configuration up to date; safe to call from every process."""
+        for spec in specs:
+            config = _stream_config(spec, self.replicas)
+            try:
+                await self.js.add_stream(config)
+            except nats.js.errors.BadRequestError:
+                # Exists with another configuration (10058): update what may be updated.
+                await self.js.update_stream(config)
+
+    # -- append ------------------------------------------------------------------------------
+
+    def envelope(self, event: NewEvent) -> Envelope:
+        event_type = self.registry.type_of(event.payload)
+        return Envelope(
+            id=event.id,
+            type=event_type.name,
+            v=event_type.v,
+            at=utc_now(),
+            actor=event.actor,
+            causation=event.causation,
+            correlation=event.correlation,
+            data=msgspec.Raw(msgspec.json.encode(event.payload)),
+        )
+
+    async def append(
+        self, subject: str, events: Sequence[NewEvent], *, expected: int | None = None
+    ) -> AppendResult:
+        """Append ``events`` to one aggregate's subject, in order, all or none.
+
+        ``expected`` is the sequence of the aggregate's last event as the caller saw it (0 for
+        a new aggregate); ``None`` appends whatever is there. Raises :class:`AppendConflict`.
+        """
+        if not events:
+            return AppendResult(())
+        items = [(subject, self.envelope(e), expected if i == 0 else None) for i, e in enumerate(events)]
+        with self.metrics.append_seconds.time():
+            if len(items) == 1:
+                result = await self._publish_one(*items[0])
+            else:
+                result = await self._publish_atomic(items)
+        self.metrics.appended.inc(len(events))
+        return result
+
+    async def append_many(self, items: Sequence[tuple[str, NewEvent]]) -> int:
+        """Append events to many subjects with no expectation, in atomic batches of up to 1,000.
+
+        Group commit: one durable flush per batch instead of one per event. Returns the last sequence.
+        """
+        last = 0
+        for start in range(0, len(items), MAX_ATOMIC_BATCH):
+            chunk = [(subj, self.envelope(e), None) for subj, e in items[start : start + MAX_ATOMIC_BATCH]]
+            with self.metrics.append_seconds.time():
+                res = await self._publish_atomic(chunk) if len(chunk) > 1 else await self._publish_one(*chunk[0])
+            last = max(last, res.last_seq)
+            self.metrics.appended.inc(len(chunk))
+        return last
+
+    async def publish_raw(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
+        """Publish bytes as they are (tests and tools that must write what no codec would)."""
+        ack = await self.js.publish(subject, data, headers=headers)
+        return ack.seq
+
+    async def _publish_one(self, subject: str, env: Envelope, expected: int | None) -> AppendResult:
+        headers = {S.HDR_MSG_ID: env.id}
+        if expected is not None:
+            headers[S.HDR_EXPECTED_LAST_SUBJECT_SEQ] = str(expected)
+        try:
+            ack = await self.js.publish(subject, encode_envelope(env), headers=headers)
+        except nats.js.errors.APIError as exc:
+            raise self._translate(exc, subject, expected) from exc
+        except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError) as exc:
+            raise StoreError(f"no acknowledgement from JetStream for {subject}: {exc}") from exc
+        return AppendResult((ack.seq,), duplicate=bool(ack.duplicate))
+
+    async def _publish_atomic(self, items: Sequence[tuple[str, Envelope, int | None]]) -> AppendResult:
+        batch_id = new_id()
+        n = len(items)
+        for i, (subject, env, expected) in enumerate(items, start=1):
+            headers = {S.HDR_BATCH_ID: batch_id, S.HDR_BATCH_SEQ: str(i), S.HDR_MSG_ID: env.id}
+            if expected is not None:
+                headers[S.HDR_EXPECTED_LAST_SUBJECT_SEQ] = str(expected)
+            payload = encode_envelope(env)
+            if i < n:
+                await self.nc.publish(subject, payload, headers=headers)
+                continue
+            headers[S.HDR_BATCH_COMMIT] = "1"
+            try:
+                reply = await self.nc.request(subject, payload, headers=headers, timeout=10.0)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+                raise StoreError(f"no acknowledgement from JetStream for a batch of {n}: {exc}") from exc
+            resp = json.loads(reply.data)
+            if "error" in resp:
+                err = resp["error"]
+                if err.get("err_code") == ERR_BATCH_DUPLICATE_MSG_ID:
+                    # The batch was stored before (a retry): all or none, so all of it is there.
+                    return AppendResult((), duplicate=True)
+                exc = nats.js.errors.APIError.from_error(err)
+                first_expected = items[0][2]
+                raise self._translate(exc, items[0][0], first_expected)
+            last = int(resp["seq"])
+            return AppendResult(tuple(range(last - n + 1, last + 1)))
+        raise AssertionError("unreachable")
+
+    def _translate(self, exc: nats.js.errors.APIError, subject: str, expected: int | None) -> StoreError:
+        if exc.err_code == ERR_WRONG_LAST_SEQUENCE and expected is not None:
+            self.metrics.conflicts.inc()
+            actual = None
+            desc = exc.description or ""
+            if ":" in desc:
+                with contextlib.suppress(ValueError):
+                    actual = int(desc.rsplit(":", 1)[1].strip())
+            return AppendConflict(subject, expected, actual)
+        return StoreError(f"JetStream refused the append to {subject}: {exc.description} ({exc.err_code})")
+
+    # -- read --------------------------------------------------------------------------------
+
+    async def last_seq(self, subject: str) -> int:
+        """The stream sequence of the last event on ``subject``; 0 when it has none."""
+        try:
+            msg = await self.js.get_last_msg(self.stream, subject, direct=True)
+        except nats.js.errors.NotFoundError:
+            return 0
+        return msg.seq or 0
+
+    async def stream_last_seq(self) -> int:
+        info = await self.js.stream_info(self.stream)
+        return info.state.last_seq
+
+    async def get(self, seq: int) -> RecordedEvent | Quarantined | None:
+        try:
+            msg = await self.js.get_msg(self.stream, seq, direct=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        return await self._decode(msg.subject or "", msg.data or b"", seq)
+
+    async def read(self, subject: str, *, after: int = 0) -> list[RecordedEvent]:
+        """One aggregate's history (events after sequence ``after``), decoded, in order."""
+        out: list[RecordedEvent] = []
+        async for batch in self.subscribe(subject, after=after, follow=False):
+            out.extend(e for e in batch if isinstance(e, RecordedEvent))
+        return out
+
+    async def subscribe(
+        self,
+        subject: str = f"{S.EVENTS_ROOT}.>",
+        *,
+        after: int = 0,
+        follow: bool = True,
+        batch_size: int = 500,
+        until: int | None = None,
+    ) -> AsyncIterator[list[RecordedEvent | Quarantined]]:
+        """Yield batches of decoded events after sequence ``after`` on ``subject``.
+
+        With ``follow`` it waits for new events forever; without, it ends once it has caught up
+        with the stream as it was when called (or reached ``until``). Undecodable messages are
+        quarantined and yielded as :class:`Quarantined` so a reader's position moves past them.
+        """
+        end = until
+        if not follow and end is None:
+            end = await self.stream_last_seq()
+        if end is not None and end <= after:
+            return
+        queue: asyncio.Queue = asyncio.Queue(maxsize=batch_size * 8)
+
+        async def on_msg(msg: Any) -> None:
+            await queue.put(msg)
+
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=after + 1,
+        )
+        sub = await self.js.subscribe(
+            subject,
+            stream=self.stream,
+            cb=on_msg,
+            ordered_consumer=True,
+            config=config,
+            idle_heartbeat=5.0,
+            pending_msgs_limit=batch_size * 16,
+        )
+        try:
+            while True:
+                if not follow:
+                    # A filtered reader may never see the stream's last sequence: the consumer's
+                    # pending count says when it has caught up.
+                    first = await self._next_or_done(queue, sub)
+                    if first is None:
+                        return
+                else:
+                    first = await queue.get()
+                msgs = [first]
+                while len(msgs) < batch_size and not queue.empty():
+                    msgs.append(queue.get_nowait())
+                batch: list[RecordedEvent | Quarantined] = []
+                done = False
+                for msg in msgs:
+                    seq = msg.metadata.sequence.stream
+                    if end is not None and seq > end:
+                        done = True
+                        break
+                    batch.append(await self._decode(msg.subject, msg.data, seq))
+                    if end is not None and seq >= end:
+                        done = True
+                    if not follow and msg.metadata.num_pending == 0:
+                        done = True
+                if batch:
+                    yield batch
+                if done:
+                    return
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _next_or_done(self, queue: asyncio.Queue, sub: Any) -> Any | None:
+        """The next message, or None once the consumer has nothing pending for us."""
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), timeout=0.5)
+            except TimeoutError:
+                info = await sub.consumer_info()
+                if info.num_pending == 0 and queue.empty():
+                    return None
+
+    async def _decode(self, subject: str, data: bytes, seq: int) -> RecordedEvent | Quarantined:
+        try:
+            return decode_event(self.registry, data, subject, seq)
+        except EventDecodeError as exc:
+            await self.quarantine(self.stream, subject, seq, data, str(exc))
+            return Quarantined(subject, seq, str(exc))
+
+    async def quarantine(self, stream: str, subject: str, seq: int, data: bytes, error: str) -> None:
+        """Keep an undecodable message's bytes, count it, log it. Stored once however many readers see it."""
+        self.metrics.quarantined.labels(stream=stream).inc()
+        log.warning("event quarantined", stream=stream, subject=subject, seq=seq, error=error[:300])
+        headers = {
+            S.HDR_MSG_ID: f"q-{stream}-{seq}",
+            "Llmgw-Origin-Stream": stream,
+            "Llmgw-Origin-Subject": subject,
+            "Llmgw-Origin-Seq": str(seq),
+            "Llmgw-Error": error[:500].replace("\r", " ").replace("\n", " "),
+        }
+        try:
+            await self.js.publish(f"{S.QUARANTINE_ROOT}.{stream.lower()}", data, headers=headers)
+        except Exception as exc:  # quarantine is best effort: the reader must go on regardless
+            log.error("could not write quarantined message", seq=seq, error=str(exc))
