@@ -1,2 +1,233 @@
-def main() -> None:
-    print("hi")
+"""`llmgw`: the command line. `up` runs everything here; the rest talk to a running system."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import signal
+from pathlib import Path
+
+import click
+
+from llmgw.cli import logs
+from llmgw.cli.client import Session, run
+from llmgw.cli.context import RUN_FILE, RunInfo, default_data_dir, write_run_info
+from llmgw.cli.ctl import ctl
+from llmgw.cli.events_cmd import events
+from llmgw.cli.natsd import EmbeddedNats, NatsStartError
+from llmgw.cli.runtime import ALL_SERVICES, ServerConfig, serve
+
+
+@click.group()
+@click.option("--nats", envvar="LLMGW_NATS_URL", help="NATS URL of the system (default: the running `llmgw up`).")
+@click.option("--api", envvar="LLMGW_API_URL", help="Admin API URL (default: the running `llmgw up`).")
+@click.option(
+    "--data-dir", envvar="LLMGW_DATA_DIR", help="Data directory of `llmgw up` (default ~/.local/share/llmgw)."
+)
+@click.pass_context
+def main(ctx: click.Context, nats: str | None, api: str | None, data_dir: str | None) -> None:
+    """llmgw: one OpenAI-compatible gateway in front of a fleet of inference engines."""
+    ctx.obj = {"nats": nats, "api": api, "data_dir": data_dir}
+
+
+main.add_command(ctl)
+main.add_command(events)
+
+
+def _install_stop(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+@main.command()
+@click.option(
+    "--data-dir", "up_data_dir", help="Where the log and projections live ($LLMGW_DATA_DIR, else ~/.local/share/llmgw)."
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the gateway and admin API listen on.")
+@click.option("--port", default=8080, show_default=True, help="Gateway (OpenAI API) port.")
+@click.option("--admin-port", default=8081, show_default=True, help="Admin API and /metrics port.")
+@click.option("--nats-port", default=4222, show_default=True, help="Embedded NATS port (another is used if taken).")
+@click.option(
+    "--unsafe-no-fsync",
+    is_flag=True,
+    help="Let NATS acknowledge before flushing to disk: faster, but a crash or power loss can lose "
+    "acknowledged events. Off by default.",
+)
+@click.option("--log-level", default="info", show_default=True)
+@click.pass_context
+def up(
+    ctx: click.Context,
+    up_data_dir: str | None,
+    host: str,
+    port: int,
+    admin_port: int,
+    nats_port: int,
+    unsafe_no_fsync: bool,
+    log_level: str,
+) -> None:
+    """Run everything on this machine: embedded NATS, SQLite projections, every service."""
+    logs.configure(log_level)
+    chosen = up_data_dir or ctx.find_root().obj.get("data_dir")
+    data_dir = (Path(chosen).expanduser() if chosen else default_data_dir()).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(data_dir / "up.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise click.ClickException(f"another `llmgw up` is already running on {data_dir}") from None
+    natsd = EmbeddedNats(data_dir, port=nats_port, durable=not unsafe_no_fsync)
+    try:
+        natsd.start()
+    except NatsStartError as exc:
+        raise click.ClickException(str(exc)) from exc
+    config = ServerConfig(
+        nats_url=natsd.url,
+        db_dsn=f"sqlite:///{data_dir / 'projections.db'}",
+        host=host,
+        port=port,
+        admin_port=admin_port,
+    )
+
+    def ready() -> None:
+        write_run_info(
+            data_dir,
+            RunInfo(
+                pid=os.getpid(),
+                nats_url=natsd.url,
+                admin_url=f"http://{host}:{admin_port}",
+                gateway_url=f"http://{host}:{port}",
+                data_dir=str(data_dir),
+            ),
+        )
+        click.echo(
+            f"llmgw is up: gateway http://{host}:{port}, admin http://{host}:{admin_port}, "
+            f"NATS {natsd.url}, data in {data_dir}",
+            err=True,
+        )
+
+    async def supervise() -> None:
+        stop = asyncio.Event()
+        _install_stop(stop)
+
+        async def watch_nats() -> None:
+            while not stop.is_set():
+                if not natsd.alive():
+                    click.echo("error: the embedded nats-server exited; stopping", err=True)
+                    stop.set()
+                    return
+                await asyncio.sleep(1.0)
+
+        watcher = asyncio.create_task(watch_nats())
+        try:
+            await serve(config, stop, on_ready=ready)
+        finally:
+            watcher.cancel()
+
+    try:
+        asyncio.run(supervise())
+    finally:
+        (data_dir / RUN_FILE).unlink(missing_ok=True)
+        natsd.stop()
+        lock.close()
+
+
+@main.command()
+@click.option(
+    "--nats", "nats_url", required=True, envvar="LLMGW_NATS_URL", help="NATS URL (a cluster: comma-separated)."
+)
+@click.option("--db", "db_dsn", required=True, envvar="LLMGW_DB", help="postgresql://… or a SQLite file path.")
+@click.option("--services", default=",".join(ALL_SERVICES), show_default=True, help="Which services to run here.")
+@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--port", default=8080, show_default=True)
+@click.option("--admin-port", default=8081, show_default=True)
+@click.option("--replicas", default=1, show_default=True, help="Stream replicas (3 in a JetStream cluster).")
+@click.option("--log-level", default="info", show_default=True)
+def server(
+    nats_url: str, db_dsn: str, services: str, host: str, port: int, admin_port: int, replicas: int, log_level: str
+) -> None:
+    """Run services against an external NATS and PostgreSQL (the cluster shape)."""
+    logs.configure(log_level)
+    config = ServerConfig(
+        nats_url=nats_url,
+        db_dsn=db_dsn,
+        services=tuple(s.strip() for s in services.split(",") if s.strip()),
+        host=host,
+        port=port,
+        admin_port=admin_port,
+        stream_replicas=replicas,
+    )
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        _install_stop(stop)
+        await serve(config, stop)
+
+    asyncio.run(go())
+
+
+@main.group()
+def projections() -> None:
+    """Rebuild read models from the log, or check them against it."""
+
+
+@projections.command("status")
+@click.pass_context
+def projections_status(ctx: click.Context) -> None:
+    """Each projection's position and lag."""
+
+    async def go(s: Session) -> None:
+        body = await s.api("GET", "/api/v1/projections")
+        for p in body["projections"]:
+            click.echo(f"{p['name']:<16} position {p['position']:<10} lag {p['lag']:<8} {p.get('error') or ''}")
+
+    run(ctx, go)
+
+
+@projections.command("rebuild")
+@click.argument("name", required=False)
+@click.pass_context
+def projections_rebuild(ctx: click.Context, name: str | None) -> None:
+    """Rebuild NAME (or all) into a shadow from the log, then swap it in."""
+
+    async def go(s: Session) -> None:
+        body = await s.api("POST", "/api/v1/projections/rebuild", params={"name": name or ""}, timeout=3600)
+        for r in body["rebuilt"]:
+            click.echo(f"{r['name']}: rebuilt from {r.get('events', '?')} events up to position {r.get('position')}")
+
+    run(ctx, go)
+
+
+@projections.command("verify")
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def projections_verify(ctx: click.Context, name: str | None, as_json: bool) -> None:
+    """Rebuild NAME (or all) into a shadow and diff with the live tables. Exit 0 when identical."""
+
+    async def go(s: Session) -> int:
+        body = await s.api("POST", "/api/v1/projections/verify", params={"name": name or ""}, timeout=3600)
+        if as_json:
+            click.echo(json.dumps(body, indent=2))
+            return 0 if body["identical"] else 1
+        for r in body["verified"]:
+            if r["identical"]:
+                click.echo(f"{r['name']}: identical to a rebuild from the log (position {r.get('position')})")
+                continue
+            click.echo(f"{r['name']}: DIFFERS from a rebuild from the log (position {r.get('position')})")
+            for table, diff in r.get("differences", {}).items():
+                for row in diff.get("only_live", []):
+                    click.echo(f"  {table}: only in live:    {row}")
+                for row in diff.get("only_rebuilt", []):
+                    click.echo(f"  {table}: only in rebuild: {row}")
+                for pair in diff.get("changed", []):
+                    click.echo(f"  {table}: live {pair['live']} ≠ rebuild {pair['rebuilt']}")
+        return 0 if body["identical"] else 1
+
+    run(ctx, go)
+
+
+if __name__ == "__main__":
+    main()

@@ -172,7 +172,7 @@ class EventStore:
     @classmethod
     async def connect(cls, url: str, registry: EventRegistry, **kwargs: Any) -> EventStore:
         try:
-            nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=-1, name="llmgw")
+            nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=-1, drain_timeout=5, name="llmgw")
         except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
             raise StoreError(f"cannot reach NATS at {url}: {exc}; is `llmgw up` running?") from exc
         return cls(nc, registry, **kwargs)
@@ -208,9 +208,7 @@ class EventStore:
             data=msgspec.Raw(msgspec.json.encode(event.payload)),
         )
 
-    async def append(
-        self, subject: str, events: Sequence[NewEvent], *, expected: int | None = None
-    ) -> AppendResult:
+    async def append(self, subject: str, events: Sequence[NewEvent], *, expected: int | None = None) -> AppendResult:
         """Append ``events`` to one aggregate's subject, in order, all or none.
 
         ``expected`` is the sequence of the aggregate's last event as the caller saw it (0 for
@@ -280,9 +278,10 @@ class EventStore:
                 if err.get("err_code") == ERR_BATCH_DUPLICATE_MSG_ID:
                     # The batch was stored before (a retry): all or none, so all of it is there.
                     return AppendResult((), duplicate=True)
-                exc = nats.js.errors.APIError.from_error(err)
-                first_expected = items[0][2]
-                raise self._translate(exc, items[0][0], first_expected)
+                api_error = nats.js.errors.APIError(
+                    code=err.get("code"), err_code=err.get("err_code"), description=err.get("description")
+                )
+                raise self._translate(api_error, items[0][0], items[0][2])
             last = int(resp["seq"])
             return AppendResult(tuple(range(last - n + 1, last + 1)))
         raise AssertionError("unreachable")

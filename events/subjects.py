@@ -83,11 +83,6 @@ def aggregate_of(subject: str) -> tuple[str, str]:
     return parts[2], decode_token(parts[3])
 
 
-def command_subject(service: str, verb: str) -> str:
-    """``llmgw.cmd.<service>.<verb>``."""
-    return f"{COMMANDS_ROOT}.{service}.{encode_token(verb)}"
-
-
 def command_outcome_subject(command_id: str) -> str:
     """Where a command's single outcome event is written (the ``command`` aggregate)."""
     return event_subject("command", command_id)

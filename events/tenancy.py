@@ -76,3 +76,32 @@ EVENTS = (
     EventType("project.renamed", 1, ProjectRenamed, "A project was renamed; its id stays."),
     EventType("project.deleted", 1, ProjectDeleted, "A project was deleted."),
 )
+
+
+# -- commands (strict: an unknown kind or field is refused) --------------------------------------
+
+SERVICE = "tenancy"
+SCOPE_KINDS = ("org", "team", "project")
+
+
+class CreateScope(msgspec.Struct, frozen=True, kw_only=True, tag="create", forbid_unknown_fields=True):
+    """Create ``org`` ``acme``, ``team`` ``acme/ml`` or ``project`` ``acme/ml/chat``."""
+
+    kind: str
+    path: str
+
+
+class RenameScope(msgspec.Struct, frozen=True, kw_only=True, tag="rename", forbid_unknown_fields=True):
+    """Give the scope at ``path`` the last-segment name ``name``; its id and children stay."""
+
+    kind: str
+    path: str
+    name: str
+
+
+class DeleteScope(msgspec.Struct, frozen=True, kw_only=True, tag="delete", forbid_unknown_fields=True):
+    kind: str
+    path: str
+
+
+TenancyCommand = CreateScope | RenameScope | DeleteScope

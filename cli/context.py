@@ -1,0 +1,98 @@
+"""How a CLI command finds the system: the data directory of a running `llmgw up`, or flags/env.
+
+`llmgw up` writes ``DATA_DIR/run.json`` with the addresses it serves; every other command reads
+it, unless ``--nats URL`` / ``LLMGW_NATS_URL`` (and ``--api URL`` / ``LLMGW_API_URL``) say where.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+from pathlib import Path
+
+import msgspec
+
+from llmgw.events.commands import Unreachable
+from llmgw.events.envelope import sanitize_actor
+
+RUN_FILE = "run.json"
+
+
+class RunInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a running `llmgw up` tells other commands."""
+
+    pid: int
+    nats_url: str
+    admin_url: str
+    gateway_url: str
+    data_dir: str
+
+
+def default_data_dir() -> Path:
+    env = os.environ.get("LLMGW_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "llmgw"
+
+
+def read_run_info(data_dir: Path) -> RunInfo | None:
+    path = data_dir / RUN_FILE
+    try:
+        info = msgspec.json.decode(path.read_bytes(), type=RunInfo)
+    except (FileNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if not _alive(info.pid):
+        return None
+    return info
+
+
+def write_run_info(data_dir: Path, info: RunInfo) -> None:
+    path = data_dir / RUN_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(json.dumps(msgspec.to_builtins(info), indent=2).encode())
+    tmp.replace(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Target(msgspec.Struct, frozen=True):
+    nats_url: str
+    api_url: str | None
+
+
+def resolve(nats_url: str | None, api_url: str | None, data_dir: str | None) -> Target:
+    nats_url = nats_url or os.environ.get("LLMGW_NATS_URL")
+    api_url = api_url or os.environ.get("LLMGW_API_URL")
+    if nats_url and api_url:
+        return Target(nats_url, api_url)
+    where = Path(data_dir).expanduser() if data_dir else default_data_dir()
+    info = read_run_info(where)
+    if info is None:
+        if nats_url:
+            return Target(nats_url, api_url)
+        raise Unreachable(
+            f"no running `llmgw up` found in {where}: start one with `llmgw up`, "
+            "or say where the system is with --nats URL (or LLMGW_NATS_URL) and --api URL"
+        )
+    return Target(nats_url or info.nats_url, api_url or info.admin_url)
+
+
+def cli_actor() -> str:
+    """The OS user running the command (the sudo user under sudo), as ``user:<name>``."""
+    name = os.environ.get("SUDO_USER") if os.geteuid() == 0 else None
+    if not name:
+        try:
+            name = getpass.getuser()
+        except (KeyError, OSError):
+            name = f"uid-{os.getuid()}"
+    return sanitize_actor("user", name)

@@ -1,0 +1,159 @@
+"""`llmgw events …`: the log as a product (SPEC EVT-1)."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime, timedelta
+
+import click
+import msgspec
+
+from llmgw.cli.client import Session, run
+from llmgw.events.commands import CommandError
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.store import Quarantined
+from llmgw.events.subjects import EVENTS_ROOT, aggregate_of
+
+
+@click.group()
+def events() -> None:
+    """Read the event log: every change, who made it, and why."""
+
+
+def event_dict(e: RecordedEvent) -> dict:
+    env = e.envelope
+    data = msgspec.json.decode(env.data) if env.data else {}
+    return {
+        "seq": e.seq,
+        "id": env.id,
+        "type": env.type,
+        "v": env.v,
+        "at": env.at.isoformat(),
+        "actor": env.actor,
+        "subject": e.subject,
+        "causation": env.causation,
+        "correlation": env.correlation,
+        "data": data,
+    }
+
+
+def one_line(e: RecordedEvent) -> str:
+    try:
+        agg, agg_id = aggregate_of(e.subject)
+        where = f"{agg}/{agg_id}"
+    except ValueError:
+        where = e.subject
+    data = msgspec.json.encode(msgspec.json.decode(e.envelope.data)).decode()
+    if len(data) > 100:
+        data = data[:97] + "..."
+    at = e.envelope.at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return f"{e.seq:>8}  {at}  {e.envelope.actor:<20} {e.type:<22} {where:<30} {data}"
+
+
+def parse_since(value: str) -> datetime:
+    """``10m``, ``2h``, ``3d`` ago, or an ISO time."""
+    m = re.fullmatch(r"(\d+)([smhd])", value.strip())
+    if m:
+        n, unit = int(m.group(1)), m.group(2)
+        delta = {"s": timedelta(seconds=n), "m": timedelta(minutes=n), "h": timedelta(hours=n), "d": timedelta(days=n)}
+        return datetime.now(UTC) - delta[unit]
+    try:
+        at = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is neither a duration (10m, 2h, 3d) nor an ISO time") from None
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+@events.command("tail")
+@click.option("--limit", "-n", default=20, show_default=True, help="How many of the newest events.")
+@click.option("--type", "types", multiple=True, help="Only events of this type (repeatable), e.g. org.created.")
+@click.option("--aggregate", help="Only events of this aggregate, e.g. tenancy.")
+@click.option("--since", help="Only events after this time (10m, 2h, 3d, or ISO).")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events as they arrive.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_context
+def tail(
+    ctx: click.Context,
+    limit: int,
+    types: tuple[str, ...],
+    aggregate: str | None,
+    since: str | None,
+    follow: bool,
+    as_json: bool,
+) -> None:
+    """Print the newest events, oldest first, each with its actor, time, causation and correlation."""
+    since_at = parse_since(since) if since else None
+    subject = f"{EVENTS_ROOT}.{aggregate}.>" if aggregate else f"{EVENTS_ROOT}.>"
+
+    def wanted(e: RecordedEvent | Quarantined) -> bool:
+        if not isinstance(e, RecordedEvent):
+            return False
+        if types and e.type not in types:
+            return False
+        return not (since_at and e.envelope.at < since_at)
+
+    def show(e: RecordedEvent) -> None:
+        click.echo(json.dumps(event_dict(e)) if as_json else one_line(e))
+
+    async def go(s: Session) -> None:
+        store = await s.store()
+        last = await store.stream_last_seq()
+        # Scan backwards in growing windows until enough matching events are found.
+        found: list[RecordedEvent] = []
+        window, end = max(limit, 100), last
+        while end > 0 and len(found) < limit:
+            start = max(0, end - window)
+            chunk: list[RecordedEvent] = []
+            async for batch in store.subscribe(subject, after=start, follow=False, until=end):
+                chunk.extend(e for e in batch if wanted(e))
+            found = chunk + found
+            end, window = start, window * 4
+        for e in found[-limit:] if limit else []:
+            show(e)
+        if follow:
+            async for batch in store.subscribe(subject, after=last, follow=True):
+                for e in batch:
+                    if wanted(e):
+                        show(e)
+
+    run(ctx, go)
+
+
+@events.command("show")
+@click.argument("event_id")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def show(ctx: click.Context, event_id: str, as_json: bool) -> None:
+    """One event in full, with what caused it and what it caused. Also takes a command id."""
+
+    async def go(s: Session) -> int:
+        found = await s.api("GET", f"/api/v1/events/{event_id}")
+        store = await s.store()
+        event = await store.get(found["seq"]) if found.get("seq") else None
+        if found.get("seq") and not isinstance(event, RecordedEvent):
+            raise CommandError(f"event {event_id} is indexed at {found['seq']} but no longer in the stream")
+        if as_json:
+            out = {
+                "event": event_dict(event) if event else None,
+                "cause": found.get("cause"),
+                "effects": found.get("effects", []),
+            }
+            click.echo(json.dumps(out, indent=2))
+            return 0
+        if event is not None:
+            d = event_dict(event)
+            for key in ("id", "type", "v", "seq", "at", "actor", "subject", "causation", "correlation"):
+                click.echo(f"{key:<12} {d[key] if d[key] is not None else '-'}")
+            click.echo("data")
+            click.echo("  " + json.dumps(d["data"], indent=2).replace("\n", "\n  "))
+        else:
+            click.echo(f"{event_id} is not an event; it is the cause (command) of the events below")
+        cause = found.get("cause")
+        if cause:
+            click.echo(f"caused by    {cause['type']} {cause['id']} ({cause['actor']}, seq {cause['seq']})")
+        for eff in found.get("effects", []):
+            click.echo(f"caused       {eff['type']} {eff['id']} (seq {eff['seq']})")
+        return 0
+
+    run(ctx, go)

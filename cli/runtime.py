@@ -1,0 +1,107 @@
+"""The composition root: which services run in this process, wired to one bus and one database.
+
+`llmgw up` and `llmgw server` both call :func:`serve`; they differ only in where NATS and the
+database are. Services never import one another; this module is where they meet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import msgspec
+import structlog
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from llmgw.events.catalog import default_registry
+from llmgw.events.metrics import StoreMetrics
+from llmgw.events.store import EventStore
+from llmgw.projections.backends import open_backend
+from llmgw.projections.eventlog import EventLogProjection
+from llmgw.projections.runner import ProjectionRunner
+from llmgw.projections.tenancy import TenancyProjection
+from llmgw.services.api.app import AdminApi
+from llmgw.services.router.app import build_gateway_app
+from llmgw.services.tenancy.service import TenancyService
+
+log = structlog.get_logger("llmgw.runtime")
+
+ALL_SERVICES = ("tenancy", "projections", "api", "router")
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    nats_url: str
+    db_dsn: str
+    services: tuple[str, ...] = ALL_SERVICES
+    host: str = "127.0.0.1"
+    port: int = 8080
+    admin_port: int = 8081
+    stream_replicas: int = 1
+
+
+def projections() -> list:
+    return [TenancyProjection(), EventLogProjection()]
+
+
+async def _site(app: web.Application, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise SystemExit(f"error: cannot listen on {host}:{port} ({exc.strerror}); choose another port") from exc
+    return runner
+
+
+async def serve(config: ServerConfig, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
+    """Run the configured services until ``stop`` is set; then stop them cleanly."""
+    unknown = set(config.services) - set(ALL_SERVICES)
+    if unknown:
+        raise SystemExit(f"error: unknown service(s) {', '.join(sorted(unknown))}; known: {', '.join(ALL_SERVICES)}")
+    registry = CollectorRegistry()
+    store = await EventStore.connect(
+        config.nats_url, default_registry(), replicas=config.stream_replicas, metrics=StoreMetrics(registry)
+    )
+    await store.ensure_streams()
+    backend = await open_backend(config.db_dsn)
+    runner = ProjectionRunner(store, backend, projections(), registry=registry)
+    tasks: list[asyncio.Task] = []
+    sites: list[web.AppRunner] = []
+    processors = []
+    try:
+        if "projections" in config.services:
+            await runner.start()
+        if "tenancy" in config.services:
+            processor = TenancyService(store).processor()
+            processors.append(processor)
+            tasks.append(asyncio.create_task(processor.run(), name="tenancy-commands"))
+        if "api" in config.services:
+            api = AdminApi(store, backend, runner, registry)
+            sites.append(await _site(api.app(), config.host, config.admin_port))
+        if "router" in config.services:
+            sites.append(await _site(build_gateway_app(store), config.host, config.port))
+        log.info("services started", services=list(config.services), port=config.port, admin_port=config.admin_port)
+        if on_ready:
+            on_ready()
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            if t.done() and t.exception():
+                log.error("service task failed", task=t.get_name(), error=str(t.exception()))
+    finally:
+        for p in processors:
+            p.stop()
+        for site in sites:
+            await site.cleanup()
+        for t in tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await runner.stop()
+        await backend.close()
+        await store.close()
+        log.info("services stopped")

@@ -1,0 +1,298 @@
+"""Commands: what people and tools ask for, and the one outcome each gets (ARCHITECTURE §4).
+
+A caller publishes a :class:`Command` on ``llmgw.cmd.<service>.<verb>`` (the work-queue stream)
+and waits, with a deadline, for its outcome on ``llmgw.evt.command.<id>``. The owning service
+runs a :class:`CommandProcessor`: it decodes the command strictly (an unknown kind or field is
+refused), lets the service decide, and writes exactly one outcome — ``command.completed`` with
+the events it wrote, or ``command.rejected`` with a reason a person can act on. The outcome is
+appended with expected sequence 0 on its own subject, so however often a command is delivered,
+it has one outcome; a redelivered command whose outcome exists is acknowledged and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from llmgw.events import subjects as S
+from llmgw.events.codec import decode_event
+from llmgw.events.envelope import utc_now
+from llmgw.events.ids import new_id
+from llmgw.events.outcomes import CommandCompleted, CommandRejected
+from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
+
+log = structlog.get_logger("llmgw.events.commands")
+
+_VERB = re.compile(r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)*$")
+
+
+class Command(msgspec.Struct, frozen=True, kw_only=True):
+    """The command envelope. ``data`` is decoded by the owning service, strictly."""
+
+    id: str
+    kind: str  # "<service>.<verb>", e.g. "tenancy.create"
+    actor: str
+    at: datetime
+    expected: int | None = None
+    correlation: str | None = None
+    data: msgspec.Raw = msgspec.Raw(b"{}")
+
+
+_command_decoder = msgspec.json.Decoder(Command)
+
+
+def command_subject(service: str, verb: str) -> str:
+    if not _VERB.match(service) or "." in service or not _VERB.match(verb):
+        raise ValueError(f"bad command name {service}.{verb}: lower-case words separated by dots")
+    return f"{S.COMMANDS_ROOT}.{service}.{verb}"
+
+
+# -- what a caller sees ------------------------------------------------------------------------
+
+
+class CommandError(Exception):
+    """Base of the caller-side errors; each maps to an exit code in the CLI."""
+
+    exit_code = 1
+
+
+class CommandRejectedError(CommandError):
+    """The owning service refused the command; ``reason`` says what to do."""
+
+    exit_code = 2
+
+    def __init__(self, reason: str, code: str = "rejected") -> None:
+        self.reason = reason
+        self.code = code
+        super().__init__(reason)
+
+
+class CommandTimeoutError(CommandError):
+    exit_code = 3
+
+
+class Unreachable(CommandError):
+    exit_code = 4
+
+
+class CommandClient:
+    """Publish a command and wait for its outcome."""
+
+    def __init__(self, store: EventStore) -> None:
+        self.store = store
+
+    async def send(
+        self,
+        service: str,
+        verb: str,
+        payload: msgspec.Struct,
+        *,
+        actor: str,
+        expected: int | None = None,
+        correlation: str | None = None,
+        timeout: float = 15.0,
+    ) -> CommandCompleted:
+        """The command's ``command.completed`` outcome; raises :class:`CommandRejectedError` on refusal."""
+        command = Command(
+            id=new_id(),
+            kind=f"{service}.{verb}",
+            actor=actor,
+            at=utc_now(),
+            expected=expected,
+            correlation=correlation,
+            data=msgspec.Raw(msgspec.json.encode(payload)),
+        )
+        outcome_subject = S.command_outcome_subject(command.id)
+        nc = self.store.nc
+        # Subscribe before publishing, so the outcome cannot slip past us.
+        sub = await nc.subscribe(outcome_subject, max_msgs=1)
+        try:
+            try:
+                await self.store.js.publish(
+                    command_subject(service, verb),
+                    msgspec.json.encode(command),
+                    headers={S.HDR_MSG_ID: command.id},
+                )
+            except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError) as exc:
+                raise Unreachable(f"the command stream did not answer ({exc}); is `llmgw up` running?") from exc
+            deadline = asyncio.get_running_loop().time() + timeout
+            while True:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    raise CommandTimeoutError(
+                        f"no outcome for {command.kind} (command {command.id}) within {timeout:.0f}s: "
+                        f"is the {service} service running? `llmgw events show {command.id}` "
+                        "shows it once it is handled"
+                    )
+                try:
+                    msg = await sub.next_msg(timeout=min(left, 1.0))
+                    data, seq = msg.data, 0
+                except nats.errors.TimeoutError:
+                    # A fallback read from the log in case the live message was missed.
+                    got = await self._read_outcome(outcome_subject)
+                    if got is None:
+                        continue
+                    data, seq = got
+                return self._outcome(data, outcome_subject, seq)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _read_outcome(self, subject: str) -> tuple[bytes, int] | None:
+        try:
+            msg = await self.store.js.get_last_msg(self.store.stream, subject, direct=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        return msg.data or b"", msg.seq or 0
+
+    def _outcome(self, data: bytes, subject: str, seq: int) -> CommandCompleted:
+        event = decode_event(self.store.registry, data, subject, seq)
+        if isinstance(event.payload, CommandRejected):
+            raise CommandRejectedError(event.payload.reason, event.payload.code)
+        if isinstance(event.payload, CommandCompleted):
+            return event.payload
+        raise CommandError(f"unexpected outcome {event.type} on {subject}")
+
+
+# -- what a service implements -----------------------------------------------------------------
+
+
+class Rejected(Exception):
+    """Raised by a service's decision: the command is refused with this reason."""
+
+    def __init__(self, reason: str, code: str = "rejected") -> None:
+        self.reason = reason
+        self.code = code
+        super().__init__(reason)
+
+
+class Accepted(msgspec.Struct, frozen=True, kw_only=True):
+    message: str
+    events: list[str] = []
+    last_seq: int = 0
+    result: dict[str, Any] = {}
+
+
+Handler = Callable[[Command, Any], Awaitable[Accepted]]
+
+
+class CommandProcessor:
+    """Feeds one service's commands to its handler, one at a time, and writes each outcome once.
+
+    ``payload_type`` is the service's strict tagged union of command payloads; ``handler``
+    decides and appends, returning :class:`Accepted` or raising :class:`Rejected`.
+    """
+
+    def __init__(
+        self,
+        store: EventStore,
+        service: str,
+        payload_type: Any,
+        handler: Handler,
+        *,
+        max_deliver: int = 5,
+        ack_wait_s: float = 30.0,
+    ) -> None:
+        self.store = store
+        self.service = service
+        self.actor = f"svc:{service}"
+        self.handler = handler
+        self.max_deliver = max_deliver
+        self.ack_wait_s = ack_wait_s
+        self._payload_decoder = msgspec.json.Decoder(payload_type)
+        self._stopping = asyncio.Event()
+        self.handled = 0
+
+    async def run(self) -> None:
+        durable = f"svc-{self.service}"
+        sub = await self.store.js.pull_subscribe(
+            f"{S.COMMANDS_ROOT}.{self.service}.>",
+            durable=durable,
+            stream=S.STREAM_COMMANDS,
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=self.max_deliver
+            ),
+        )
+        log.info("command processor started", service=self.service)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    # One at a time: a larger batch would hold early commands while it waits to fill.
+                    msgs = await sub.fetch(batch=1, timeout=1.0)
+                except nats.errors.TimeoutError:
+                    continue
+                except (nats.errors.ConnectionClosedError, nats.errors.DrainTimeoutError):
+                    return
+                for msg in msgs:
+                    await self._process(msg)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _process(self, msg: Any) -> None:
+        try:
+            command = _command_decoder.decode(msg.data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            seq = msg.metadata.sequence.stream
+            await self.store.quarantine(S.STREAM_COMMANDS, msg.subject, seq, msg.data, f"not a command: {exc}")
+            await msg.term()
+            return
+        outcome_subject = S.command_outcome_subject(command.id)
+        if await self.store.last_seq(outcome_subject):
+            await msg.ack()  # handled before: one outcome per command, however often delivered
+            return
+        outcome: msgspec.Struct
+        try:
+            try:
+                payload = self._payload_decoder.decode(command.data)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise Rejected(f"malformed {command.kind} command: {exc}", "malformed") from exc
+            accepted = await self.handler(command, payload)
+            outcome = CommandCompleted(
+                kind=command.kind,
+                message=accepted.message,
+                events=accepted.events,
+                last_seq=accepted.last_seq,
+                result=accepted.result,
+            )
+        except Rejected as exc:
+            outcome = CommandRejected(kind=command.kind, reason=exc.reason, code=exc.code)
+        except Exception as exc:
+            delivered = msg.metadata.num_delivered
+            log.exception("command handler failed", kind=command.kind, command=command.id, delivered=delivered)
+            if delivered < self.max_deliver:
+                await msg.nak(delay=min(2.0**delivered, 30.0))
+                return
+            outcome = CommandRejected(
+                kind=command.kind,
+                reason=f"the {self.service} service failed on this command {delivered} times ({exc}); "
+                "see its log, fix the cause and send it again",
+                code="internal",
+            )
+        try:
+            await self.store.append(
+                outcome_subject,
+                [NewEvent(payload=outcome, actor=self.actor, causation=command.id, correlation=command.correlation)],
+                expected=0,
+            )
+        except AppendConflict:
+            pass  # another delivery wrote the outcome first
+        except StoreError:
+            log.exception("could not write command outcome", command=command.id)
+            await msg.nak(delay=1.0)
+            return
+        self.handled += 1
+        await msg.ack()

@@ -1,0 +1,36 @@
+"""An index of the log: every event's id, position, type, actor, time, causation and correlation.
+
+`llmgw events show ID` finds an event's position here and its causes and effects (events whose
+causation is this one, or this command), then reads the event itself from the stream.
+"""
+
+from __future__ import annotations
+
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.subjects import EVENTS_ROOT
+from llmgw.projections.base import Projection, Tx
+
+_INSERT = (
+    "INSERT INTO {events} (id, seq, type, subject, actor, at, causation, correlation) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
+)
+
+
+class EventLogProjection(Projection):
+    name = "eventlog"
+    subject = f"{EVENTS_ROOT}.>"
+    tables = {
+        "events": "id TEXT PRIMARY KEY, seq BIGINT NOT NULL, type TEXT NOT NULL, subject TEXT NOT NULL, "
+        "actor TEXT NOT NULL, at TEXT NOT NULL, causation TEXT, correlation TEXT",
+    }
+    primary_keys = {"events": ["id"]}
+    indexes = {"events": [["causation"], ["correlation"], ["seq"]]}
+    handlers = {}
+
+    async def apply(self, tx: Tx, event: RecordedEvent) -> None:
+        # Every event, known type or not: the index is of the log itself.
+        env = event.envelope
+        await tx.execute(
+            _INSERT, env.id, event.seq, env.type, event.subject, env.actor, env.at.isoformat(),
+            env.causation, env.correlation,
+        )

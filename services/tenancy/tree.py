@@ -1,0 +1,209 @@
+"""The tenancy tree as state folded from events, and the pure decisions over it (SPEC TEN-1).
+
+Organisations hold teams; teams hold projects. A scope is named by its path (``acme``,
+``acme/ml``, ``acme/ml/chat``) or its id; renames keep ids, so keys and quotas that name a
+scope by id survive a rename.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from llmgw.events import tenancy as T
+from llmgw.events.commands import Rejected
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.ids import new_id
+
+MAX_NAME = 63
+_NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+RESERVED = frozenset({"all", "none", "system", "llmgw", "unknown"})
+DEPTH = {"org": 1, "team": 2, "project": 3}
+
+
+class Scope(msgspec.Struct, kw_only=True):
+    id: str
+    kind: str
+    name: str
+    parent_id: str | None = None
+
+
+class TenancyTree:
+    """Mutable, but changed only by :meth:`apply`, so the same events always give the same tree."""
+
+    def __init__(self) -> None:
+        self.scopes: dict[str, Scope] = {}
+        self.last_seq = 0
+        self.applied_commands: dict[str, int] = {}
+
+    # -- fold --------------------------------------------------------------------------------
+
+    def apply(self, event: RecordedEvent) -> None:
+        p = event.payload
+        match p:
+            case T.OrgCreated():
+                self.scopes[p.org_id] = Scope(id=p.org_id, kind="org", name=p.name)
+            case T.TeamCreated():
+                self.scopes[p.team_id] = Scope(id=p.team_id, kind="team", name=p.name, parent_id=p.org_id)
+            case T.ProjectCreated():
+                self.scopes[p.project_id] = Scope(id=p.project_id, kind="project", name=p.name, parent_id=p.team_id)
+            case T.OrgRenamed(org_id=sid) | T.TeamRenamed(team_id=sid) | T.ProjectRenamed(project_id=sid):
+                if sid in self.scopes:
+                    self.scopes[sid].name = p.name
+            case T.OrgDeleted(org_id=sid) | T.TeamDeleted(team_id=sid) | T.ProjectDeleted(project_id=sid):
+                self.scopes.pop(sid, None)
+        if event.envelope.causation:
+            self.applied_commands[event.envelope.causation] = event.seq
+        self.last_seq = max(self.last_seq, event.seq)
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def children(self, scope_id: str | None) -> list[Scope]:
+        return sorted((s for s in self.scopes.values() if s.parent_id == scope_id), key=lambda s: s.name)
+
+    def path(self, scope: Scope) -> str:
+        parts = [scope.name]
+        parent = scope.parent_id
+        while parent is not None:
+            ps = self.scopes[parent]
+            parts.append(ps.name)
+            parent = ps.parent_id
+        return "/".join(reversed(parts))
+
+    def find(self, kind: str, path: str) -> Scope | None:
+        """The scope of ``kind`` at ``path``, or by id."""
+        by_id = self.scopes.get(path)
+        if by_id is not None and by_id.kind == kind:
+            return by_id
+        parent: str | None = None
+        found: Scope | None = None
+        for name in path.split("/"):
+            found = next((s for s in self.children(parent) if s.name == name), None)
+            if found is None:
+                return None
+            parent = found.id
+        return found if found is not None and found.kind == kind else None
+
+
+# -- decisions: pure functions of (tree, command) → payloads, or a refusal ----------------------
+
+
+def check_name(kind: str, name: str) -> None:
+    """Refuse a name a path, a metric label or a URL could not carry, saying what would do."""
+    why = (
+        "names are lower-case letters, digits and single hyphens, start with a letter and are at most "
+        f"{MAX_NAME} characters, because they appear in paths (acme/ml/chat), URLs and metric labels"
+    )
+    if not name:
+        raise Rejected(f"a {kind} needs a name: {why}", "invalid_name")
+    if len(name) > MAX_NAME:
+        raise Rejected(f"{kind} name {name[:20]!r}… is {len(name)} characters long: {why}", "invalid_name")
+    if not _NAME.match(name):
+        suggestion = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+        hint = f"; try {suggestion!r}" if suggestion and _NAME.match(suggestion) else ""
+        raise Rejected(f"{kind} name {name!r} is not allowed: {why}{hint}", "invalid_name")
+    if name in RESERVED:
+        raise Rejected(
+            f"{kind} name {name!r} is reserved (reserved: {', '.join(sorted(RESERVED))}); choose another",
+            "invalid_name",
+        )
+
+
+def _split(kind: str, path: str) -> list[str]:
+    parts = path.strip().split("/")
+    want = DEPTH[kind]
+    if len(parts) != want:
+        example = {"org": "acme", "team": "acme/ml", "project": "acme/ml/chat"}[kind]
+        raise Rejected(
+            f"{kind} path {path!r} has {len(parts)} part(s); a {kind} is named like {example!r}", "invalid_path"
+        )
+    return parts
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in DEPTH:
+        raise Rejected(f"unknown scope kind {kind!r}: use org, team or project", "invalid_kind")
+
+
+def _require(tree: TenancyTree, kind: str, path: str) -> Scope:
+    scope = tree.find(kind, path)
+    if scope is None:
+        listing = ", ".join(tree.path(s) for s in tree.scopes.values() if s.kind == kind)
+        known = f" (known: {listing})" if listing and len(listing) < 300 else ""
+        raise Rejected(f"there is no {kind} {path!r}{known}", "not_found")
+    return scope
+
+
+def decide_create(tree: TenancyTree, kind: str, path: str) -> list[msgspec.Struct]:
+    _check_kind(kind)
+    parts = _split(kind, path)
+    name = parts[-1]
+    check_name(kind, name)
+    parent: Scope | None = None
+    if kind != "org":
+        parent_kind = "org" if kind == "team" else "team"
+        parent_path = "/".join(parts[:-1])
+        parent = tree.find(parent_kind, parent_path)
+        if parent is None:
+            create = f"llmgw ctl {parent_kind} create {parent_path}"
+            raise Rejected(
+                f"{kind} {path!r} needs {parent_kind} {parent_path!r}, which does not exist: `{create}` first",
+                "parent_missing",
+            )
+    siblings = tree.children(parent.id if parent else None)
+    if any(s.name == name for s in siblings):
+        raise Rejected(f"{kind} {path!r} already exists", "exists")
+    sid = new_id()
+    if kind == "org":
+        return [T.OrgCreated(org_id=sid, name=name)]
+    if kind == "team":
+        return [T.TeamCreated(team_id=sid, org_id=parent.id, name=name)]  # type: ignore[union-attr]
+    return [T.ProjectCreated(project_id=sid, team_id=parent.id, name=name)]  # type: ignore[union-attr]
+
+
+def decide_rename(tree: TenancyTree, kind: str, path: str, new_name: str) -> list[msgspec.Struct]:
+    _check_kind(kind)
+    scope = _require(tree, kind, path)
+    check_name(kind, new_name)
+    if new_name == scope.name:
+        raise Rejected(f"{kind} {path!r} is already called {new_name!r}", "unchanged")
+    if any(s.name == new_name for s in tree.children(scope.parent_id)):
+        parent = tree.path(tree.scopes[scope.parent_id]) + "/" if scope.parent_id else ""
+        raise Rejected(f"{kind} {parent}{new_name} already exists; choose another name", "exists")
+    if kind == "org":
+        return [T.OrgRenamed(org_id=scope.id, old_name=scope.name, name=new_name)]
+    if kind == "team":
+        return [T.TeamRenamed(team_id=scope.id, old_name=scope.name, name=new_name)]
+    return [T.ProjectRenamed(project_id=scope.id, old_name=scope.name, name=new_name)]
+
+
+def decide_delete(tree: TenancyTree, kind: str, path: str) -> list[msgspec.Struct]:
+    _check_kind(kind)
+    scope = _require(tree, kind, path)
+    children = tree.children(scope.id)
+    if children:
+        what = "team" if kind == "org" else "project"
+        names = ", ".join(c.name for c in children[:10]) + (" …" if len(children) > 10 else "")
+        plural = "s" if len(children) != 1 else ""
+        raise Rejected(
+            f"{kind} {tree.path(scope)} still holds {len(children)} {what}{plural} ({names}); "
+            f"delete {'them' if plural else 'it'} first",
+            "not_empty",
+        )
+    if kind == "org":
+        return [T.OrgDeleted(org_id=scope.id, name=scope.name)]
+    if kind == "team":
+        return [T.TeamDeleted(team_id=scope.id, name=scope.name)]
+    return [T.ProjectDeleted(project_id=scope.id, name=scope.name)]
+
+
+def decide(tree: TenancyTree, command: T.CreateScope | T.RenameScope | T.DeleteScope) -> list[msgspec.Struct]:
+    match command:
+        case T.CreateScope():
+            return decide_create(tree, command.kind, command.path)
+        case T.RenameScope():
+            return decide_rename(tree, command.kind, command.path, command.name)
+        case T.DeleteScope():
+            return decide_delete(tree, command.kind, command.path)
+    raise Rejected(f"unknown tenancy command {type(command).__name__}")

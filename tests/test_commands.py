@@ -1,0 +1,155 @@
+"""Commands through the bus: outcome with a deadline, refusals with reasons, handled once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+
+from llmgw.events import subjects as S
+from llmgw.events import tenancy as T
+from llmgw.events.commands import (
+    Command,
+    CommandClient,
+    CommandRejectedError,
+    CommandTimeoutError,
+    command_subject,
+)
+from llmgw.events.envelope import utc_now
+from llmgw.events.ids import new_id
+from llmgw.events.store import EventStore, NewEvent
+from llmgw.events.subjects import event_subject
+from llmgw.services.tenancy.service import TenancyService
+from tests.support import wait_until
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture
+async def tenancy(store: EventStore) -> AsyncIterator[TenancyService]:
+    service = TenancyService(store)
+    processor = service.processor()
+    task = asyncio.create_task(processor.run())
+    service.processor_ref = processor  # type: ignore[attr-defined]
+    yield service
+    processor.stop()
+    await asyncio.wait_for(task, 10)
+
+
+async def test_a_command_waits_for_its_outcome_and_the_events_carry_its_actor(
+    store: EventStore, tenancy: TenancyService
+) -> None:
+    client = CommandClient(store)
+    out = await client.send(T.SERVICE, "create", T.CreateScope(kind="org", path="acme"), actor="user:alice")
+    assert out.message == "org acme created"
+    [event] = await store.read(event_subject(T.AGGREGATE, T.TREE_ID))
+    assert event.envelope.actor == "user:alice"
+    assert event.id in out.events and out.last_seq == event.seq
+    assert event.envelope.causation is not None  # the command's id
+
+
+async def test_a_refusal_reaches_the_caller_with_its_reason(store: EventStore, tenancy: TenancyService) -> None:
+    client = CommandClient(store)
+    with pytest.raises(CommandRejectedError) as caught:
+        await client.send(T.SERVICE, "create", T.CreateScope(kind="team", path="acme/ml"), actor="user:alice")
+    assert "`llmgw ctl org create acme` first" in caught.value.reason
+    assert caught.value.code == "parent_missing"
+
+
+async def test_a_command_with_an_unknown_field_is_refused_as_malformed(
+    store: EventStore, tenancy: TenancyService
+) -> None:
+    class Sneaky(msgspec.Struct, tag="create"):
+        kind: str
+        path: str
+        owner: str
+
+    with pytest.raises(CommandRejectedError) as caught:
+        await CommandClient(store).send(
+            T.SERVICE, "create", Sneaky(kind="org", path="acme", owner="eve"), actor="user:eve"
+        )
+    assert "malformed" in caught.value.reason and "owner" in caught.value.reason
+
+
+async def test_a_command_nobody_handles_times_out_with_advice(store: EventStore) -> None:
+    with pytest.raises(CommandTimeoutError) as caught:
+        await CommandClient(store).send(
+            "nobody", "create", T.CreateScope(kind="org", path="x"), actor="user:a", timeout=1.5
+        )
+    assert "is the nobody service running?" in str(caught.value)
+
+
+async def _publish_raw_command(store: EventStore, command: Command, msg_id: str) -> None:
+    await store.js.publish(
+        command_subject(T.SERVICE, "create"), msgspec.json.encode(command), headers={S.HDR_MSG_ID: msg_id}
+    )
+
+
+async def test_a_redelivered_command_is_handled_once(store: EventStore, tenancy: TenancyService) -> None:
+    command = Command(
+        id=new_id(),
+        kind="tenancy.create",
+        actor="user:a",
+        at=utc_now(),
+        data=msgspec.Raw(msgspec.json.encode(T.CreateScope(kind="org", path="acme"))),
+    )
+    outcome = S.command_outcome_subject(command.id)
+    await _publish_raw_command(store, command, "first")
+    await wait_until(lambda: store.last_seq(outcome), what="the first outcome")
+    handled = tenancy.processor_ref.handled  # type: ignore[attr-defined]
+    await _publish_raw_command(store, command, "second delivery")
+    # The work queue drains once the processor has acknowledged the second delivery.
+    await wait_until(lambda: _queue_empty(store), what="the command queue to drain")
+    tree = await store.read(event_subject(T.AGGREGATE, T.TREE_ID))
+    assert [e.type for e in tree] == ["org.created"]
+    assert len(await store.read(outcome)) == 1
+    assert tenancy.processor_ref.handled == handled  # type: ignore[attr-defined]
+
+
+async def _queue_empty(store: EventStore) -> bool:
+    info = await store.js.stream_info(S.STREAM_COMMANDS)
+    return info.state.messages == 0
+
+
+async def test_a_command_whose_events_were_written_before_a_crash_is_not_applied_twice(
+    store: EventStore, tenancy: TenancyService
+) -> None:
+    """The service died after appending the events and before writing the outcome."""
+    command = Command(
+        id=new_id(),
+        kind="tenancy.create",
+        actor="user:a",
+        at=utc_now(),
+        data=msgspec.Raw(msgspec.json.encode(T.CreateScope(kind="org", path="acme"))),
+    )
+    subject = event_subject(T.AGGREGATE, T.TREE_ID)
+    await store.append(
+        subject, [NewEvent(payload=T.OrgCreated(org_id="o1", name="acme"), actor="user:a", causation=command.id)]
+    )
+    await _publish_raw_command(store, command, command.id)
+    outcome = S.command_outcome_subject(command.id)
+    await wait_until(lambda: store.last_seq(outcome), what="the outcome")
+    [written] = await store.read(outcome)
+    assert written.type == "command.completed"
+    assert written.payload.message == "already applied"
+    assert len(await store.read(subject)) == 1
+
+
+async def test_two_services_racing_on_the_tree_never_create_a_name_twice(store: EventStore) -> None:
+    services = [TenancyService(store) for _ in range(2)]
+    processors = [s.processor() for s in services]
+    tasks = [asyncio.create_task(p.run()) for p in processors]
+    client = CommandClient(store)
+    results = await asyncio.gather(
+        *(client.send(T.SERVICE, "create", T.CreateScope(kind="org", path="acme"), actor="user:a") for _ in range(6)),
+        return_exceptions=True,
+    )
+    for p in processors:
+        p.stop()
+    await asyncio.gather(*tasks)
+    created = [r for r in results if not isinstance(r, Exception)]
+    refused = [r for r in results if isinstance(r, CommandRejectedError)]
+    assert len(created) == 1 and len(refused) == 5
+    assert all("already exists" in r.reason for r in refused)

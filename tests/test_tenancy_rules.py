@@ -1,0 +1,125 @@
+"""The tenancy tree's decisions, as tables of sentences: pure functions, no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw.events import tenancy as T
+from llmgw.events.commands import Rejected
+from llmgw.events.envelope import Envelope, RecordedEvent, utc_now
+from llmgw.services.tenancy.tree import TenancyTree, decide
+
+
+def fold(commands: list[T.TenancyCommand]) -> TenancyTree:
+    tree = TenancyTree()
+    for i, command in enumerate(commands, start=1):
+        for payload in decide(tree, command):
+            env = Envelope(id=f"e{i}", type="x", at=utc_now(), actor="user:t", causation=f"c{i}")
+            tree.apply(RecordedEvent(envelope=env, payload=payload, subject="s", seq=tree.last_seq + 1))
+    return tree
+
+
+ACME = [
+    T.CreateScope(kind="org", path="acme"),
+    T.CreateScope(kind="team", path="acme/ml"),
+    T.CreateScope(kind="project", path="acme/ml/chat"),
+]
+
+REFUSALS = [
+    (
+        "an org name with capitals is refused with a suggestion",
+        [],
+        T.CreateScope(kind="org", path="Acme Corp"),
+        "try 'acme-corp'",
+    ),
+    (
+        "an org name with a slash is a path of the wrong depth",
+        [],
+        T.CreateScope(kind="org", path="a/b"),
+        "a org is named like 'acme'",
+    ),
+    ("a name that starts with a digit is refused", [], T.CreateScope(kind="org", path="9lives"), "start with a letter"),
+    ("a name with a double hyphen is refused", [], T.CreateScope(kind="org", path="a--b"), "single hyphens"),
+    ("a name longer than 63 characters is refused", [], T.CreateScope(kind="org", path="a" * 64), "64 characters long"),
+    ("a reserved name is refused", [], T.CreateScope(kind="org", path="system"), "reserved"),
+    ("an empty name is refused", [], T.CreateScope(kind="org", path=""), "needs a name"),
+    (
+        "a team in a missing org names the command to run first",
+        [],
+        T.CreateScope(kind="team", path="acme/ml"),
+        "`llmgw ctl org create acme` first",
+    ),
+    (
+        "a project in a missing team says which team",
+        ACME[:1],
+        T.CreateScope(kind="project", path="acme/x/chat"),
+        "needs team 'acme/x'",
+    ),
+    ("an org that exists is not created twice", ACME[:1], T.CreateScope(kind="org", path="acme"), "already exists"),
+    (
+        "a non-empty org is not deleted and says what it holds",
+        ACME,
+        T.DeleteScope(kind="org", path="acme"),
+        "org acme still holds 1 team (ml); delete it first",
+    ),
+    (
+        "a non-empty team is not deleted and says what it holds",
+        ACME,
+        T.DeleteScope(kind="team", path="acme/ml"),
+        "team acme/ml still holds 1 project (chat)",
+    ),
+    (
+        "renaming onto a sibling's name is refused",
+        [*ACME, T.CreateScope(kind="team", path="acme/ops")],
+        T.RenameScope(kind="team", path="acme/ops", name="ml"),
+        "team acme/ml already exists",
+    ),
+    (
+        "deleting what does not exist says so",
+        ACME[:1],
+        T.DeleteScope(kind="team", path="acme/nope"),
+        "there is no team 'acme/nope'",
+    ),
+    ("an unknown scope kind is refused", [], T.CreateScope(kind="galaxy", path="x"), "use org, team or project"),
+]
+
+
+@pytest.mark.parametrize(("description", "before", "command", "reason"), REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_refusals_say_what_to_do(description: str, before: list, command: T.TenancyCommand, reason: str) -> None:
+    tree = fold(before)
+    with pytest.raises(Rejected) as caught:
+        decide(tree, command)
+    assert reason in caught.value.reason
+
+
+def test_a_rename_keeps_the_id_and_moves_the_children_paths() -> None:
+    tree = fold([*ACME, T.RenameScope(kind="org", path="acme", name="acme-corp")])
+    project = tree.find("project", "acme-corp/ml/chat")
+    assert project is not None
+    assert tree.find("org", "acme") is None
+    assert tree.path(project) == "acme-corp/ml/chat"
+
+
+def test_scopes_are_found_by_id_as_well_as_path() -> None:
+    tree = fold(ACME)
+    team = tree.find("team", "acme/ml")
+    assert team is not None and tree.find("team", team.id) is team
+
+
+def test_an_emptied_org_can_be_deleted() -> None:
+    tree = fold(
+        [
+            *ACME,
+            T.DeleteScope(kind="project", path="acme/ml/chat"),
+            T.DeleteScope(kind="team", path="acme/ml"),
+            T.DeleteScope(kind="org", path="acme"),
+        ]
+    )
+    assert tree.scopes == {}
+
+
+def test_the_same_name_may_live_under_different_parents() -> None:
+    tree = fold(
+        [*ACME, T.CreateScope(kind="team", path="acme/ops"), T.CreateScope(kind="project", path="acme/ops/chat")]
+    )
+    assert tree.find("project", "acme/ops/chat") is not tree.find("project", "acme/ml/chat")
