@@ -263,13 +263,14 @@ class CommandProcessor:
             accepted = await self.handler(command, payload)
             outcome = CommandCompleted(
                 kind=command.kind,
+                requested_by=command.actor,
                 message=accepted.message,
                 events=accepted.events,
                 last_seq=accepted.last_seq,
                 result=accepted.result,
             )
         except Rejected as exc:
-            outcome = CommandRejected(kind=command.kind, reason=exc.reason, code=exc.code)
+            outcome = CommandRejected(kind=command.kind, requested_by=command.actor, reason=exc.reason, code=exc.code)
         except Exception as exc:
             delivered = msg.metadata.num_delivered
             log.exception("command handler failed", kind=command.kind, command=command.id, delivered=delivered)
@@ -278,6 +279,7 @@ class CommandProcessor:
                 return
             outcome = CommandRejected(
                 kind=command.kind,
+                requested_by=command.actor,
                 reason=f"the {self.service} service failed on this command {delivered} times ({exc}); "
                 "see its log, fix the cause and send it again",
                 code="internal",

@@ -13,6 +13,7 @@ AGGREGATE = "command"
 
 class CommandCompleted(msgspec.Struct, frozen=True, kw_only=True):
     kind: str
+    requested_by: str = ""
     message: str
     events: list[str] = []
     last_seq: int = 0
@@ -21,6 +22,7 @@ class CommandCompleted(msgspec.Struct, frozen=True, kw_only=True):
 
 class CommandRejected(msgspec.Struct, frozen=True, kw_only=True):
     kind: str
+    requested_by: str = ""
     reason: str
     code: str = "rejected"
 

@@ -69,7 +69,7 @@ def describe(command: T.TenancyCommand) -> str:
 
 
 def scope_id(payload: msgspec.Struct) -> str:
-    for field in ("org_id", "team_id", "project_id"):
+    for field in ("project_id", "team_id", "org_id"):  # most specific first: a team names its org too
         if hasattr(payload, field):
             return getattr(payload, field)
     return ""

@@ -1,0 +1,37 @@
+# `make up` runs the system; `make test` runs the whole suite. Both work on a fresh machine
+# with Python 3.11: they make .venv and install what they need first.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: up test lint bench install clean
+
+$(PY):
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 …'"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# Reinstall only when the package definition changes.
+$(STAMP): $(PY) pyproject.toml setup.py
+	$(PY) -m pip install --quiet -e '.[dev,engines]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/llmgw up $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	$(VENV)/bin/llmgw bench backbone $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
