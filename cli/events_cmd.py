@@ -157,3 +157,11 @@ def show(ctx: click.Context, event_id: str, as_json: bool) -> None:
         return 0
 
     run(ctx, go)
+
+
+@events.command("catalog")
+def catalog() -> None:
+    """Print the catalogue of event types (docs/events.md is this output)."""
+    from llmgw.events.catalog import render_markdown
+
+    click.echo(render_markdown(), nl=False)

@@ -15,3 +15,35 @@ def all_event_types() -> list[EventType]:
 def default_registry() -> EventRegistry:
     """A registry of every current event type, with the upcasters older versions need."""
     return EventRegistry(all_event_types())
+
+
+def _type_name(t: object) -> str:
+    name = getattr(t, "__name__", None)
+    return name if name and not str(t).startswith(("list[", "dict[")) else str(t).replace("typing.", "")
+
+
+def render_markdown() -> str:
+    """`docs/events.md`: every event type with its version, meaning and fields (checked by a test)."""
+    import msgspec
+
+    lines = [
+        "# Event catalogue",
+        "",
+        "Every event type on `LLMGW_EVENTS`, generated from the registry by `llmgw events catalog`",
+        "(a test fails when this file and the code disagree). Each event travels in the envelope",
+        "`id, type, v, at, actor, causation, correlation, data`; `data` holds the fields below.",
+        "Evolution: new fields are optional; a breaking change bumps `v` and ships an upcaster.",
+        "",
+    ]
+    for module in MODULES:
+        title = (module.__doc__ or module.__name__).strip().splitlines()[0]
+        lines += [f"## `{module.AGGREGATE}` — {title}", ""]
+        for t in module.EVENTS:
+            lines += [f"### `{t.name}` (v{t.v})", "", t.doc, "", "| field | type | default |", "|---|---|---|"]
+            for f in msgspec.structs.fields(t.struct):
+                default = "" if f.default is msgspec.NODEFAULT else repr(f.default)
+                if f.default_factory is not msgspec.NODEFAULT:
+                    default = repr(f.default_factory())
+                lines.append(f"| `{f.name}` | `{_type_name(f.type)}` | {default} |")
+            lines.append("")
+    return "\n".join(lines)
