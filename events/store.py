@@ -239,6 +239,24 @@ class EventStore:
             self.metrics.appended.inc(len(chunk))
         return last
 
+    async def append_fenced(
+        self, items: Sequence[tuple[str, NewEvent]], *, fence_subject: str, fence_seq: int
+    ) -> AppendResult:
+        """Append events to many subjects as one atomic batch, only while ``fence_subject`` is still at
+        ``fence_seq``: a leader's decisions are refused once another leader has been elected (SCHED-13).
+
+        Raises :class:`AppendConflict` (with ``subject`` = the fence) when the fence has moved.
+        """
+        if not items:
+            return AppendResult(())
+        if len(items) > MAX_ATOMIC_BATCH:
+            raise StoreError(f"a fenced append holds at most {MAX_ATOMIC_BATCH} events, not {len(items)}")
+        batch = [(subj, self.envelope(e), None) for subj, e in items]
+        with self.metrics.append_seconds.time():
+            result = await self._publish_atomic(batch, fence=(fence_subject, fence_seq))
+        self.metrics.appended.inc(len(items))
+        return result
+
     async def publish_raw(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
         """Publish bytes as they are (tests and tools that must write what no codec would)."""
         ack = await self.js.publish(subject, data, headers=headers)
@@ -256,13 +274,18 @@ class EventStore:
             raise StoreError(f"no acknowledgement from JetStream for {subject}: {exc}") from exc
         return AppendResult((ack.seq,), duplicate=bool(ack.duplicate))
 
-    async def _publish_atomic(self, items: Sequence[tuple[str, Envelope, int | None]]) -> AppendResult:
+    async def _publish_atomic(
+        self, items: Sequence[tuple[str, Envelope, int | None]], fence: tuple[str, int] | None = None
+    ) -> AppendResult:
         batch_id = new_id()
         n = len(items)
         for i, (subject, env, expected) in enumerate(items, start=1):
             headers = {S.HDR_BATCH_ID: batch_id, S.HDR_BATCH_SEQ: str(i), S.HDR_MSG_ID: env.id}
             if expected is not None:
                 headers[S.HDR_EXPECTED_LAST_SUBJECT_SEQ] = str(expected)
+            if fence is not None and i == 1:
+                headers[S.HDR_EXPECTED_LAST_SUBJECT_SEQ] = str(fence[1])
+                headers[S.HDR_EXPECTED_LAST_SUBJECT_SEQ_SUBJECT] = fence[0]
             payload = encode_envelope(env)
             if i < n:
                 await self.nc.publish(subject, payload, headers=headers)
@@ -281,6 +304,8 @@ class EventStore:
                 api_error = nats.js.errors.APIError(
                     code=err.get("code"), err_code=err.get("err_code"), description=err.get("description")
                 )
+                if fence is not None:
+                    raise self._translate(api_error, fence[0], fence[1])
                 raise self._translate(api_error, items[0][0], items[0][2])
             last = int(resp["seq"])
             return AppendResult(tuple(range(last - n + 1, last + 1)))

@@ -27,6 +27,7 @@ QUARANTINE_ROOT = f"{PREFIX}.quarantine"
 # JetStream headers we set or read.
 HDR_MSG_ID = "Nats-Msg-Id"
 HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+HDR_EXPECTED_LAST_SUBJECT_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
 HDR_BATCH_ID = "Nats-Batch-Id"
 HDR_BATCH_SEQ = "Nats-Batch-Sequence"
 HDR_BATCH_COMMIT = "Nats-Batch-Commit"

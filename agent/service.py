@@ -1,0 +1,374 @@
+"""The node agent: reports what the node has and runs, and runs what the log places on it.
+
+Report facts, let the scheduler decide: the agent publishes heartbeats, folds the replica events
+for its node, and acts on them through a pure plan (:mod:`.plan`). What it observes of its engines
+— starting, ready, failed with the last log lines, stopped — it writes as replica events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections import deque
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+from llmgw.agent import discovery
+from llmgw.agent.engines.health import EngineStartError
+from llmgw.agent.plan import Desired, ReportFailed, ReportStopped, Start, StopEngine, plan
+from llmgw.agent.supervisor import Supervisor, SupervisorConfig, tail
+from llmgw.events import nodes as N
+from llmgw.events import replicas as R
+from llmgw.events import subjects as S
+from llmgw.events.envelope import RecordedEvent, sanitize_actor
+from llmgw.events.secrets import engine_key, engine_key_secret
+from llmgw.events.store import EventStore, NewEvent
+from llmgw.events.subjects import encode_token, event_subject
+
+log = structlog.get_logger("llmgw.agent")
+
+VERSION = "0.1.0"
+
+
+def logs_subject(node_id: str) -> str:
+    return f"{S.PREFIX}.rpc.agent.{encode_token(node_id)}.logs"
+
+
+class LogsRequest(msgspec.Struct, frozen=True, kw_only=True):
+    replica: str | None = None
+    lines: int = 100
+
+
+class LogsReply(msgspec.Struct, frozen=True, kw_only=True):
+    lines: list[str] = []
+    error: str = ""
+
+
+class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    data_dir: Path
+    labels: dict[str, str] = {}
+    address: str = ""
+    heartbeat_s: float = 5.0
+    port_range: tuple[int, int] = (20000, 20999)
+    llamacpp_threads: int | None = None
+    startup_timeout_s: float = 120.0
+    host: str = "127.0.0.1"
+    advertise_host: str = "127.0.0.1"
+    llama_server_binary: str | None = None
+
+
+class LogRing:
+    """The agent's own recent log lines, for `ctl logs NODE` (a structlog processor)."""
+
+    def __init__(self, size: int = 1000) -> None:
+        self.lines: deque[str] = deque(maxlen=size)
+
+    def __call__(self, logger: object, name: str, event: dict[str, Any]) -> dict[str, Any]:
+        self.lines.append(msgspec.json.encode({k: str(v) for k, v in event.items()}).decode())
+        return event
+
+
+class Agent:
+    def __init__(self, store: EventStore, cfg: AgentConfig, ring: LogRing | None = None) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.actor = sanitize_actor("node", cfg.node_id)
+        self.ring = ring or LogRing()
+        self.cpus = discovery.cpu_count()
+        self.sensors = discovery.SensorReader()
+        self.supervisor = Supervisor(
+            SupervisorConfig(
+                data_dir=cfg.data_dir,
+                port_range=cfg.port_range,
+                host=cfg.host,
+                advertise_host=cfg.advertise_host,
+                llamacpp_threads=cfg.llamacpp_threads,
+                startup_timeout_s=cfg.startup_timeout_s,
+                llama_server_binary=cfg.llama_server_binary,
+            ),
+            self.cpus,
+        )
+        self.started_at = datetime.now(UTC)
+        self.desired: dict[str, Desired] = {}
+        self.placed: dict[str, R.ReplicaPlaced] = {}
+        self.grace: dict[str, float] = {}
+        self.pending: set[str] = set()
+        self._secret = b""
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._gpus_cache: tuple[float, list[N.GpuInfo]] | None = None
+        self._cpu_seen: dict[str, tuple[float, float]] = {}
+
+    def key(self, rid: str) -> str:
+        return engine_key(self._secret, rid)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._secret = await engine_key_secret(self.store.js)
+        await self.supervisor.adopt(self.key)
+        await self.heartbeat()  # register before anything else: the scheduler places on known nodes
+        tasks = [
+            asyncio.create_task(self._follow(), name="agent-follow"),
+            asyncio.create_task(self._heartbeats(), name="agent-heartbeats"),
+            asyncio.create_task(self._reconcile_loop(), name="agent-reconcile"),
+            asyncio.create_task(self._serve_logs(), name="agent-logs"),
+        ]
+        log.info("agent started", node=self.cfg.node_id, cpus=self.cpus, adopted=len(self.supervisor.engines))
+        try:
+            await self._stop.wait()
+        finally:
+            for t in [*tasks, *self._tasks]:
+                t.cancel()
+            for t in [*tasks, *self._tasks]:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+
+    def stop(self) -> None:
+        """Stop the agent; its engines keep running, to be adopted by the next agent."""
+        self._stop.set()
+
+    # -- the log -----------------------------------------------------------------------------
+
+    async def _follow(self) -> None:
+        async for batch in self.store.subscribe(f"{S.EVENTS_ROOT}.{R.AGGREGATE}.>", after=0, follow=True):
+            for e in batch:
+                if isinstance(e, RecordedEvent):
+                    self.apply(e)
+            self._wake.set()
+
+    def apply(self, e: RecordedEvent) -> None:
+        p = e.payload
+        if isinstance(p, R.ReplicaPlaced):
+            if p.node_id == self.cfg.node_id:
+                self.placed[p.replica_id] = p
+                self.desired[p.replica_id] = Desired(replica_id=p.replica_id, state="placed")
+            return
+        rid = getattr(p, "replica_id", None)
+        if rid is None or rid not in self.desired:
+            return
+        state = {
+            R.ReplicaStarting: "starting",
+            R.ReplicaReady: "ready",
+            R.ReplicaFailed: "failed",
+            R.ReplicaStopRequested: "draining",
+            R.ReplicaStopped: "stopped",
+        }.get(type(p))
+        if state is None:
+            return
+        current = self.desired[rid].state
+        if current in ("stopped", "failed"):
+            return  # terminal
+        if current == "draining" and state in ("starting", "ready"):
+            return  # a late report of our own must not undo a stop request
+        if isinstance(p, R.ReplicaStopRequested):
+            self.grace[rid] = p.grace_s
+        self.desired[rid] = Desired(replica_id=rid, state=state)
+        if state in ("stopped", "failed"):
+            # Keep terminal entries briefly only: the plan needs them to stop strays, not forever.
+            self.placed.pop(rid, None)
+
+    async def _append(self, rid: str, payload: msgspec.Struct) -> None:
+        await self.store.append(event_subject(R.AGGREGATE, rid), [NewEvent(payload=payload, actor=self.actor)])
+
+    # -- acting ------------------------------------------------------------------------------
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 0.5)
+            self._wake.clear()
+            for rec, code, lines in self.supervisor.exited():
+                reason = f"engine exited with code {code}" if code is not None else "engine exited"
+                log.warning("engine exited", replica=rec.replica_id, code=code)
+                with contextlib.suppress(Exception):
+                    await self._append(
+                        rec.replica_id,
+                        R.ReplicaFailed(
+                            replica_id=rec.replica_id,
+                            node_id=self.cfg.node_id,
+                            reason=reason,
+                            exit_code=code,
+                            log_tail=lines,
+                        ),
+                    )
+                if rec.replica_id in self.desired:
+                    self.desired[rec.replica_id] = Desired(replica_id=rec.replica_id, state="failed")
+            running = set(self.supervisor.engines)
+            for action in plan(self.desired, running, self.pending):
+                self._spawn_task(action)
+
+    def _spawn_task(self, action: object) -> None:
+        rid = action.replica_id  # type: ignore[attr-defined]
+        self.pending.add(rid)
+
+        async def go() -> None:
+            try:
+                match action:
+                    case Start():
+                        await self._start(rid)
+                    case StopEngine():
+                        await self.supervisor.stop(rid, self.grace.get(rid, 30.0))
+                        if rid in self.desired and self.desired[rid].state not in ("failed",):
+                            await self._append(
+                                rid, R.ReplicaStopped(replica_id=rid, node_id=self.cfg.node_id, reason=action.reason)
+                            )
+                            self.desired[rid] = Desired(replica_id=rid, state="stopped")
+                    case ReportFailed():
+                        await self._append(
+                            rid, R.ReplicaFailed(replica_id=rid, node_id=self.cfg.node_id, reason=action.reason)
+                        )
+                        self.desired[rid] = Desired(replica_id=rid, state="failed")
+                    case ReportStopped():
+                        await self._append(
+                            rid, R.ReplicaStopped(replica_id=rid, node_id=self.cfg.node_id, reason=action.reason)
+                        )
+                        self.desired[rid] = Desired(replica_id=rid, state="stopped")
+            except Exception:
+                log.exception("agent action failed", replica=rid, action=type(action).__name__)
+            finally:
+                self.pending.discard(rid)
+                self._wake.set()
+
+        task = asyncio.create_task(go())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _start(self, rid: str) -> None:
+        placed = self.placed.get(rid)
+        if placed is None:
+            return
+        node = self.cfg.node_id
+        try:
+            rec = self.supervisor.spawn(placed, self.key(rid))
+        except (EngineStartError, OSError) as exc:
+            await self._append(rid, R.ReplicaFailed(replica_id=rid, node_id=node, reason=str(exc)))
+            self.desired[rid] = Desired(replica_id=rid, state="failed")
+            return
+        self.desired[rid] = Desired(replica_id=rid, state="starting")
+        await self._append(rid, R.ReplicaStarting(replica_id=rid, node_id=node, pid=rec.pid, port=rec.port))
+        try:
+            took = await self.supervisor.wait_ready(rid, self.key(rid))
+        except EngineStartError as exc:
+            code = self.supervisor.exit_code(rid)
+            lines = self.supervisor.kill_failed(rid)
+            await self._append(
+                rid, R.ReplicaFailed(replica_id=rid, node_id=node, reason=str(exc), exit_code=code, log_tail=lines)
+            )
+            if self.desired.get(rid, Desired(replica_id=rid, state="")).state == "starting":
+                self.desired[rid] = Desired(replica_id=rid, state="failed")
+            return
+        if self.desired.get(rid, Desired(replica_id=rid, state="")).state == "starting":
+            self.desired[rid] = Desired(replica_id=rid, state="ready")
+        await self._append(
+            rid,
+            R.ReplicaReady(
+                replica_id=rid,
+                node_id=node,
+                pid=rec.pid,
+                port=rec.port,
+                url=self.supervisor.url(rec),
+                startup_s=round(took, 3),
+            ),
+        )
+        log.info("replica ready", replica=rid, model=placed.model, port=rec.port, startup_s=round(took, 3))
+
+    # -- heartbeats --------------------------------------------------------------------------
+
+    def _gpus(self) -> list[N.GpuInfo]:
+        # NVML sensors are sampled at most every 10 s (FLEET-3).
+        now = time.monotonic()
+        if self._gpus_cache is None or now - self._gpus_cache[0] >= 10.0:
+            self._gpus_cache = (now, discovery.gpus())
+        return self._gpus_cache[1]
+
+    def heartbeat_payload(self) -> N.NodeHeartbeat:
+        mem = discovery.memory()
+        gpus = self._gpus()
+        reports = []
+        now = time.monotonic()
+        for rid, rec in sorted(self.supervisor.engines.items()):
+            rss, cpu_s = self.supervisor.load(rid)
+            cores = None
+            if cpu_s is not None:
+                prev = self._cpu_seen.get(rid)
+                self._cpu_seen[rid] = (now, cpu_s)
+                if prev and now > prev[0]:
+                    cores = round((cpu_s - prev[1]) / (now - prev[0]), 3)
+            reports.append(
+                N.ReplicaReport(
+                    replica_id=rid,
+                    model=rec.model,
+                    pid=rec.pid,
+                    port=rec.port,
+                    state=rec.state,
+                    spec_hash=rec.spec_hash,
+                    rss_bytes=rss,
+                    cpu_cores_used=cores,
+                )
+            )
+        return N.NodeHeartbeat(
+            node_id=self.cfg.node_id,
+            at=datetime.now(UTC),
+            agent_version=VERSION,
+            agent_started_at=self.started_at,
+            address=self.cfg.address or socket.gethostname(),
+            labels=dict(self.cfg.labels),
+            cpus=self.cpus,
+            memory_total_bytes=mem.total,
+            memory_available_bytes=mem.available,
+            memory_used_bytes=mem.used,
+            disk_free_bytes=discovery.disk_free(self.cfg.data_dir),
+            gpus=gpus,
+            engines=discovery.engines(has_gpus=bool(gpus)),
+            replicas=reports,
+            sensors=self.sensors.read(),
+        )
+
+    async def heartbeat(self) -> None:
+        subject = f"{S.TELEMETRY_ROOT}.node.{encode_token(self.cfg.node_id)}"
+        await self.store.js.publish(subject, msgspec.json.encode(self.heartbeat_payload()))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            try:
+                await self.heartbeat()
+            except Exception as exc:  # a missed heartbeat is logged; the next one may get through
+                log.warning("heartbeat failed", error=str(exc))
+
+    # -- logs --------------------------------------------------------------------------------
+
+    async def _serve_logs(self) -> None:
+        async def on_request(msg: Any) -> None:
+            try:
+                req = msgspec.json.decode(msg.data, type=LogsRequest)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                await msg.respond(msgspec.json.encode(LogsReply(error=f"bad logs request: {exc}")))
+                return
+            n = max(1, min(req.lines, 5000))
+            if req.replica:
+                path = self.supervisor.log_path(req.replica)
+                if not path.exists():
+                    known = ", ".join(sorted(self.supervisor.engines)) or "none running"
+                    reply = LogsReply(error=f"node {self.cfg.node_id} has no log for replica {req.replica} ({known})")
+                else:
+                    reply = LogsReply(lines=tail(path, n))
+            else:
+                reply = LogsReply(lines=list(self.ring.lines)[-n:])
+            await msg.respond(msgspec.json.encode(reply))
+
+        sub = await self.store.nc.subscribe(logs_subject(self.cfg.node_id), cb=on_request)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()

@@ -1,0 +1,157 @@
+"""The catalog: models and the profiles their replicas run with (SPEC CAT-1 to CAT-5).
+
+One aggregate per model (``llmgw.evt.model.<name>``). A model's ``spec`` is the whole definition;
+edits write the new spec (``model.changed``) so any reader can fold a model from its last spec
+event alone. Scaling, stop/start and parking are their own events because the scheduler and the
+CLI read them as such.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from llmgw.events.registry import EventType
+
+AGGREGATE = "model"
+SERVICE = "catalog"
+
+ENGINES = ("llamacpp", "vllm")
+ROUTES = ("chat", "completion", "embedding")
+CLASSES = ("critical", "standard", "opportunistic")
+
+
+class GpuRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    count: int = 0
+    min_memory_gb: float = 0.0
+
+
+class Profile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How one replica runs (CAT-2)."""
+
+    name: str = "default"
+    engine: str = "llamacpp"
+    args: list[str] = []
+    env: dict[str, str] = {}
+    gpus: GpuRequest | None = None
+    min_memory_gb: float | None = None  # host memory reserved
+    cpu_cores: int | None = None  # reserved; becomes --threads
+    min_disk_gb: float | None = None
+    node_selector: dict[str, str] = {}
+    priority: int = 0
+    weight: int = 1
+    ctx_size: int | None = None
+    parallel: int | None = None
+
+
+class Scaling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    min: int = 1
+    max: int | None = None  # follows min when left out
+
+    @property
+    def upper(self) -> int:
+        return self.min if self.max is None else self.max
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A model as an operator declares it (CAT-1)."""
+
+    name: str
+    source: str  # a local path for now; the mirror's MODEL/VERSION later
+    aliases: list[str] = []
+    description: str = ""
+    route: str = "chat"
+    context_length: int | None = None
+    max_output: int | None = None
+    fallbacks: list[str] = []
+    scaling: Scaling = Scaling()
+    capacity_class: str | None = None
+    owner: str | None = None
+    profiles: list[Profile] = []
+
+
+class ModelAdded(msgspec.Struct, frozen=True, kw_only=True):
+    spec: ModelSpec
+    declared: bool = False  # from the config file: edited there, not at runtime
+
+
+class ModelChanged(msgspec.Struct, frozen=True, kw_only=True):
+    spec: ModelSpec
+    what: str = ""
+
+
+class ModelScaled(msgspec.Struct, frozen=True, kw_only=True):
+    min: int
+    max: int
+
+
+class ModelStopped(msgspec.Struct, frozen=True, kw_only=True):
+    saved_min: int
+    saved_max: int
+
+
+class ModelStarted(msgspec.Struct, frozen=True, kw_only=True):
+    min: int
+    max: int
+
+
+class ModelRemoved(msgspec.Struct, frozen=True, kw_only=True):
+    purge: bool = False
+
+
+class ModelParked(msgspec.Struct, frozen=True, kw_only=True):
+    reason: str
+    failures: int
+
+
+class ModelRetried(msgspec.Struct, frozen=True, kw_only=True):
+    """Unparked by `ctl retry`: placement is tried again at once."""
+
+
+EVENTS = (
+    EventType("model.added", 1, ModelAdded, "A model joined the catalog, with its whole definition."),
+    EventType("model.changed", 1, ModelChanged, "A model's definition changed (resources, profiles, …)."),
+    EventType("model.scaled", 1, ModelScaled, "A model's min and max replicas changed."),
+    EventType("model.stopped", 1, ModelStopped, "An administrator stopped a model; its scaling is saved."),
+    EventType("model.started", 1, ModelStarted, "A stopped model was started; its scaling restored."),
+    EventType("model.removed", 1, ModelRemoved, "A model left the catalog."),
+    EventType("model.parked", 1, ModelParked, "The scheduler stopped placing a model after repeated start failures."),
+    EventType("model.retried", 1, ModelRetried, "A parked model is to be placed again (`ctl retry`)."),
+)
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+class AddModel(msgspec.Struct, frozen=True, kw_only=True, tag="add", forbid_unknown_fields=True):
+    spec: ModelSpec
+
+
+class ScaleModel(msgspec.Struct, frozen=True, kw_only=True, tag="scale", forbid_unknown_fields=True):
+    name: str
+    min: int
+    max: int | None = None
+
+
+class SetResources(msgspec.Struct, frozen=True, kw_only=True, tag="resources", forbid_unknown_fields=True):
+    name: str
+    memory_gb: float | None = None
+    cores: int | None = None
+
+
+class StopModel(msgspec.Struct, frozen=True, kw_only=True, tag="stop", forbid_unknown_fields=True):
+    name: str
+
+
+class StartModel(msgspec.Struct, frozen=True, kw_only=True, tag="start", forbid_unknown_fields=True):
+    name: str
+
+
+class RemoveModel(msgspec.Struct, frozen=True, kw_only=True, tag="remove", forbid_unknown_fields=True):
+    name: str
+
+
+class RetryModel(msgspec.Struct, frozen=True, kw_only=True, tag="retry", forbid_unknown_fields=True):
+    name: str
+
+
+CatalogCommand = AddModel | ScaleModel | SetResources | StopModel | StartModel | RemoveModel | RetryModel

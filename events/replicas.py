@@ -1,0 +1,82 @@
+"""Replicas: one running copy of a model on a node, and its lifecycle (SPEC SCHED-2).
+
+``placed → starting → ready → draining → stopped``, or ``failed``. The scheduler writes
+``replica.placed`` and ``replica.stop_requested`` (fenced by its leadership term); the agent on
+the node writes what it observes: ``starting``, ``ready``, ``failed``, ``stopped``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from llmgw.events.models import Profile
+from llmgw.events.registry import EventType
+
+AGGREGATE = "replica"
+
+STATES = ("placed", "starting", "ready", "draining", "stopped", "failed")
+ACTIVE = ("placed", "starting", "ready")
+
+
+class ReplicaPlaced(msgspec.Struct, frozen=True, kw_only=True):
+    replica_id: str
+    model: str
+    node_id: str
+    source: str
+    profile: Profile
+    spec_hash: str
+    cores: int = 0
+    memory_bytes: int = 0
+    gpus: list[int] = []
+    term: int = 0
+    why: str = ""
+
+
+class ReplicaStarting(msgspec.Struct, frozen=True, kw_only=True):
+    replica_id: str
+    node_id: str
+    pid: int
+    port: int
+
+
+class ReplicaReady(msgspec.Struct, frozen=True, kw_only=True):
+    replica_id: str
+    node_id: str
+    pid: int
+    port: int
+    url: str
+    startup_s: float = 0.0
+
+
+class ReplicaFailed(msgspec.Struct, frozen=True, kw_only=True):
+    replica_id: str
+    node_id: str
+    reason: str
+    exit_code: int | None = None
+    log_tail: list[str] = []
+
+
+class ReplicaStopRequested(msgspec.Struct, frozen=True, kw_only=True):
+    replica_id: str
+    reason: str
+    grace_s: float = 30.0
+
+
+class ReplicaStopped(msgspec.Struct, frozen=True, kw_only=True):
+    replica_id: str
+    node_id: str
+    reason: str = ""
+
+
+EVENTS = (
+    EventType("replica.placed", 1, ReplicaPlaced, "The scheduler placed a replica of a model on a node."),
+    EventType("replica.starting", 1, ReplicaStarting, "The node's agent started the replica's engine."),
+    EventType("replica.ready", 1, ReplicaReady, "The engine answers its health probe; the replica serves."),
+    EventType(
+        "replica.failed", 1, ReplicaFailed, "The replica's engine exited or never became ready, or its node was lost."
+    ),
+    EventType(
+        "replica.stop_requested", 1, ReplicaStopRequested, "The scheduler asked for the replica to drain and stop."
+    ),
+    EventType("replica.stopped", 1, ReplicaStopped, "The replica's engine was stopped."),
+)

@@ -1,0 +1,32 @@
+"""Scheduler leadership and decisions that are about no single model or replica."""
+
+from __future__ import annotations
+
+import msgspec
+
+from llmgw.events.registry import EventType
+
+AGGREGATE = "scheduler"
+LEADER_ID = "leader"
+
+
+class LeaderElected(msgspec.Struct, frozen=True, kw_only=True):
+    """A scheduler became leader. Its decisions are fenced by this event's sequence: once another
+    leader is elected, the old one's appends are refused (SCHED-13)."""
+
+    instance: str
+    term: int
+
+
+class PlacementBlocked(msgspec.Struct, frozen=True, kw_only=True):
+    """A model could not be placed; logged when the reason changes or every 10 minutes (SCHED-3)."""
+
+    model: str
+    reason: str
+    wanted: int
+
+
+EVENTS = (
+    EventType("scheduler.elected", 1, LeaderElected, "A scheduler instance took the lead, with its term."),
+    EventType("scheduler.unplaceable", 1, PlacementBlocked, "A model could not be placed, and why."),
+)

@@ -1,0 +1,54 @@
+"""Cluster secrets kept in the store (JetStream KV), and what is derived from them.
+
+Engine keys (ARCHITECTURE §9, GW-7): each replica's engine accepts only its own key, derived with
+HMAC from the replica id and a cluster secret, so the agent that starts the engine and every
+router that calls it compute the same key without ever sending it over the bus.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+
+BUCKET = "llmgw_secrets"
+ENGINE_KEY_SECRET = "engine-key-secret"
+
+
+async def _bucket(js: JetStreamContext):
+    try:
+        return await js.key_value(BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        try:
+            return await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1, storage=StorageType.FILE))
+        except nats.js.errors.APIError:
+            return await js.key_value(BUCKET)  # created by another process meanwhile
+
+
+async def engine_key_secret(js: JetStreamContext) -> bytes:
+    """The cluster's engine-key secret, made once by whichever process first needs it."""
+    kv = await _bucket(js)
+    try:
+        entry = await kv.get(ENGINE_KEY_SECRET)
+        if entry.value:
+            return base64.b64decode(entry.value)
+    except nats.js.errors.KeyNotFoundError:
+        pass
+    secret = os.urandom(32)
+    try:
+        await kv.create(ENGINE_KEY_SECRET, base64.b64encode(secret))
+        return secret
+    except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
+        entry = await kv.get(ENGINE_KEY_SECRET)  # another process won the race: use theirs
+        return base64.b64decode(entry.value or b"")
+
+
+def engine_key(secret: bytes, replica_id: str) -> str:
+    """The key replica ``replica_id``'s engine accepts."""
+    digest = hmac.new(secret, f"engine:{replica_id}".encode(), hashlib.sha256).digest()
+    return "llmgw-engine-" + base64.urlsafe_b64encode(digest).decode().rstrip("=")

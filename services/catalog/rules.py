@@ -1,0 +1,226 @@
+"""The catalog's rules (SPEC CAT-1 to CAT-4): pure decisions over the folded catalog.
+
+Runtime edits rebuild the whole catalog with the change applied and validate it before anything is
+written, so a change can never leave the catalog inconsistent (an alias that shadows a model, a
+fallback to nothing).
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from llmgw.events import models as M
+from llmgw.events.commands import Rejected
+from llmgw.events.envelope import RecordedEvent
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+class CatalogEntry(msgspec.Struct, kw_only=True):
+    spec: M.ModelSpec
+    declared: bool = False
+    min: int = 1
+    max: int = 1
+    stopped: bool = False
+    saved: tuple[int, int] | None = None
+    parked: str | None = None
+    seq: int = 0  # last sequence on the model's subject
+
+
+class Catalog:
+    def __init__(self) -> None:
+        self.models: dict[str, CatalogEntry] = {}
+        self.position = 0
+        self.applied_commands: dict[str, int] = {}
+
+    def apply(self, name: str, event: RecordedEvent) -> None:
+        self.position = max(self.position, event.seq)
+        if event.envelope.causation:
+            self.applied_commands[event.envelope.causation] = event.seq
+        p = event.payload
+        entry = self.models.get(name)
+        match p:
+            case M.ModelAdded():
+                self.models[name] = CatalogEntry(
+                    spec=p.spec, declared=p.declared, min=p.spec.scaling.min, max=p.spec.scaling.upper, seq=event.seq
+                )
+                return
+            case M.ModelRemoved():
+                self.models.pop(name, None)
+                return
+        if entry is None:
+            return
+        entry.seq = event.seq
+        match p:
+            case M.ModelChanged():
+                entry.spec, entry.parked = p.spec, None
+            case M.ModelScaled():
+                entry.min, entry.max = p.min, p.max
+            case M.ModelStopped():
+                entry.stopped, entry.saved = True, (p.saved_min, p.saved_max)
+            case M.ModelStarted():
+                entry.stopped, entry.min, entry.max = False, p.min, p.max
+            case M.ModelParked():
+                entry.parked = p.reason
+            case M.ModelRetried():
+                entry.parked = None
+
+
+def validate_spec(spec: M.ModelSpec) -> None:
+    """Refuse a definition that cannot run, saying which field and what would do."""
+    if not _NAME.match(spec.name):
+        raise Rejected(
+            f"model name {spec.name!r} is not allowed: lower-case letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit, at most 64 characters",
+            "invalid_name",
+        )
+    if not spec.source:
+        raise Rejected(f"model {spec.name} needs a source (a GGUF path, or a mirror path)", "invalid_spec")
+    if spec.route not in M.ROUTES:
+        raise Rejected(f"model {spec.name}: route {spec.route!r} is not one of {', '.join(M.ROUTES)}", "invalid_spec")
+    if spec.capacity_class is not None and spec.capacity_class not in M.CLASSES:
+        raise Rejected(
+            f"model {spec.name}: class {spec.capacity_class!r} is not one of {', '.join(M.CLASSES)}", "invalid_spec"
+        )
+    s = spec.scaling
+    if s.min < 0:
+        raise Rejected(f"model {spec.name}: min {s.min} is negative", "invalid_scaling")
+    if s.max is not None and s.max < s.min:
+        raise Rejected(f"model {spec.name}: max {s.max} is below min {s.min}", "invalid_scaling")
+    if not spec.profiles:
+        raise Rejected(
+            f"model {spec.name} has no profile: say how a replica runs (engine, memory, cores)", "invalid_spec"
+        )
+    names = [p.name for p in spec.profiles]
+    if len(set(names)) != len(names):
+        raise Rejected(f"model {spec.name}: profile names repeat ({', '.join(names)})", "invalid_spec")
+    for p in spec.profiles:
+        where = f"profile {p.name} of model {spec.name}"
+        if p.engine not in M.ENGINES:
+            raise Rejected(f"{where}: engine {p.engine!r} is not one of {', '.join(M.ENGINES)}", "invalid_spec")
+        gpus = p.gpus.count if p.gpus else 0
+        if gpus < 0:
+            raise Rejected(f"{where}: gpus {gpus} is negative", "invalid_spec")
+        if p.engine == "vllm" and gpus == 0:
+            raise Rejected(f"{where}: vllm needs at least one GPU (gpus: {{count: 1}})", "invalid_spec")
+        if gpus == 0 and not p.min_memory_gb:
+            raise Rejected(
+                f"{where} is CPU-only and has no min_memory_gb: say how much host memory one replica reserves "
+                "(--memory-gb N, or min_memory_gb in the profile), or the scheduler cannot keep nodes from "
+                "running out of memory",
+                "invalid_spec",
+            )
+        if p.min_memory_gb is not None and p.min_memory_gb < 0:
+            raise Rejected(f"{where}: min_memory_gb {p.min_memory_gb} is negative", "invalid_spec")
+        if p.cpu_cores is not None and p.cpu_cores < 0:
+            raise Rejected(f"{where}: cpu_cores {p.cpu_cores} is negative", "invalid_spec")
+
+
+def validate_catalog(specs: dict[str, M.ModelSpec]) -> None:
+    """Rules across models: aliases unique and never a model's name; fallbacks name models."""
+    owners: dict[str, str] = {}
+    for name, spec in sorted(specs.items()):
+        for alias in spec.aliases:
+            if alias in specs:
+                raise Rejected(f"alias {alias!r} of model {name} is the name of another model", "invalid_alias")
+            if alias in owners and owners[alias] != name:
+                raise Rejected(f"alias {alias!r} is used by models {owners[alias]} and {name}", "invalid_alias")
+            owners[alias] = name
+        for fb in spec.fallbacks:
+            if fb == name:
+                raise Rejected(f"model {name} lists itself as a fallback", "invalid_fallback")
+            if fb not in specs and fb not in owners:
+                raise Rejected(f"model {name} falls back to {fb!r}, which is not in the catalog", "invalid_fallback")
+
+
+def _entry(catalog: Catalog, name: str) -> CatalogEntry:
+    entry = catalog.models.get(name)
+    if entry is None:
+        known = ", ".join(sorted(catalog.models)) or "none"
+        raise Rejected(f"there is no model {name!r} (models: {known})", "not_found")
+    return entry
+
+
+def _not_declared(entry: CatalogEntry, what: str) -> None:
+    if entry.declared:
+        raise Rejected(
+            f"model {entry.spec.name} is declared in the catalog file; {what} it there and restart the server",
+            "declared",
+        )
+
+
+def decide(catalog: Catalog, command: M.CatalogCommand) -> tuple[str, list[msgspec.Struct], str]:
+    """(model name, payloads, message) for a command, or a refusal."""
+    match command:
+        case M.AddModel(spec=spec):
+            validate_spec(spec)
+            if spec.name in catalog.models:
+                raise Rejected(
+                    f"model {spec.name} already exists: `llmgw ctl model remove {spec.name}` first, "
+                    "or edit it with `ctl model scale|resources`",
+                    "exists",
+                )
+            specs = {n: e.spec for n, e in catalog.models.items()} | {spec.name: spec}
+            validate_catalog(specs)
+            return spec.name, [M.ModelAdded(spec=spec)], f"model {spec.name} added"
+        case M.ScaleModel(name=name, min=lo, max=hi):
+            entry = _entry(catalog, name)
+            _not_declared(entry, "scale")
+            hi = lo if hi is None else hi
+            if lo < 0:
+                raise Rejected(f"min {lo} is negative", "invalid_scaling")
+            if hi < lo:
+                raise Rejected(f"max {hi} is below min {lo}", "invalid_scaling")
+            if entry.stopped:
+                raise Rejected(f"model {name} is stopped: `llmgw ctl model start {name}` first", "stopped")
+            return name, [M.ModelScaled(min=lo, max=hi)], f"model {name} scaled to min {lo}, max {hi}"
+        case M.SetResources(name=name):
+            entry = _entry(catalog, name)
+            _not_declared(entry, "change resources of")
+            if command.memory_gb is None and command.cores is None:
+                raise Rejected("say what to change: --memory GB and/or --cores N", "invalid_spec")
+            profiles = [
+                msgspec.structs.replace(
+                    p,
+                    min_memory_gb=command.memory_gb if command.memory_gb is not None else p.min_memory_gb,
+                    cpu_cores=command.cores if command.cores is not None else p.cpu_cores,
+                )
+                for p in entry.spec.profiles
+            ]
+            spec = msgspec.structs.replace(entry.spec, profiles=profiles)
+            validate_spec(spec)
+            what = ", ".join(
+                x
+                for x in (
+                    f"memory {command.memory_gb} GB" if command.memory_gb is not None else "",
+                    f"{command.cores} cores" if command.cores is not None else "",
+                )
+                if x
+            )
+            return name, [M.ModelChanged(spec=spec, what=what)], f"model {name} now reserves {what}"
+        case M.StopModel(name=name):
+            entry = _entry(catalog, name)
+            if entry.stopped:
+                raise Rejected(f"model {name} is already stopped", "unchanged")
+            return name, [M.ModelStopped(saved_min=entry.min, saved_max=entry.max)], f"model {name} stopped"
+        case M.StartModel(name=name):
+            entry = _entry(catalog, name)
+            if not entry.stopped:
+                raise Rejected(f"model {name} is not stopped", "unchanged")
+            lo, hi = entry.saved or (entry.spec.scaling.min, entry.spec.scaling.upper)
+            return name, [M.ModelStarted(min=lo, max=hi)], f"model {name} started (min {lo}, max {hi})"
+        case M.RemoveModel(name=name):
+            entry = _entry(catalog, name)
+            _not_declared(entry, "remove")
+            users = sorted(n for n, e in catalog.models.items() if name in e.spec.fallbacks)
+            if users:
+                raise Rejected(f"model {name} is a fallback of {', '.join(users)}; change those first", "in_use")
+            return name, [M.ModelRemoved()], f"model {name} removed"
+        case M.RetryModel(name=name):
+            entry = _entry(catalog, name)
+            if entry.parked is None:
+                raise Rejected(f"model {name} is not parked; nothing to retry", "unchanged")
+            return name, [M.ModelRetried()], f"model {name} will be placed again"
+    raise Rejected(f"unknown catalog command {type(command).__name__}")

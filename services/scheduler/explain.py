@@ -1,0 +1,56 @@
+"""`ctl explain MODEL` (SPEC SCHED-3): what the model wants, what it has, and node by node what each lacks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmgw.services.scheduler.placement import evaluate, need_of
+from llmgw.services.scheduler.reconcile import Config, candidates
+from llmgw.services.scheduler.state import ClusterState
+
+
+def explain(state: ClusterState, model: str, cfg: Config, leader: str | None = None) -> dict[str, Any]:
+    m = state.models.get(model)
+    if m is None:
+        known = ", ".join(sorted(state.models)) or "none"
+        return {"error": f"no model named {model!r} (models: {known})"}
+    replicas = [
+        {"id": r.id, "node": r.node_id, "state": r.state, "reason": r.reason}
+        for r in sorted(state.replicas_of(model), key=lambda r: r.placed_at)
+        if r.active or r.state == "draining"
+    ]
+    body: dict[str, Any] = {
+        "model": model,
+        "min": m.min,
+        "max": m.max,
+        "stopped": m.stopped,
+        "parked": m.parked,
+        "failures": m.failures,
+        "last_error": m.last_error,
+        "replicas": replicas,
+        "answered_by": leader,
+    }
+    if not m.spec.profiles:
+        body["nodes"] = []
+        body["summary"] = "the model has no profile to place"
+        return body
+    need = need_of(m.spec.profiles[0])
+    body["needs"] = {
+        "engine": need.engine,
+        "cores": need.cores,
+        "memory_gb": round(need.memory_bytes / 1024**3, 2),
+        "gpus": need.gpus,
+        "node_selector": need.node_selector,
+    }
+    verdicts = evaluate(list(candidates(state, model).values()), need)
+    body["nodes"] = [{"node": v.node_id, "fits": v.fits, "lacks": v.reasons, "score": v.score} for v in verdicts]
+    fitting = sum(1 for v in verdicts if v.fits)
+    if m.stopped:
+        body["summary"] = "stopped by an administrator: `llmgw ctl model start` runs it again"
+    elif m.parked:
+        body["summary"] = f"parked: {m.parked}; fix the cause, then `llmgw ctl retry {model}`"
+    elif not verdicts:
+        body["summary"] = "no nodes have registered"
+    else:
+        body["summary"] = f"{fitting} of {len(verdicts)} nodes could take another replica"
+    return body

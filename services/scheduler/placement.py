@@ -1,0 +1,209 @@
+"""Placement (SPEC SCHED-1): filters, then scores, then a seeded pick. Pure functions over plain data.
+
+The pipeline, and why each stage sits where it does:
+
+1. **filters** say, per node, what it lacks — in words a person reads ("has 8 CPUs with 2 free,
+   needs 4"). Only data a node reported can rule it out: an old agent that reports no CPU count
+   is not refused for CPUs (missing data constrains nothing).
+2. **scores** rank the survivors, each in [0, 1] with a named weight: spreading one model's
+   replicas across nodes first (availability), then nodes that already hold the weights, then
+   packing GPUs (fewest free GPUs that fit) or balancing CPU nodes (fewest replicas). Spreading is
+   a score, not a filter, so it is dropped when it is the only obstacle.
+3. **the pick** breaks ties by a hash of the seed (the model and its replica count) and the node
+   id, so the same input always gives the same decision, and a replay reproduces it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from llmgw.events.models import Profile
+
+GiB = 1024**3
+
+# Score weights, named and kept in one place.
+W_SPREAD = 4.0
+W_WEIGHTS = 2.0
+W_FIT = 1.0
+
+
+class Need(msgspec.Struct, frozen=True, kw_only=True):
+    """What one replica of a profile reserves."""
+
+    engine: str
+    cores: int = 0
+    memory_bytes: int = 0
+    gpus: int = 0
+    gpu_min_memory_mb: int = 0
+    disk_bytes: int = 0
+    node_selector: dict[str, str] = {}
+
+
+class Candidate(msgspec.Struct, frozen=True, kw_only=True):
+    """A node as placement sees it: what it has, what is reserved on it, what it holds.
+
+    ``None`` means "not reported" and never rules a node out.
+    """
+
+    node_id: str
+    unusable: str = ""  # "lost", "cordoned", … : why nothing may be placed here at all
+    engines: list[str] | None = None
+    labels: dict[str, str] = {}
+    cpus: int | None = None
+    reserved_cores: int = 0
+    memory_total_bytes: int | None = None
+    reserved_memory_bytes: int = 0
+    gpus: dict[int, int] = {}  # index -> memory MB, for every GPU on the node
+    reserved_gpus: list[int] = []
+    disk_free_bytes: int | None = None
+    model_replicas: int = 0  # replicas of the model being placed
+    replicas: int = 0  # all replicas
+    has_weights: bool = False
+
+    @property
+    def free_cores(self) -> int | None:
+        return None if self.cpus is None else self.cpus - self.reserved_cores
+
+    @property
+    def free_memory_bytes(self) -> int | None:
+        return None if self.memory_total_bytes is None else self.memory_total_bytes - self.reserved_memory_bytes
+
+    def free_gpus(self, min_memory_mb: int = 0) -> list[int]:
+        return sorted(i for i, mb in self.gpus.items() if i not in self.reserved_gpus and mb >= min_memory_mb)
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    reasons: list[str]  # empty when the node fits
+    score: float = 0.0
+    scores: dict[str, float] = {}
+
+    @property
+    def fits(self) -> bool:
+        return not self.reasons
+
+
+class Choice(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    gpus: list[int]
+    verdicts: list[Verdict]
+
+
+def need_of(profile: Profile) -> Need:
+    gpus = profile.gpus.count if profile.gpus else 0
+    return Need(
+        engine=profile.engine,
+        cores=profile.cpu_cores or 0,
+        memory_bytes=int((profile.min_memory_gb or 0) * GiB),
+        gpus=gpus,
+        gpu_min_memory_mb=int((profile.gpus.min_memory_gb if profile.gpus else 0) * 1024),
+        disk_bytes=int((profile.min_disk_gb or 0) * GiB),
+        node_selector=dict(profile.node_selector),
+    )
+
+
+def _gb(n: int) -> str:
+    return f"{n / GiB:.1f} GB"
+
+
+# -- filters: each returns the reason a node cannot take the replica, or None --------------------
+
+
+def check(c: Candidate, need: Need) -> list[str]:
+    """Every reason ``c`` cannot take a replica needing ``need``; empty when it can."""
+    if c.unusable:
+        return [c.unusable]
+    reasons: list[str] = []
+    if c.engines is not None and need.engine not in c.engines:
+        have = ", ".join(c.engines) or "none"
+        reasons.append(f"cannot run {need.engine} (engines: {have})")
+    for key, value in sorted(need.node_selector.items()):
+        if c.labels.get(key) != value:
+            reasons.append(
+                f"label {key}={value} missing" + (f" (has {key}={c.labels[key]})" if key in c.labels else "")
+            )
+    free = c.free_cores
+    if need.cores and free is not None and free < need.cores:
+        reasons.append(f"has {c.cpus} CPUs with {max(free, 0)} free, needs {need.cores}")
+    free_mem = c.free_memory_bytes
+    if need.memory_bytes and free_mem is not None and free_mem < need.memory_bytes:
+        reasons.append(
+            f"has {_gb(c.memory_total_bytes or 0)} memory with {_gb(max(free_mem, 0))} free, "
+            f"needs {_gb(need.memory_bytes)}"
+        )
+    if need.gpus:
+        fitting = c.free_gpus(need.gpu_min_memory_mb)
+        if len(fitting) < need.gpus:
+            size = f" with ≥ {need.gpu_min_memory_mb / 1024:.0f} GB" if need.gpu_min_memory_mb else ""
+            reasons.append(f"has {len(c.gpus)} GPUs, {len(fitting)} free{size}, needs {need.gpus}")
+    if need.disk_bytes and c.disk_free_bytes is not None and c.disk_free_bytes < need.disk_bytes:
+        reasons.append(f"has {_gb(c.disk_free_bytes)} disk free, needs {_gb(need.disk_bytes)}")
+    return reasons
+
+
+# -- scores: each in [0, 1] ----------------------------------------------------------------------
+
+
+def scores(c: Candidate, need: Need) -> dict[str, float]:
+    out = {
+        "spread": 1.0 / (1 + c.model_replicas),
+        "weights": 1.0 if c.has_weights else 0.0,
+    }
+    if need.gpus:
+        free = len(c.free_gpus(need.gpu_min_memory_mb))
+        out["fit"] = 1.0 - (free - need.gpus) / max(len(c.gpus), 1)  # pack: fewest free GPUs that fit
+    else:
+        out["fit"] = 1.0 / (1 + c.replicas)  # balance CPU nodes: fewest replicas
+    return out
+
+
+WEIGHTS = {"spread": W_SPREAD, "weights": W_WEIGHTS, "fit": W_FIT}
+
+
+def _tiebreak(seed: str, node_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{node_id}".encode(), digest_size=8).digest(), "big")
+
+
+def evaluate(candidates: list[Candidate], need: Need) -> list[Verdict]:
+    verdicts = []
+    for c in sorted(candidates, key=lambda c: c.node_id):
+        reasons = check(c, need)
+        parts = scores(c, need) if not reasons else {}
+        total = sum(WEIGHTS[k] * v for k, v in parts.items())
+        verdicts.append(Verdict(node_id=c.node_id, reasons=reasons, score=round(total, 6), scores=parts))
+    return verdicts
+
+
+def place(candidates: list[Candidate], need: Need, seed: str) -> tuple[Choice | None, list[Verdict]]:
+    """The node (and GPUs) for one replica, or None; with every node's verdict either way."""
+    verdicts = evaluate(candidates, need)
+    fitting = [v for v in verdicts if v.fits]
+    if not fitting:
+        return None, verdicts
+    best = max(fitting, key=lambda v: (v.score, _tiebreak(seed, v.node_id)))
+    node = next(c for c in candidates if c.node_id == best.node_id)
+    gpus = node.free_gpus(need.gpu_min_memory_mb)[: need.gpus] if need.gpus else []
+    return Choice(node_id=best.node_id, gpus=gpus, verdicts=verdicts), verdicts
+
+
+def reserve(c: Candidate, need: Need, gpus: list[int], model_replica: bool = True) -> Candidate:
+    """``c`` with one more replica's reservation: so several placements in one pass never over-commit."""
+    return msgspec.structs.replace(
+        c,
+        reserved_cores=c.reserved_cores + need.cores,
+        reserved_memory_bytes=c.reserved_memory_bytes + need.memory_bytes,
+        reserved_gpus=[*c.reserved_gpus, *gpus],
+        model_replicas=c.model_replicas + (1 if model_replica else 0),
+        replicas=c.replicas + 1,
+    )
+
+
+def summarise(verdicts: list[Verdict], limit: int = 6) -> str:
+    """One sentence for "no placement": each node and what it lacks."""
+    if not verdicts:
+        return "no nodes have registered: start an agent (`llmgw agent`) or check that agents reach NATS"
+    parts = [f"{v.node_id}: {'; '.join(v.reasons)}" for v in verdicts[:limit]]
+    more = f"; and {len(verdicts) - limit} more" if len(verdicts) > limit else ""
+    return "no node fits — " + " | ".join(parts) + more

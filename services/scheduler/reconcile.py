@@ -1,0 +1,287 @@
+"""One reconcile pass (SPEC SCHED-2, SCHED-4, FLEET-2, FLEET-4): the cluster as it is → decisions.
+
+Pure: it reads a :class:`ClusterState` and the clock it is given, and returns decisions; the
+shell appends them as events. Order of work in a pass, and why:
+
+1. nodes first — register what reported in, mark lost what went silent — because placement
+   must not use a node that is gone, and replicas on a lost node must be replaced;
+2. then each model in name order (determinism): stop what must not run (stopped, parked,
+   removed, above max), park after repeated failures, replace what drains, place up to min.
+   Reservations made earlier in the pass count for later placements, so one pass never
+   over-commits a node.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from llmgw.events import nodes as N
+from llmgw.services.scheduler.placement import Candidate, Need, Verdict, need_of, place, reserve, summarise
+from llmgw.services.scheduler.state import ClusterState, ModelState, ReplicaState, capacity_of
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    lost_after_s: float = 30.0
+    park_after: int = 5
+    backoff_base_s: float = 2.0
+    backoff_cap_s: float = 300.0
+    stop_grace_s: float = 30.0
+
+
+class Clock(msgspec.Struct, frozen=True, kw_only=True):
+    monotonic: float  # for heartbeats this process saw
+    epoch: float  # for event times (backoff)
+    started: float  # monotonic time this scheduler started: a grace for nodes not yet heard from
+
+
+# -- decisions ----------------------------------------------------------------------------------
+
+
+class RegisterNode(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    capacity: N.NodeCapacity
+    changed: bool  # an update of a known node, not a first registration
+
+
+class MarkLost(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    silent_s: float
+
+
+class MarkReturned(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+
+
+class Place(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    node_id: str
+    gpus: list[int]
+    need: Need
+    why: str
+
+
+class Stop(msgspec.Struct, frozen=True, kw_only=True):
+    replica_id: str
+    reason: str
+    grace_s: float
+
+
+class Fail(msgspec.Struct, frozen=True, kw_only=True):
+    replica_id: str
+    node_id: str
+    reason: str
+
+
+class Park(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    reason: str
+    failures: int
+
+
+class Blocked(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    reason: str
+    wanted: int
+    verdicts: list[Verdict] = []
+
+
+class Waiting(msgspec.Struct, frozen=True, kw_only=True):
+    """A model backing off between failed starts; nothing to do until ``until``."""
+
+    model: str
+    until: float
+
+
+Decision = RegisterNode | MarkLost | MarkReturned | Place | Stop | Fail | Park | Blocked | Waiting
+
+
+def backoff_s(failures: int, cfg: Config) -> float:
+    """Doubling backoff between start attempts: base, 2·base, 4·base, … up to the cap."""
+    if failures <= 0:
+        return 0.0
+    return min(cfg.backoff_base_s * 2 ** (failures - 1), cfg.backoff_cap_s)
+
+
+# -- candidates: the cluster as placement sees it -------------------------------------------------
+
+
+def candidates(state: ClusterState, model: str) -> dict[str, Candidate]:
+    out: dict[str, Candidate] = {}
+    for n in state.nodes.values():
+        if not n.registered or n.capacity is None:
+            continue
+        held = [r for r in state.replicas_on(n.id) if r.active or r.state == "draining"]
+        hb = n.heartbeat
+        unusable = ""
+        if n.lost:
+            unusable = "lost (no heartbeat)"
+        elif n.draining:
+            unusable = "draining"
+        elif n.cordoned:
+            unusable = "cordoned" + (f" ({n.cordon_reason})" if n.cordon_reason else "")
+        cap = n.capacity
+        out[n.id] = Candidate(
+            node_id=n.id,
+            unusable=unusable,
+            engines=list(cap.engines),
+            labels=dict(cap.labels),
+            cpus=cap.cpus,
+            reserved_cores=sum(r.cores for r in held),
+            memory_total_bytes=cap.memory_total_bytes,
+            reserved_memory_bytes=sum(r.memory_bytes for r in held),
+            gpus={g.index: g.memory_total_mb for g in cap.gpus},
+            reserved_gpus=[i for r in held for i in r.gpus],
+            disk_free_bytes=hb.disk_free_bytes if hb else None,
+            model_replicas=sum(1 for r in held if r.model == model and r.active),
+            replicas=len(held),
+            has_weights=bool(hb and any(w == model or w.startswith(f"{model}/") for w in hb.weights)),
+        )
+    return out
+
+
+# -- the pass -----------------------------------------------------------------------------------
+
+
+def reconcile(state: ClusterState, clock: Clock, cfg: Config) -> list[Decision]:
+    decisions: list[Decision] = []
+    failed_now: set[str] = set()
+    decisions += _nodes(state, clock, cfg, failed_now)
+    lost_now = {d.node_id for d in decisions if isinstance(d, MarkLost)}
+
+    cands_by_model: dict[str, dict[str, Candidate]] = {}
+    planned: dict[str, list[tuple[Need, list[int]]]] = {}  # node -> reservations made in this pass
+
+    def cands(model: str) -> dict[str, Candidate]:
+        base = candidates(state, model)
+        for node_id in lost_now:
+            if node_id in base:
+                base[node_id] = msgspec.structs.replace(base[node_id], unusable="lost (no heartbeat)")
+        for node_id, items in planned.items():
+            if node_id in base:
+                for (
+                    need,
+                    gpus,
+                ) in items:
+                    base[node_id] = reserve(base[node_id], need, gpus, model_replica=False)
+        cands_by_model[model] = base
+        return base
+
+    for name in sorted(state.models):
+        m = state.models[name]
+        live = [r for r in state.replicas_of(name) if r.active and r.id not in failed_now]
+        decisions += _model(state, m, live, clock, cfg, cands, planned)
+
+    known = set(state.models)
+    for r in sorted(state.replicas.values(), key=lambda r: r.id):
+        if r.active and r.model not in known and r.id not in failed_now:
+            decisions.append(Stop(replica_id=r.id, reason=f"model {r.model} was removed", grace_s=cfg.stop_grace_s))
+    return decisions
+
+
+def _nodes(state: ClusterState, clock: Clock, cfg: Config, failed_now: set[str]) -> list[Decision]:
+    out: list[Decision] = []
+    for node_id in sorted(state.nodes):
+        n = state.nodes[node_id]
+        if n.heartbeat is not None:
+            cap = capacity_of(n.heartbeat)
+            if not n.registered:
+                out.append(RegisterNode(node_id=node_id, capacity=cap, changed=False))
+            elif cap != n.capacity:
+                out.append(RegisterNode(node_id=node_id, capacity=cap, changed=True))
+        if not n.registered and n.heartbeat is None:
+            continue
+        seen = n.last_seen if n.last_seen is not None else clock.started
+        silent = clock.monotonic - seen
+        if n.lost:
+            if n.last_seen is not None and silent < cfg.lost_after_s:
+                out.append(MarkReturned(node_id=node_id))
+            else:
+                for r in state.replicas_on(node_id):
+                    if r.active:  # e.g. placed by an earlier leader just before the loss
+                        failed_now.add(r.id)
+                        out.append(Fail(replica_id=r.id, node_id=node_id, reason=f"node {node_id} lost"))
+            continue
+        if silent >= cfg.lost_after_s:
+            out.append(MarkLost(node_id=node_id, silent_s=round(silent, 1)))
+            for r in sorted(state.replicas_on(node_id), key=lambda r: r.id):
+                if r.active or r.state == "draining":
+                    failed_now.add(r.id)
+                    out.append(
+                        Fail(
+                            replica_id=r.id,
+                            node_id=node_id,
+                            reason=f"node {node_id} lost: no heartbeat for {silent:.0f}s",
+                        )
+                    )
+    return out
+
+
+def _model(
+    state: ClusterState,
+    m: ModelState,
+    live: list[ReplicaState],
+    clock: Clock,
+    cfg: Config,
+    cands: object,
+    planned: dict[str, list[tuple[Need, list[int]]]],
+) -> list[Decision]:
+    out: list[Decision] = []
+    grace = cfg.stop_grace_s
+    if m.stopped or m.parked:
+        why = "stopped by an administrator" if m.stopped else f"parked: {m.parked}"
+        return [
+            Stop(replica_id=r.id, reason=f"model {m.name} {why}", grace_s=grace)
+            for r in sorted(live, key=lambda r: r.id)
+        ]
+    if m.failures >= cfg.park_after:
+        return [
+            Park(model=m.name, reason=f"{m.failures} failed starts in a row; last: {m.last_error}", failures=m.failures)
+        ]
+
+    draining_nodes = {n.id for n in state.nodes.values() if n.draining}
+    moving = [r for r in live if r.node_id in draining_nodes]
+    staying = [r for r in live if r.node_id not in draining_nodes]
+    # A drain replaces first, then stops the old replica (FLEET-4).
+    ready_staying = [r for r in staying if r.state == "ready"]
+    for r in sorted(moving, key=lambda r: r.id):
+        if len(ready_staying) >= m.min:
+            grace_s = state.nodes[r.node_id].drain_grace_s
+            out.append(Stop(replica_id=r.id, reason=f"node {r.node_id} drained", grace_s=grace_s))
+
+    upper = max(m.max, m.min)
+    if len(staying) > upper:
+        # Scale down: not-yet-ready replicas first, then those on the busiest nodes, newest first.
+        per_node: dict[str, int] = {}
+        for r in staying:
+            per_node[r.node_id] = per_node.get(r.node_id, 0) + 1
+        order = sorted(staying, key=lambda r: (r.state == "ready", -per_node[r.node_id], -r.placed_at, r.id))
+        for r in order[: len(staying) - upper]:
+            out.append(Stop(replica_id=r.id, reason=f"model {m.name} scaled to max {upper}", grace_s=grace))
+        return out
+
+    missing = m.min - len(staying)
+    if missing <= 0:
+        return out
+    if m.failures and m.last_failure_at is not None:
+        until = m.last_failure_at + backoff_s(m.failures, cfg)
+        if clock.epoch < until:
+            return [*out, Waiting(model=m.name, until=until)]
+    if not m.spec.profiles:
+        return [*out, Blocked(model=m.name, reason=f"model {m.name} has no profile", wanted=missing)]
+    profile = m.spec.profiles[0]
+    need = need_of(profile)
+    for i in range(missing):
+        cs = cands(m.name)  # type: ignore[operator]
+        # Count this model's replicas already planned in this pass, so they spread too.
+        for p in out:
+            if isinstance(p, Place) and p.node_id in cs:
+                cs[p.node_id] = msgspec.structs.replace(cs[p.node_id], model_replicas=cs[p.node_id].model_replicas + 1)
+        seed = f"{m.name}/{len(staying) + i}/{state.position}"
+        choice, verdicts = place(list(cs.values()), need, seed)
+        if choice is None:
+            out.append(Blocked(model=m.name, reason=summarise(verdicts), wanted=missing - i, verdicts=verdicts))
+            break
+        planned.setdefault(choice.node_id, []).append((need, choice.gpus))
+        why = f"{len(staying) + i} of {m.min} wanted; best of {sum(1 for v in verdicts if v.fits)} fitting nodes"
+        out.append(Place(model=m.name, node_id=choice.node_id, gpus=choice.gpus, need=need, why=why))
+    return out

@@ -1,0 +1,316 @@
+"""The scheduler's shell: leadership, folding the cluster, running passes, appending decisions.
+
+Every instance folds the same state (so a standby takes over warm) and answers `explain`; only
+the leader decides. Leadership is a JetStream KV lease with a TTL; the new leader appends
+``scheduler.elected`` and fences every later append on that event's sequence, so a stale leader's
+decisions are refused by the server itself (SCHED-13).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.js.api import KeyValueConfig, StorageType
+
+from llmgw.events import models as M
+from llmgw.events import nodes as N
+from llmgw.events import replicas as R
+from llmgw.events import scheduler as SCH
+from llmgw.events import subjects as S
+from llmgw.events.envelope import RecordedEvent, utc_now
+from llmgw.events.ids import new_id
+from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
+from llmgw.events.subjects import event_subject
+from llmgw.services.scheduler.explain import explain
+from llmgw.services.scheduler.reconcile import (
+    Blocked,
+    Clock,
+    Config,
+    Decision,
+    Fail,
+    MarkLost,
+    MarkReturned,
+    Park,
+    Place,
+    RegisterNode,
+    Stop,
+    Waiting,
+    reconcile,
+)
+from llmgw.services.scheduler.state import ClusterState
+
+log = structlog.get_logger("llmgw.services.scheduler")
+
+LEASE_BUCKET = "llmgw_leases"
+LEASE_KEY = "scheduler"
+EXPLAIN_SUBJECT = "llmgw.rpc.scheduler.explain"
+BLOCKED_REPEAT_S = 600.0
+FOLDED = ("model", "node", "replica")
+
+
+class SchedulerService:
+    def __init__(
+        self,
+        store: EventStore,
+        *,
+        config: Config | None = None,
+        instance: str | None = None,
+        lease_ttl_s: float = 6.0,
+        tick_s: float = 1.0,
+    ) -> None:
+        self.store = store
+        self.cfg = config or Config()
+        self.instance = instance or f"sched-{new_id()[-12:]}"
+        self.actor = "svc:scheduler"
+        self.lease_ttl_s = lease_ttl_s
+        self.tick_s = tick_s
+        self.state = ClusterState()
+        self.started = time.monotonic()
+        self.leader = False
+        self.term = 0
+        self.fence_seq = 0
+        self.passes = 0
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._seen_position = asyncio.Condition()
+        self._blocked: dict[str, tuple[str, float]] = {}
+        self._placed_total = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        tasks = [
+            asyncio.create_task(self._follow_events(), name="scheduler-events"),
+            asyncio.create_task(self._follow_heartbeats(), name="scheduler-heartbeats"),
+            asyncio.create_task(self._serve_explain(), name="scheduler-explain"),
+            asyncio.create_task(self._lead(), name="scheduler-lead"),
+        ]
+        try:
+            await self._stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- folding -----------------------------------------------------------------------------
+
+    async def _follow_events(self) -> None:
+        async for batch in self.store.subscribe(f"{S.EVENTS_ROOT}.>", after=0, follow=True):
+            for e in batch:
+                if isinstance(e, RecordedEvent) and e.subject.split(".")[2] in FOLDED:
+                    self.state.apply(e)
+                elif e.seq > self.state.position:
+                    self.state.position = e.seq
+            async with self._seen_position:
+                self._seen_position.notify_all()
+            self._wake.set()
+
+    async def _follow_heartbeats(self) -> None:
+        decoder = msgspec.json.Decoder(N.NodeHeartbeat)
+
+        async def on_msg(msg: object) -> None:
+            try:
+                hb = decoder.decode(msg.data)  # type: ignore[attr-defined]
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                log.warning("heartbeat ignored", subject=msg.subject, error=str(exc))  # type: ignore[attr-defined]
+                return
+            known = self.state.nodes.get(hb.node_id)
+            first = known is None or known.heartbeat is None
+            self.state.observe(hb, time.monotonic())
+            if first:
+                self._wake.set()
+
+        sub = await self.store.nc.subscribe(f"{S.TELEMETRY_ROOT}.node.*", cb=on_msg)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _wait_folded(self, seq: int, timeout: float = 10.0) -> None:
+        """Until our own appends are folded: the next pass must see them, or it would place twice."""
+        async with self._seen_position:
+            await asyncio.wait_for(self._seen_position.wait_for(lambda: self.state.position >= seq), timeout)
+
+    # -- leadership --------------------------------------------------------------------------
+
+    async def _lease(self):
+        try:
+            return await self.store.js.key_value(LEASE_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            return await self.store.js.create_key_value(
+                KeyValueConfig(bucket=LEASE_BUCKET, ttl=self.lease_ttl_s, storage=StorageType.FILE, history=1)
+            )
+
+    async def _lead(self) -> None:
+        kv = await self._lease()
+        revision = 0
+        while not self._stop.is_set():
+            if not self.leader:
+                try:
+                    revision = await kv.create(LEASE_KEY, self.instance.encode())
+                except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
+                    await asyncio.sleep(self.lease_ttl_s / 4)
+                    continue
+                await self._become_leader(revision)
+                pass_task = asyncio.create_task(self._passes())
+                try:
+                    while self.leader and not self._stop.is_set():
+                        await asyncio.sleep(self.lease_ttl_s / 3)
+                        try:
+                            revision = await kv.update(LEASE_KEY, self.instance.encode(), last=revision)
+                        except (
+                            nats.js.errors.KeyWrongLastSequenceError,
+                            nats.js.errors.APIError,
+                            nats.errors.TimeoutError,
+                        ) as exc:
+                            log.warning("scheduler lost its lease", instance=self.instance, error=str(exc))
+                            self.leader = False
+                finally:
+                    self.leader = False
+                    pass_task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await pass_task
+            else:
+                await asyncio.sleep(self.lease_ttl_s / 4)
+
+    async def _become_leader(self, revision: int) -> None:
+        subject = event_subject(SCH.AGGREGATE, SCH.LEADER_ID)
+        result = await self.store.append(
+            subject, [NewEvent(payload=SCH.LeaderElected(instance=self.instance, term=revision), actor=self.actor)]
+        )
+        self.term, self.fence_seq, self.leader = revision, result.last_seq, True
+        self.started = time.monotonic()  # nodes get a full grace period before a new leader calls them lost
+        log.info("scheduler leads", instance=self.instance, term=revision, fence=self.fence_seq)
+        self._wake.set()
+
+    # -- passes ------------------------------------------------------------------------------
+
+    async def _passes(self) -> None:
+        await self._wait_folded(await self.store.stream_last_seq())
+        while self.leader:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+            self._wake.clear()
+            if not self.leader:
+                return
+            try:
+                await self.reconcile_once()
+            except AppendConflict as exc:
+                if exc.subject == event_subject(SCH.AGGREGATE, SCH.LEADER_ID):
+                    log.warning("another scheduler leads now; standing down", instance=self.instance)
+                    self.leader = False
+                    return
+                log.warning("reconcile conflict; deciding again", error=str(exc))
+            except (StoreError, TimeoutError) as exc:
+                log.error("reconcile pass failed", error=str(exc))
+
+    async def reconcile_once(self) -> list[Decision]:
+        clock = Clock(monotonic=time.monotonic(), epoch=time.time(), started=self.started)
+        decisions = reconcile(self.state, clock, self.cfg)
+        self.passes += 1
+        items = self._events(decisions, clock)
+        if items:
+            result = await self.store.append_fenced(
+                items, fence_subject=event_subject(SCH.AGGREGATE, SCH.LEADER_ID), fence_seq=self.fence_seq
+            )
+            await self._wait_folded(result.last_seq)
+        waits = [d.until for d in decisions if isinstance(d, Waiting)]
+        if waits:
+            # Wake when the earliest backoff ends, not a tick later.
+            delay = max(min(waits) - clock.epoch, 0.0)
+            asyncio.get_running_loop().call_later(delay, self._wake.set)
+        return decisions
+
+    def _events(self, decisions: list[Decision], clock: Clock) -> list[tuple[str, NewEvent]]:
+        out: list[tuple[str, NewEvent]] = []
+
+        def add(aggregate: str, agg_id: str, payload: msgspec.Struct) -> None:
+            out.append((event_subject(aggregate, agg_id), NewEvent(payload=payload, actor=self.actor)))
+
+        for d in decisions:
+            match d:
+                case RegisterNode():
+                    cls = N.NodeCapacityChanged if d.changed else N.NodeRegistered
+                    add(N.AGGREGATE, d.node_id, cls(node_id=d.node_id, capacity=d.capacity))
+                case MarkLost():
+                    n = self.state.nodes[d.node_id]
+                    last = n.heartbeat.at if n.heartbeat else None
+                    add(
+                        N.AGGREGATE,
+                        d.node_id,
+                        N.NodeLost(node_id=d.node_id, last_seen=last or utc_now(), silent_s=d.silent_s),
+                    )
+                    log.warning("node lost", node=d.node_id, silent_s=d.silent_s)
+                case MarkReturned():
+                    add(N.AGGREGATE, d.node_id, N.NodeReturned(node_id=d.node_id))
+                case Fail():
+                    add(
+                        R.AGGREGATE,
+                        d.replica_id,
+                        R.ReplicaFailed(replica_id=d.replica_id, node_id=d.node_id, reason=d.reason),
+                    )
+                case Stop():
+                    add(
+                        R.AGGREGATE,
+                        d.replica_id,
+                        R.ReplicaStopRequested(replica_id=d.replica_id, reason=d.reason, grace_s=d.grace_s),
+                    )
+                case Park():
+                    add(M.AGGREGATE, d.model, M.ModelParked(reason=d.reason, failures=d.failures))
+                    log.warning("model parked", model=d.model, reason=d.reason)
+                case Place():
+                    m = self.state.models[d.model]
+                    rid = f"{d.model}-{new_id()[-12:]}"
+                    add(
+                        R.AGGREGATE,
+                        rid,
+                        R.ReplicaPlaced(
+                            replica_id=rid,
+                            model=d.model,
+                            node_id=d.node_id,
+                            source=m.spec.source,
+                            profile=m.spec.profiles[0],
+                            spec_hash=m.spec_hash,
+                            cores=d.need.cores,
+                            memory_bytes=d.need.memory_bytes,
+                            gpus=d.gpus,
+                            term=self.term,
+                            why=d.why,
+                        ),
+                    )
+                    self._blocked.pop(d.model, None)
+                    log.info("replica placed", model=d.model, node=d.node_id, replica=rid, why=d.why)
+                case Blocked():
+                    last = self._blocked.get(d.model)
+                    if last is None or last[0] != d.reason or clock.monotonic - last[1] >= BLOCKED_REPEAT_S:
+                        self._blocked[d.model] = (d.reason, clock.monotonic)
+                        add(M.AGGREGATE, d.model, SCH.PlacementBlocked(model=d.model, reason=d.reason, wanted=d.wanted))
+                        log.warning("no placement", model=d.model, reason=d.reason, wanted=d.wanted)
+        return out
+
+    # -- explain -----------------------------------------------------------------------------
+
+    async def _serve_explain(self) -> None:
+        async def on_request(msg: object) -> None:
+            name = msg.data.decode()  # type: ignore[attr-defined]
+            body = explain(self.state, name, self.cfg, leader=self.instance if self.leader else None)
+            await msg.respond(msgspec.json.encode(body))  # type: ignore[attr-defined]
+
+        sub = await self.store.nc.subscribe(EXPLAIN_SUBJECT, queue="scheduler", cb=on_request)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()

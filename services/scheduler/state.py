@@ -1,0 +1,253 @@
+"""The cluster as the scheduler sees it: folded from node, model and replica events plus heartbeats.
+
+The fold is deterministic (same events, same state); ``observe`` adds what telemetry says now.
+Decisions never read this object directly: :meth:`ClusterState.snapshot` hands them plain data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime
+
+import msgspec
+
+from llmgw.events import models as M
+from llmgw.events import nodes as N
+from llmgw.events import replicas as R
+from llmgw.events.envelope import RecordedEvent
+
+GiB = 1024**3
+
+
+def spec_hash(spec: M.ModelSpec) -> str:
+    """What a running replica depends on: a change makes it ``ready (stale profile)`` (CAT-5)."""
+    relevant = (spec.source, spec.profiles, spec.context_length)
+    return hashlib.sha256(msgspec.json.encode(relevant)).hexdigest()[:16]
+
+
+def capacity_of(hb: N.NodeHeartbeat) -> N.NodeCapacity:
+    """The placement-relevant part of a heartbeat: sensors and usage stripped, so they never churn it."""
+    gpus = [N.GpuInfo(index=g.index, name=g.name, memory_total_mb=g.memory_total_mb, uuid=g.uuid) for g in hb.gpus]
+    return N.NodeCapacity(
+        address=hb.address,
+        labels=hb.labels,
+        cpus=hb.cpus,
+        memory_total_bytes=hb.memory_total_bytes,
+        gpus=gpus,
+        engines=sorted(hb.engines),
+        agent_version=hb.agent_version,
+    )
+
+
+class NodeState(msgspec.Struct, kw_only=True):
+    id: str
+    capacity: N.NodeCapacity | None = None
+    registered: bool = False
+    lost: bool = False
+    cordoned: bool = False
+    cordon_reason: str = ""
+    draining: bool = False
+    drain_grace_s: float = 300.0
+    last_seen: float | None = None  # monotonic seconds of the last heartbeat this process saw
+    heartbeat: N.NodeHeartbeat | None = None
+
+
+class ModelState(msgspec.Struct, kw_only=True):
+    name: str
+    spec: M.ModelSpec
+    declared: bool = False
+    min: int = 1
+    max: int = 1
+    stopped: bool = False
+    parked: str | None = None
+    failures: int = 0  # consecutive start failures since the last ready replica or edit
+    last_error: str = ""
+    last_failure_at: float | None = None  # event time, seconds since the epoch
+    spec_hash: str = ""
+
+
+class ReplicaState(msgspec.Struct, kw_only=True):
+    id: str
+    model: str
+    node_id: str
+    state: str
+    spec_hash: str
+    profile: M.Profile
+    source: str
+    cores: int = 0
+    memory_bytes: int = 0
+    gpus: list[int] = []
+    placed_at: float = 0.0
+    pid: int | None = None
+    port: int | None = None
+    url: str | None = None
+    reason: str = ""
+    log_tail: list[str] = []
+
+    @property
+    def active(self) -> bool:
+        return self.state in R.ACTIVE
+
+
+class ClusterState:
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeState] = {}
+        self.models: dict[str, ModelState] = {}
+        self.replicas: dict[str, ReplicaState] = {}
+        self.position = 0
+
+    # -- fold of durable events ---------------------------------------------------------------
+
+    def apply(self, event: RecordedEvent) -> None:
+        self.position = max(self.position, event.seq)
+        p = event.payload
+        at = event.envelope.at.timestamp()
+        match p:
+            case M.ModelAdded():
+                self.models[p.spec.name] = ModelState(
+                    name=p.spec.name,
+                    spec=p.spec,
+                    declared=p.declared,
+                    min=p.spec.scaling.min,
+                    max=p.spec.scaling.upper,
+                    spec_hash=spec_hash(p.spec),
+                )
+            case M.ModelChanged():
+                m = self.models.get(p.spec.name)
+                if m:
+                    m.spec, m.spec_hash = p.spec, spec_hash(p.spec)
+                    m.parked, m.failures, m.last_failure_at = None, 0, None  # a new definition unparks
+            case M.ModelScaled():
+                m = self._model_of(event)
+                if m:
+                    m.min, m.max = p.min, p.max
+            case M.ModelStopped():
+                m = self._model_of(event)
+                if m:
+                    m.stopped = True
+            case M.ModelStarted():
+                m = self._model_of(event)
+                if m:
+                    m.stopped, m.min, m.max = False, p.min, p.max
+            case M.ModelRemoved():
+                m = self._model_of(event)
+                if m:
+                    del self.models[m.name]
+            case M.ModelParked():
+                m = self._model_of(event)
+                if m:
+                    m.parked, m.last_error = p.reason, p.reason
+            case M.ModelRetried():
+                m = self._model_of(event)
+                if m:
+                    m.parked, m.failures, m.last_failure_at = None, 0, None
+            case N.NodeRegistered() | N.NodeCapacityChanged():
+                n = self.node(p.node_id)
+                n.capacity, n.registered = p.capacity, True
+            case N.NodeLost():
+                self.node(p.node_id).lost = True
+            case N.NodeReturned():
+                self.node(p.node_id).lost = False
+            case N.NodeCordoned():
+                n = self.node(p.node_id)
+                n.cordoned, n.cordon_reason = True, p.reason
+            case N.NodeUncordoned():
+                n = self.node(p.node_id)
+                n.cordoned, n.draining, n.cordon_reason = False, False, ""
+            case N.NodeDrainRequested():
+                n = self.node(p.node_id)
+                n.cordoned, n.draining, n.drain_grace_s = True, True, p.grace_s
+                n.cordon_reason = n.cordon_reason or "draining"
+            case R.ReplicaPlaced():
+                self.replicas[p.replica_id] = ReplicaState(
+                    id=p.replica_id,
+                    model=p.model,
+                    node_id=p.node_id,
+                    state="placed",
+                    spec_hash=p.spec_hash,
+                    profile=p.profile,
+                    source=p.source,
+                    cores=p.cores,
+                    memory_bytes=p.memory_bytes,
+                    gpus=list(p.gpus),
+                    placed_at=at,
+                )
+            case R.ReplicaStarting():
+                r = self.replicas.get(p.replica_id)
+                if r and r.state in ("placed", "starting"):
+                    r.state, r.pid, r.port = "starting", p.pid, p.port
+            case R.ReplicaReady():
+                r = self.replicas.get(p.replica_id)
+                if r and r.state in ("placed", "starting", "ready"):
+                    r.state, r.pid, r.port, r.url = "ready", p.pid, p.port, p.url
+                    m = self.models.get(r.model)
+                    if m and r.spec_hash == m.spec_hash:
+                        m.failures, m.last_failure_at = 0, None
+            case R.ReplicaFailed():
+                r = self.replicas.get(p.replica_id)
+                if r and r.state != "stopped":
+                    was_starting = r.state in ("placed", "starting")
+                    r.state, r.reason, r.log_tail = "failed", p.reason, list(p.log_tail)
+                    m = self.models.get(r.model)
+                    # A lost node is not the model's fault: only start failures count towards parking.
+                    if m and was_starting and not p.reason.startswith("node "):
+                        m.failures += 1
+                        m.last_error = p.reason
+                        m.last_failure_at = at
+            case R.ReplicaStopRequested():
+                r = self.replicas.get(p.replica_id)
+                if r and r.active:
+                    r.state, r.reason = "draining", p.reason
+            case R.ReplicaStopped():
+                r = self.replicas.get(p.replica_id)
+                if r:
+                    r.state, r.reason = "stopped", p.reason or r.reason
+
+    def _model_of(self, event: RecordedEvent) -> ModelState | None:
+        from llmgw.events.subjects import aggregate_of
+
+        _, name = aggregate_of(event.subject)
+        return self.models.get(name)
+
+    def node(self, node_id: str) -> NodeState:
+        n = self.nodes.get(node_id)
+        if n is None:
+            n = self.nodes[node_id] = NodeState(id=node_id)
+        return n
+
+    # -- telemetry ---------------------------------------------------------------------------
+
+    def observe(self, hb: N.NodeHeartbeat, now: float) -> None:
+        n = self.node(hb.node_id)
+        n.heartbeat, n.last_seen = hb, now
+
+    def forget_inactive(self, keep_s: float, now_epoch: float) -> None:
+        """Drop stopped and failed replicas older than ``keep_s``: state stays small on a long-lived leader."""
+        for rid in [
+            r.id
+            for r in self.replicas.values()
+            if not r.active and r.state != "draining" and now_epoch - r.placed_at > keep_s
+        ]:
+            del self.replicas[rid]
+
+    # -- views -------------------------------------------------------------------------------
+
+    def replicas_of(self, model: str) -> list[ReplicaState]:
+        return [r for r in self.replicas.values() if r.model == model]
+
+    def replicas_on(self, node_id: str) -> list[ReplicaState]:
+        return [r for r in self.replicas.values() if r.node_id == node_id]
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / GiB:.1f} GiB"
+
+
+def gib(n: float | None) -> int:
+    return int((n or 0) * GiB)
+
+
+def epoch(dt: datetime) -> float:
+    return dt.timestamp()
