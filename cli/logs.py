@@ -8,7 +8,7 @@ import sys
 import structlog
 
 
-def configure(level: str = "info", json_lines: bool = True) -> None:
+def configure(level: str = "info", json_lines: bool = True, extra: list | None = None) -> None:
     lvl = getattr(logging, level.upper(), logging.INFO)
     logging.basicConfig(stream=sys.stderr, level=lvl, format="%(message)s")
     renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer()
@@ -18,6 +18,7 @@ def configure(level: str = "info", json_lines: bool = True) -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            *(extra or []),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),

@@ -7,15 +7,22 @@ import fcntl
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 
 import click
 
-from llmgw.cli import logs
+from llmgw.cli import (
+    fleet_cmd,  # noqa: F401 - registers `ctl model|nodes|…`
+    logs,
+)
+from llmgw.cli.agent_cmd import LocalAgent, agent, demo_model
+from llmgw.cli.bench import bench
 from llmgw.cli.client import Session, run
 from llmgw.cli.context import RUN_FILE, RunInfo, default_data_dir, write_run_info
 from llmgw.cli.ctl import ctl
 from llmgw.cli.events_cmd import events
+from llmgw.cli.fleet_cmd import load_model_file
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError
 from llmgw.cli.runtime import ALL_SERVICES, ServerConfig, serve
 
@@ -32,8 +39,10 @@ def main(ctx: click.Context, nats: str | None, api: str | None, data_dir: str | 
     ctx.obj = {"nats": nats, "api": api, "data_dir": data_dir}
 
 
+main.add_command(bench)
 main.add_command(ctl)
 main.add_command(events)
+main.add_command(agent)
 
 
 def _install_stop(stop: asyncio.Event) -> None:
@@ -56,6 +65,9 @@ def _install_stop(stop: asyncio.Event) -> None:
     help="Let NATS acknowledge before flushing to disk: faster, but a crash or power loss can lose "
     "acknowledged events. Off by default.",
 )
+@click.option("--catalog", "catalog_file", help="Models declared in a YAML file (edited there, not at runtime).")
+@click.option("--no-demo", is_flag=True, help="Do not serve the SmolLM2 demo model.")
+@click.option("--no-agent", is_flag=True, help="Run no local agent (this machine runs no engines).")
 @click.option("--log-level", default="info", show_default=True)
 @click.pass_context
 def up(
@@ -66,6 +78,9 @@ def up(
     admin_port: int,
     nats_port: int,
     unsafe_no_fsync: bool,
+    catalog_file: str | None,
+    no_demo: bool,
+    no_agent: bool,
     log_level: str,
 ) -> None:
     """Run everything on this machine: embedded NATS, SQLite projections, every service."""
@@ -83,7 +98,12 @@ def up(
         natsd.start()
     except NatsStartError as exc:
         raise click.ClickException(str(exc)) from exc
+    declared = tuple(load_model_file(catalog_file)) if catalog_file else ()
+    demo = None if no_demo else demo_model()
     config = ServerConfig(
+        declared_models=declared,
+        demo_model=demo,
+        demo_marker=str(data_dir / "demo-added"),
         nats_url=natsd.url,
         db_dsn=f"sqlite:///{data_dir / 'projections.db'}",
         host=host,
@@ -121,14 +141,28 @@ def up(
                 await asyncio.sleep(1.0)
 
         watcher = asyncio.create_task(watch_nats())
+        keeper: asyncio.Task | None = None
+
+        def started() -> None:
+            nonlocal keeper
+            if local_agent is not None:
+                local_agent.start()
+                keeper = asyncio.create_task(local_agent.keep_running(stop))
+            ready()
+
         try:
-            await serve(config, stop, on_ready=ready)
+            await serve(config, stop, on_ready=started)
         finally:
             watcher.cancel()
+            if keeper is not None:
+                keeper.cancel()
 
+    local_agent = None if no_agent else LocalAgent(natsd.url, data_dir, socket.gethostname())
     try:
         asyncio.run(supervise())
     finally:
+        if local_agent is not None:
+            local_agent.stop(stop_engines=True)
         (data_dir / RUN_FILE).unlink(missing_ok=True)
         natsd.stop()
         lock.close()
@@ -144,9 +178,18 @@ def up(
 @click.option("--port", default=8080, show_default=True)
 @click.option("--admin-port", default=8081, show_default=True)
 @click.option("--replicas", default=1, show_default=True, help="Stream replicas (3 in a JetStream cluster).")
+@click.option("--catalog", "catalog_file", help="Models declared in a YAML file (edited there, not at runtime).")
 @click.option("--log-level", default="info", show_default=True)
 def server(
-    nats_url: str, db_dsn: str, services: str, host: str, port: int, admin_port: int, replicas: int, log_level: str
+    nats_url: str,
+    db_dsn: str,
+    services: str,
+    host: str,
+    port: int,
+    admin_port: int,
+    replicas: int,
+    catalog_file: str | None,
+    log_level: str,
 ) -> None:
     """Run services against an external NATS and PostgreSQL (the cluster shape)."""
     logs.configure(log_level)
@@ -158,6 +201,7 @@ def server(
         port=port,
         admin_port=admin_port,
         stream_replicas=replicas,
+        declared_models=tuple(load_model_file(catalog_file)) if catalog_file else (),
     )
 
     async def go() -> None:

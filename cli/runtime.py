@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import structlog
@@ -16,19 +17,26 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from llmgw.events.catalog import default_registry
+from llmgw.events.commands import Rejected
 from llmgw.events.metrics import StoreMetrics
+from llmgw.events.models import ModelSpec
 from llmgw.events.store import EventStore
 from llmgw.projections.backends import open_backend
 from llmgw.projections.eventlog import EventLogProjection
+from llmgw.projections.fleet import FleetProjection
 from llmgw.projections.runner import ProjectionRunner
 from llmgw.projections.tenancy import TenancyProjection
 from llmgw.services.api.app import AdminApi
+from llmgw.services.catalog.service import CatalogService
+from llmgw.services.fleet.service import FleetService
 from llmgw.services.router.app import build_gateway_app
+from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
+from llmgw.services.scheduler.service import SchedulerService
 from llmgw.services.tenancy.service import TenancyService
 
 log = structlog.get_logger("llmgw.runtime")
 
-ALL_SERVICES = ("tenancy", "projections", "api", "router")
+ALL_SERVICES = ("tenancy", "catalog", "fleet", "scheduler", "projections", "api", "router")
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,10 +47,14 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 8080
     admin_port: int = 8081
     stream_replicas: int = 1
+    declared_models: tuple[ModelSpec, ...] = ()
+    demo_model: ModelSpec | None = None
+    demo_marker: str | None = None
+    scheduler: SchedulerConfig = SchedulerConfig()
 
 
 def projections() -> list:
-    return [TenancyProjection(), EventLogProjection()]
+    return [TenancyProjection(), EventLogProjection(), FleetProjection()]
 
 
 async def _site(app: web.Application, host: str, port: int) -> web.AppRunner:
@@ -79,6 +91,25 @@ async def serve(config: ServerConfig, stop: asyncio.Event, on_ready: Callable[[]
             processor = TenancyService(store).processor()
             processors.append(processor)
             tasks.append(asyncio.create_task(processor.run(), name="tenancy-commands"))
+        if "catalog" in config.services:
+            catalog = CatalogService(store)
+            try:
+                await catalog.sync_declared(list(config.declared_models))
+            except Rejected as exc:
+                raise SystemExit(f"error: the catalog file is not valid: {exc.reason}") from exc
+            if config.demo_model is not None and config.demo_marker:
+                await catalog.add_once(config.demo_model, Path(config.demo_marker))
+            processor = catalog.processor()
+            processors.append(processor)
+            tasks.append(asyncio.create_task(processor.run(), name="catalog-commands"))
+        if "fleet" in config.services:
+            processor = FleetService(store).processor()
+            processors.append(processor)
+            tasks.append(asyncio.create_task(processor.run(), name="fleet-commands"))
+        if "scheduler" in config.services:
+            scheduler = SchedulerService(store, config=config.scheduler)
+            processors.append(scheduler)
+            tasks.append(asyncio.create_task(scheduler.run(), name="scheduler"))
         if "api" in config.services:
             api = AdminApi(store, backend, runner, registry)
             sites.append(await _site(api.app(), config.host, config.admin_port))

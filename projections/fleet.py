@@ -1,0 +1,261 @@
+"""Nodes, models and replicas as tables: what `ctl nodes|models|replicas` and the API read."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from llmgw.events import models as M
+from llmgw.events import nodes as N
+from llmgw.events import replicas as R
+from llmgw.events import scheduler as SCH
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.subjects import EVENTS_ROOT, aggregate_of
+from llmgw.projections.base import Projection, Tx
+
+
+def spec_hash(spec: M.ModelSpec) -> str:
+    # The same rule as the scheduler's (a replica running an older hash is stale, CAT-5).
+    relevant = (spec.source, spec.profiles, spec.context_length)
+    return hashlib.sha256(msgspec.json.encode(relevant)).hexdigest()[:16]
+
+
+def _json(v: object) -> str:
+    return msgspec.json.encode(v).decode()
+
+
+_NODE_UPSERT = (
+    "INSERT INTO {nodes} (id, address, cpus, memory_total_bytes, gpus, engines, labels, agent_version, state, "
+    "cordoned, draining, cordon_reason, registered_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'ready', 0, 0, '', "
+    "?, ?) ON CONFLICT (id) DO UPDATE SET address = excluded.address, cpus = excluded.cpus, "
+    "memory_total_bytes = excluded.memory_total_bytes, gpus = excluded.gpus, engines = excluded.engines, "
+    "labels = excluded.labels, agent_version = excluded.agent_version, updated_at = excluded.updated_at"
+)
+_MODEL_UPSERT = (
+    "INSERT INTO {models} (name, spec, declared, min_replicas, max_replicas, stopped, parked, failures, last_error, "
+    "unplaceable, spec_hash, updated_at) VALUES (?, ?, ?, ?, ?, 0, NULL, 0, '', NULL, ?, ?) ON CONFLICT (name) DO "
+    "UPDATE SET spec = excluded.spec, declared = excluded.declared, min_replicas = excluded.min_replicas, "
+    "max_replicas = excluded.max_replicas, stopped = 0, parked = NULL, failures = 0, last_error = '', "
+    "unplaceable = NULL, spec_hash = excluded.spec_hash, updated_at = excluded.updated_at"
+)
+_REPLICA_INSERT = (
+    "INSERT INTO {replicas} (id, model, node_id, state, spec_hash, pid, port, url, reason, placed_at, updated_at) "
+    "VALUES (?, ?, ?, 'placed', ?, NULL, NULL, NULL, '', ?, ?) ON CONFLICT (id) DO NOTHING"
+)
+
+
+class FleetProjection(Projection):
+    name = "fleet"
+    subject = f"{EVENTS_ROOT}.>"
+    tables = {
+        "nodes": "id TEXT PRIMARY KEY, address TEXT, cpus INTEGER, memory_total_bytes BIGINT, gpus TEXT, "
+        "engines TEXT, labels TEXT, agent_version TEXT, state TEXT NOT NULL, cordoned INTEGER NOT NULL, "
+        "draining INTEGER NOT NULL, cordon_reason TEXT, registered_at TEXT, updated_at TEXT",
+        "models": "name TEXT PRIMARY KEY, spec TEXT NOT NULL, declared INTEGER NOT NULL, min_replicas INTEGER, "
+        "max_replicas INTEGER, stopped INTEGER NOT NULL, parked TEXT, failures INTEGER NOT NULL, last_error TEXT, "
+        "unplaceable TEXT, spec_hash TEXT, updated_at TEXT",
+        "replicas": "id TEXT PRIMARY KEY, model TEXT NOT NULL, node_id TEXT NOT NULL, state TEXT NOT NULL, "
+        "spec_hash TEXT, pid INTEGER, port INTEGER, url TEXT, reason TEXT, placed_at TEXT, updated_at TEXT",
+    }
+    primary_keys = {"nodes": ["id"], "models": ["name"], "replicas": ["id"]}
+    indexes = {"replicas": [["model"], ["node_id"]]}
+    handlers = {
+        "node.registered": "node_registered",
+        "node.capacity_changed": "node_registered",
+        "node.lost": "node_state",
+        "node.returned": "node_state",
+        "node.cordoned": "node_cordon",
+        "node.uncordoned": "node_cordon",
+        "node.drain_requested": "node_cordon",
+        "model.added": "model_spec",
+        "model.changed": "model_spec",
+        "model.scaled": "model_edit",
+        "model.stopped": "model_edit",
+        "model.started": "model_edit",
+        "model.removed": "model_edit",
+        "model.parked": "model_edit",
+        "model.retried": "model_edit",
+        "scheduler.unplaceable": "model_unplaceable",
+        "replica.placed": "replica_placed",
+        "replica.starting": "replica_state",
+        "replica.ready": "replica_state",
+        "replica.failed": "replica_state",
+        "replica.stop_requested": "replica_state",
+        "replica.stopped": "replica_state",
+    }
+
+    async def node_registered(self, tx: Tx, e: RecordedEvent) -> None:
+        p = e.payload
+        c = p.capacity
+        at = e.envelope.at.isoformat()
+        await tx.execute(
+            _NODE_UPSERT,
+            p.node_id,
+            c.address,
+            c.cpus,
+            c.memory_total_bytes,
+            _json(c.gpus),
+            ",".join(c.engines),
+            _json(c.labels),
+            c.agent_version,
+            at,
+            at,
+        )
+
+    async def node_state(self, tx: Tx, e: RecordedEvent) -> None:
+        state = "lost" if isinstance(e.payload, N.NodeLost) else "ready"
+        await tx.execute(
+            "UPDATE {nodes} SET state = ?, updated_at = ? WHERE id = ?",
+            state,
+            e.envelope.at.isoformat(),
+            e.payload.node_id,
+        )
+
+    async def node_cordon(self, tx: Tx, e: RecordedEvent) -> None:
+        p = e.payload
+        at = e.envelope.at.isoformat()
+        match p:
+            case N.NodeCordoned():
+                sql, args = "cordoned = 1, cordon_reason = ?", [p.reason]
+            case N.NodeDrainRequested():
+                sql, args = "cordoned = 1, draining = 1, cordon_reason = ?", ["draining"]
+            case _:
+                sql, args = "cordoned = 0, draining = 0, cordon_reason = ?", [""]
+        await tx.execute(f"UPDATE {{nodes}} SET {sql}, updated_at = ? WHERE id = ?", *args, at, p.node_id)
+
+    async def model_spec(self, tx: Tx, e: RecordedEvent) -> None:
+        p = e.payload
+        spec = p.spec
+        at = e.envelope.at.isoformat()
+        if isinstance(p, M.ModelAdded):
+            await tx.execute(
+                _MODEL_UPSERT,
+                spec.name,
+                _json(spec),
+                int(p.declared),
+                spec.scaling.min,
+                spec.scaling.upper,
+                spec_hash(spec),
+                at,
+            )
+        else:
+            await tx.execute(
+                "UPDATE {models} SET spec = ?, spec_hash = ?, parked = NULL, failures = 0, updated_at = ? "
+                "WHERE name = ?",
+                _json(spec),
+                spec_hash(spec),
+                at,
+                spec.name,
+            )
+
+    async def model_edit(self, tx: Tx, e: RecordedEvent) -> None:
+        _, name = aggregate_of(e.subject)
+        p = e.payload
+        at = e.envelope.at.isoformat()
+        match p:
+            case M.ModelScaled():
+                await tx.execute(
+                    "UPDATE {models} SET min_replicas = ?, max_replicas = ?, updated_at = ? WHERE name = ?",
+                    p.min,
+                    p.max,
+                    at,
+                    name,
+                )
+            case M.ModelStopped():
+                await tx.execute("UPDATE {models} SET stopped = 1, updated_at = ? WHERE name = ?", at, name)
+            case M.ModelStarted():
+                await tx.execute(
+                    "UPDATE {models} SET stopped = 0, min_replicas = ?, max_replicas = ?, "
+                    "updated_at = ? WHERE name = ?",
+                    p.min,
+                    p.max,
+                    at,
+                    name,
+                )
+            case M.ModelRemoved():
+                await tx.execute("DELETE FROM {models} WHERE name = ?", name)
+            case M.ModelParked():
+                await tx.execute(
+                    "UPDATE {models} SET parked = ?, last_error = ?, updated_at = ? WHERE name = ?",
+                    p.reason,
+                    p.reason,
+                    at,
+                    name,
+                )
+            case M.ModelRetried():
+                await tx.execute(
+                    "UPDATE {models} SET parked = NULL, failures = 0, updated_at = ? WHERE name = ?", at, name
+                )
+
+    async def model_unplaceable(self, tx: Tx, e: RecordedEvent) -> None:
+        p = e.payload
+        if isinstance(p, SCH.PlacementBlocked):
+            await tx.execute(
+                "UPDATE {models} SET unplaceable = ?, updated_at = ? WHERE name = ?",
+                p.reason,
+                e.envelope.at.isoformat(),
+                p.model,
+            )
+
+    async def replica_placed(self, tx: Tx, e: RecordedEvent) -> None:
+        p = e.payload
+        at = e.envelope.at.isoformat()
+        await tx.execute(_REPLICA_INSERT, p.replica_id, p.model, p.node_id, p.spec_hash, at, at)
+        await tx.execute("UPDATE {models} SET unplaceable = NULL WHERE name = ?", p.model)
+
+    async def replica_state(self, tx: Tx, e: RecordedEvent) -> None:
+        p = e.payload
+        at = e.envelope.at.isoformat()
+        row = await tx.fetchone("SELECT state, model FROM {replicas} WHERE id = ?", p.replica_id)
+        if row is None:
+            return
+        state, model = row
+        match p:
+            case R.ReplicaStarting():
+                if state in ("placed", "starting"):
+                    await tx.execute(
+                        "UPDATE {replicas} SET state = 'starting', pid = ?, port = ?, updated_at = ? WHERE id = ?",
+                        p.pid,
+                        p.port,
+                        at,
+                        p.replica_id,
+                    )
+            case R.ReplicaReady():
+                if state in ("placed", "starting", "ready"):
+                    await tx.execute(
+                        "UPDATE {replicas} SET state = 'ready', pid = ?, port = ?, url = ?, "
+                        "updated_at = ? WHERE id = ?",
+                        p.pid,
+                        p.port,
+                        p.url,
+                        at,
+                        p.replica_id,
+                    )
+                    await tx.execute("UPDATE {models} SET failures = 0 WHERE name = ?", model)
+            case R.ReplicaFailed():
+                if state != "stopped":
+                    await tx.execute(
+                        "UPDATE {replicas} SET state = 'failed', reason = ?, updated_at = ? WHERE id = ?",
+                        p.reason,
+                        at,
+                        p.replica_id,
+                    )
+                    if state in ("placed", "starting") and not p.reason.startswith("node "):
+                        await tx.execute(
+                            "UPDATE {models} SET failures = failures + 1, last_error = ? WHERE name = ?",
+                            p.reason,
+                            model,
+                        )
+            case R.ReplicaStopRequested():
+                if state in R.ACTIVE:
+                    await tx.execute(
+                        "UPDATE {replicas} SET state = 'draining', reason = ?, updated_at = ? WHERE id = ?",
+                        p.reason,
+                        at,
+                        p.replica_id,
+                    )
+            case R.ReplicaStopped():
+                await tx.execute(
+                    "UPDATE {replicas} SET state = 'stopped', updated_at = ? WHERE id = ?", at, p.replica_id
+                )
