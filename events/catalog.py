@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from llmgw.events import models, nodes, outcomes, replicas, scheduler, tenancy
+from llmgw.events import access, models, nodes, outcomes, replicas, scheduler, tenancy
 from llmgw.events.registry import EventRegistry, EventType
 
-MODULES = (outcomes, tenancy, models, nodes, replicas, scheduler)
+MODULES = (outcomes, tenancy, access, models, nodes, replicas, scheduler)
 
 
 def all_event_types() -> list[EventType]:
