@@ -107,3 +107,34 @@ class SetBudget(msgspec.Struct, frozen=True, kw_only=True, tag="budget-set", for
 
 
 AccessCommand = CreateKey | RevokeKey | SetLimit | SetPrice | SetBudget
+
+
+# -- the key format, shared by the CLI (which makes keys) and the routers (which check them) ------
+
+KEY_PREFIX = "llmgw"
+
+
+def make_api_key() -> tuple[str, str, str]:
+    """(key, lookup prefix, sha256 of the key). The key is ``llmgw-<8 chars>-<43 chars>``."""
+    import hashlib
+    import secrets
+    import string
+
+    alphabet = string.ascii_lowercase + string.digits
+    prefix = "".join(secrets.choice(alphabet) for _ in range(8))
+    key = f"{KEY_PREFIX}-{prefix}-{secrets.token_urlsafe(32)}"
+    return key, prefix, hashlib.sha256(key.encode()).hexdigest()
+
+
+def key_prefix(key: str) -> str | None:
+    """The lookup prefix of a well-formed key, else None."""
+    parts = key.split("-", 2)
+    if len(parts) != 3 or parts[0] != KEY_PREFIX or len(parts[1]) != 8 or len(parts[2]) < 20:
+        return None
+    return parts[1]
+
+
+def hash_api_key(key: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()
