@@ -195,6 +195,9 @@ class Supervisor:
             )
         threads = choose_threads(p.cpu_cores, self.cfg.llamacpp_threads, self.cpus)
         binary = self.cfg.llama_server_binary or shutil.which("llama-server")
+        # `--embeddings` in a profile's args turns the engine's embeddings endpoint on.
+        embeddings = "--embeddings" in p.args or "--embedding" in p.args
+        extra = [a for a in p.args if a not in ("--embeddings", "--embedding")]
         return llamacpp_launch(
             model_path,
             host=self.cfg.host,
@@ -203,8 +206,9 @@ class Supervisor:
             parallel=p.parallel or 4,
             ctx_size=p.ctx_size or 4096,
             key=key,
-            extra_args=p.args,
+            extra_args=extra,
             alias=placed.model,
+            embeddings=embeddings,
             llama_server_binary=binary,
             python=sys.executable,
         )

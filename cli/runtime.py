@@ -29,7 +29,7 @@ from llmgw.projections.tenancy import TenancyProjection
 from llmgw.services.api.app import AdminApi
 from llmgw.services.catalog.service import CatalogService
 from llmgw.services.fleet.service import FleetService
-from llmgw.services.router.app import build_gateway_app
+from llmgw.services.router.app import Router, RouterConfig
 from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
 from llmgw.services.scheduler.service import SchedulerService
 from llmgw.services.tenancy.service import TenancyService
@@ -51,6 +51,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     demo_model: ModelSpec | None = None
     demo_marker: str | None = None
     scheduler: SchedulerConfig = SchedulerConfig()
+    router: RouterConfig = RouterConfig()
 
 
 def projections() -> list:
@@ -84,6 +85,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event, on_ready: Callable[[]
     tasks: list[asyncio.Task] = []
     sites: list[web.AppRunner] = []
     processors = []
+    routers: list[Router] = []
     try:
         if "projections" in config.services:
             await runner.start()
@@ -114,7 +116,10 @@ async def serve(config: ServerConfig, stop: asyncio.Event, on_ready: Callable[[]
             api = AdminApi(store, backend, runner, registry)
             sites.append(await _site(api.app(), config.host, config.admin_port))
         if "router" in config.services:
-            sites.append(await _site(build_gateway_app(store), config.host, config.port))
+            router = Router(store, config.router, registry=registry)
+            await router.start()
+            routers.append(router)
+            sites.append(await _site(router.app(), config.host, config.port))
         log.info("services started", services=list(config.services), port=config.port, admin_port=config.admin_port)
         if on_ready:
             on_ready()
@@ -128,6 +133,8 @@ async def serve(config: ServerConfig, stop: asyncio.Event, on_ready: Callable[[]
             p.stop()
         for site in sites:
             await site.cleanup()
+        for router in routers:
+            await router.stop()
         for t in tasks:
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -83,8 +83,11 @@ class CatalogService:
         await self.catch_up()
         if spec.name not in self.catalog.models:
             subject = event_subject(M.AGGREGATE, spec.name)
-            await self.store.append(subject, [NewEvent(payload=M.ModelAdded(spec=spec), actor="svc:catalog")],
-                                    expected=await self.store.last_seq(subject))
+            await self.store.append(
+                subject,
+                [NewEvent(payload=M.ModelAdded(spec=spec), actor="svc:catalog")],
+                expected=await self.store.last_seq(subject),
+            )
             log.info("demo model added", model=spec.name, source=spec.source)
         marker.write_text(spec.name + "\n")
         return True

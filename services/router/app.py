@@ -1,18 +1,735 @@
-"""The gateway's HTTP surface. For now health only; the OpenAI-compatible API lands here (GW-1)."""
+"""The gateway: an OpenAI-compatible API in front of the fleet (SPEC GW-1 to GW-8, SCHED-5, SCHED-12).
+
+The request path is a fixed sequence of layers, each able to answer early:
+
+    request id → body → key → model → servable? → limits → budget → replica → proxy → usage
+
+Everything a layer needs is in memory, folded from the log (:mod:`.state`); the only network
+calls on the path are the engine itself and, for scopes with a budget, one compare-and-set on the
+budget book. Usage records and limit gossip leave the path through queues.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
+import hmac
+import random
+import re
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+import msgspec
+import structlog
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
+from llmgw.events import access as A
+from llmgw.events import subjects as S
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.ids import new_id
+from llmgw.events.secrets import engine_key, engine_key_secret
 from llmgw.events.store import EventStore
+from llmgw.events.usage import UsageRecord
+from llmgw.services.router.budgets import BudgetBook, BudgetExceeded, cost, max_cost
+from llmgw.services.router.limits import Level, Limiter
+from llmgw.services.router.metrics import RouterMetrics
+from llmgw.services.router.routing import Affinity, order, prefix_key
+from llmgw.services.router.state import KeyInfo, ModelInfo, ReplicaInfo, RouterState
+from llmgw.services.router.usage import UsagePublisher
+
+log = structlog.get_logger("llmgw.router")
+access_log = structlog.get_logger("llmgw.access")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+_dec = msgspec.json.Decoder()
+_enc = msgspec.json.Encoder()
+GOSSIP_SUBJECT = f"{S.PREFIX}.gossip.limits"
+DEMAND_ROOT = f"{S.PREFIX}.demand"
 
 
-def build_gateway_app(store: EventStore) -> web.Application:
-    async def healthz(request: web.Request) -> web.Response:
-        connected = store.nc.is_connected
-        body = {"status": "ok" if connected else "degraded", "nats": "connected" if connected else "disconnected"}
-        return web.json_response(body, status=200 if connected else 503)
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
+    first_token_s: float = 60.0
+    idle_s: float = 30.0
+    total_s: float = 600.0
+    connect_s: float = 5.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    activation_s: float = 60.0  # how long a request waits for an on-demand replica
+    default_max_tokens: int = 4096  # what a request without max_tokens may cost, for budgets
+    saturation: int = 4  # in-flight requests at which prefix affinity lets go (llama.cpp slots)
+    gossip_s: float = 0.1
+    max_attempts: int = 3
 
-    app = web.Application()
-    app.router.add_get("/healthz", healthz)
-    return app
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape."""
+
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+    }
+
+    def __init__(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+        self.status = status
+        self.message = message
+        self.code = code
+        self.headers = headers or {}
+        super().__init__(message)
+
+    def response(self, request_id: str) -> web.Response:
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "api_error"),
+                "param": None,
+                "code": self.code,
+            }
+        }
+        headers = {"x-request-id": request_id, **self.headers}
+        return web.Response(
+            body=_enc.encode(body), status=self.status, headers=headers, content_type="application/json"
+        )
+
+
+class Call(msgspec.Struct, kw_only=True):
+    """One request's facts, filled in layer by layer, ending as its usage record."""
+
+    request_id: str
+    started: float
+    at: datetime
+    endpoint: str
+    key: KeyInfo | None = None
+    model_asked: str = ""
+    model: ModelInfo | None = None
+    replica: ReplicaInfo | None = None
+    stream: bool = False
+    status: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    queue_s: float = 0.0
+    ttft_s: float | None = None
+    error: str | None = None
+    levels: list[Level] = []
+    holds: list[tuple[str, str, float]] = []  # (scope, period, usd) reserved
+    cost_usd: float = 0.0
+
+
+class Router:
+    def __init__(
+        self,
+        store: EventStore,
+        cfg: RouterConfig | None = None,
+        registry: CollectorRegistry | None = None,
+        instance: str | None = None,
+    ) -> None:
+        self.store = store
+        self.cfg = cfg or RouterConfig()
+        self.instance = instance or f"router-{new_id()[-12:]}"
+        self.state = RouterState()
+        self.limiter = Limiter()
+        self.affinity = Affinity()
+        self.metrics = RouterMetrics(registry)
+        self.usage = UsagePublisher(store.js)
+        self.budgets = BudgetBook(store.js)
+        self.outstanding: dict[str, int] = {}
+        self._secret = b""
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._gossip: dict[str, list[int]] = {}  # scope -> [requests, tokens] admitted here since last sync
+        self._demand_sent: dict[str, float] = {}
+        self._caught_up = asyncio.Event()
+        self._rng = random.Random()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._secret = await engine_key_secret(self.store.js)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            auto_decompress=False,
+        )
+        self.usage.start()
+        target = await self.store.stream_last_seq()
+        self._tasks.append(asyncio.create_task(self._follow(target), name="router-follow"))
+        self._tasks.append(asyncio.create_task(self._gossip_loop(), name="router-gossip"))
+        await self.store.nc.subscribe(GOSSIP_SUBJECT, cb=self._on_gossip)
+        await asyncio.wait_for(self._caught_up.wait(), 60)
+        # Start-up objects live as long as the process: keep them out of every collection, so the
+        # collector only ever walks per-request garbage (LiteLLM's p99 was full collections).
+        gc.collect()
+        gc.freeze()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        with contextlib.suppress(Exception):
+            await self.usage.flush()
+        if self._session:
+            await self._session.close()
+
+    async def _follow(self, target: int) -> None:
+        if target == 0:
+            self._caught_up.set()
+        async for batch in self.store.subscribe(f"{S.EVENTS_ROOT}.>", after=0, follow=True):
+            for e in batch:
+                if isinstance(e, RecordedEvent):
+                    self.state.apply(e)
+                else:
+                    self.state.position = max(self.state.position, e.seq)
+            if self.state.position >= target:
+                self._caught_up.set()
+
+    # -- limit gossip ------------------------------------------------------------------------
+
+    async def _gossip_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.gossip_s)
+            if not self._gossip:
+                continue
+            deltas, self._gossip = self._gossip, {}
+            msg = {"from": self.instance, "at": time.time(), "deltas": deltas}
+            with contextlib.suppress(Exception):
+                await self.store.nc.publish(GOSSIP_SUBJECT, _enc.encode(msg))
+
+    async def _on_gossip(self, msg: Any) -> None:
+        try:
+            body = _dec.decode(msg.data)
+            if body.get("from") == self.instance:
+                return
+            at = float(body["at"])
+            for scope, (reqs, toks) in body["deltas"].items():
+                self.limiter.merge(scope, at, int(reqs), int(toks))
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+            log.warning("malformed limit gossip ignored")
+
+    def _note(self, levels: list[Level], requests: int, tokens: int) -> None:
+        for lv in levels:
+            entry = self._gossip.setdefault(lv.scope, [0, 0])
+            entry[0] += requests
+            entry[1] += tokens
+
+    # -- the app -----------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        return app
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        ok = self.store.nc.is_connected and self._caught_up.is_set()
+        body = {
+            "status": "ok" if ok else "degraded",
+            "nats": "connected" if self.store.nc.is_connected else "disconnected",
+            "models": len(self.state.models),
+        }
+        return web.json_response(body, status=200 if ok else 503)
+
+    def _request_id(self, request: web.Request) -> str:
+        given = request.headers.get("x-request-id")
+        return given if given and _REQUEST_ID.match(given) else new_id()
+
+    def _authenticate(self, request: web.Request) -> KeyInfo:
+        auth = request.headers.get("authorization", "")
+        if not auth.lower().startswith("bearer "):
+            raise ApiError(
+                401,
+                "no API key: send `Authorization: Bearer <key>` (make one with "
+                "`llmgw ctl key create --project ORG/TEAM/PROJECT`)",
+                "missing_api_key",
+            )
+        secret = auth[7:].strip()
+        prefix = A.key_prefix(secret)
+        key = self.state.keys.get(prefix) if prefix else None
+        if key is None or not hmac.compare_digest(key.secret_sha256, A.hash_api_key(secret)):
+            raise ApiError(401, "invalid API key: it is unknown or was revoked", "invalid_api_key")
+        if key.expires_at is not None and key.expires_at <= time.time():
+            raise ApiError(401, f"API key {key.prefix} expired; make a new one", "expired_api_key")
+        return key
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        rid = self._request_id(request)
+        try:
+            key = self._authenticate(request)
+        except ApiError as exc:
+            return exc.response(rid)
+        data = []
+        for m in sorted(self.state.models.values(), key=lambda m: m.name):
+            if key.models and m.name not in key.models:
+                continue
+            data.append(
+                {"id": m.name, "object": "model", "created": 0, "owned_by": "llmgw", "aliases": list(m.spec.aliases)}
+            )
+        return web.json_response({"object": "list", "data": data}, headers={"x-request-id": rid})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/chat/completions")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/completions")
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/embeddings")
+
+    # -- one request -------------------------------------------------------------------------
+
+    async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        call = Call(
+            request_id=self._request_id(request), started=time.monotonic(), at=datetime.now(UTC), endpoint=endpoint
+        )
+        response: web.StreamResponse | None = None
+        try:
+            body, raw = await self._body(request, endpoint)
+            call.key = self._authenticate(request)
+            call.model_asked = body["model"]
+            call.stream = bool(body.get("stream", False))
+            model = self._model(call.key, call.model_asked)
+            call.model = model
+            prompt = _prompt_text(body, endpoint)
+            call.tokens_in = max(1, len(prompt) // 4)  # an estimate until the engine counts
+            limit_headers = self._limits(call, body)
+            await self._reserve(call, body)
+            response = await self._route(request, call, body, raw, prompt, limit_headers)
+            return response
+        except ApiError as exc:
+            call.status, call.error = exc.status, exc.message
+            return exc.response(call.request_id)
+        except (asyncio.CancelledError, ConnectionResetError):
+            call.status = 499
+            raise
+        except Exception as exc:
+            log.exception("request failed", request_id=call.request_id)
+            call.status, call.error = 500, f"internal error: {exc}"
+            return ApiError(
+                500,
+                f"internal error in the gateway ({type(exc).__name__}); request id "
+                f"{call.request_id} is in the gateway's log",
+                "internal_error",
+            ).response(call.request_id)
+        finally:
+            await self._finish(call)
+
+    async def _body(self, request: web.Request, endpoint: str) -> tuple[dict[str, Any], bytes]:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise ApiError(
+                413, f"request body is larger than {self.cfg.max_body_bytes} bytes", "body_too_large"
+            ) from exc
+        try:
+            body = _dec.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}", "invalid_json") from exc
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object", "invalid_body")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "`model` is required and must be a string", "invalid_model")
+        need = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}[endpoint]
+        value = body.get(need)
+        if endpoint == "/v1/chat/completions":
+            if not isinstance(value, list) or not value or not all(isinstance(m, dict) for m in value):
+                raise ApiError(400, "`messages` must be a non-empty list of message objects", "invalid_messages")
+        elif not isinstance(value, str | list) or (isinstance(value, list) and not value):
+            raise ApiError(400, f"`{need}` must be a string or a non-empty list", f"invalid_{need}")
+        if "stream" in body and not isinstance(body["stream"], bool):
+            raise ApiError(400, "`stream` must be true or false", "invalid_stream")
+        for field in ("max_tokens", "max_completion_tokens"):
+            v = body.get(field)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ApiError(400, f"`{field}` must be a positive integer", f"invalid_{field}")
+        return body, raw
+
+    def _model(self, key: KeyInfo, asked: str) -> ModelInfo:
+        model = self.state.resolve(asked)
+        if model is None:
+            names = ", ".join(sorted(m for m in self.state.models if not key.models or m in key.models)[:20])
+            raise ApiError(
+                404, f"model {asked!r} does not exist" + (f" (models: {names})" if names else ""), "model_not_found"
+            )
+        if key.models and model.name not in key.models and asked not in key.models:
+            raise ApiError(
+                403,
+                f"this key may not use model {model.name} (allowed: {', '.join(sorted(key.models))})",
+                "model_not_allowed",
+            )
+        return model
+
+    def _limits(self, call: Call, body: dict[str, Any]) -> dict[str, str]:
+        key = call.key
+        assert key is not None
+        levels = []
+        for scope in self.state.scopes_of(key):
+            lim = self.state.limits.get(scope)
+            if lim and (lim[0] is not None or lim[1] is not None):
+                levels.append(Level(scope=scope, rpm=lim[0], tpm=lim[1]))
+        if not levels:
+            return {}
+        now = time.time()
+        verdict = self.limiter.check(levels, now, call.tokens_in)
+        if not verdict.allowed:
+            raise ApiError(
+                429, verdict.reason, "rate_limited", {"retry-after": str(verdict.retry_after_s), **verdict.headers}
+            )
+        self.limiter.admit(levels, now)
+        self._note(levels, 1, 0)
+        call.levels = levels
+        return verdict.headers
+
+    async def _reserve(self, call: Call, body: dict[str, Any]) -> None:
+        assert call.key is not None and call.model is not None
+        price = self.state.prices.get(call.model.name)
+        if price is None:
+            return
+        scopes = [s for s in self.state.scopes_of(call.key) if s in self.state.budgets]
+        if not scopes:
+            return
+        out = (
+            body.get("max_tokens")
+            or body.get("max_completion_tokens")
+            or call.model.spec.max_output
+            or self.cfg.default_max_tokens
+        )
+        amount = max_cost(call.tokens_in * 2, int(out), price.input_usd_per_m, price.output_usd_per_m)
+        for scope in scopes:
+            b = self.state.budgets[scope]
+            try:
+                await self.budgets.reserve(scope, b.usd, b.period, call.request_id, amount)
+            except BudgetExceeded as exc:
+                raise ApiError(429, str(exc), "budget_exceeded", {"retry-after": "3600"}) from exc
+            call.holds.append((scope, b.period, amount))
+
+    # -- choosing a replica and proxying -------------------------------------------------------
+
+    def _demand(self, model: str) -> None:
+        """Tell the scheduler someone wants this model (on-demand start; fresh placement attempt)."""
+        now = time.monotonic()
+        if now - self._demand_sent.get(model, 0.0) < 1.0:
+            return
+        self._demand_sent[model] = now
+        task = asyncio.ensure_future(self.store.nc.publish(f"{DEMAND_ROOT}.{S.encode_token(model)}", b""))
+        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+    async def _replicas(self, call: Call, model: ModelInfo) -> list[ReplicaInfo]:
+        if model.stopped:
+            raise ApiError(503, f"model {model.name} was stopped by an administrator", "model_stopped")
+        if model.parked:
+            self._demand(model.name)
+            raise ApiError(
+                503,
+                f"model {model.name} is parked: {model.parked}; an administrator can "
+                f"`llmgw ctl retry {model.name}` once it is fixed",
+                "model_parked",
+            )
+        ready = self.state.ready(model.name)
+        if model.on_demand or ready:
+            self._demand(model.name)  # keeps an on-demand replica from going idle
+        if ready:
+            return ready
+        starting = self.state.starting(model.name)
+        if model.unplaceable and not starting:
+            self._demand(model.name)
+            raise ApiError(503, f"model {model.name} cannot be placed: {model.unplaceable}", "model_unplaceable")
+        if not model.on_demand and not starting:
+            self._demand(model.name)
+            raise ApiError(
+                503, f"model {model.name} has no ready replica and none is starting", "no_replica", {"retry-after": "5"}
+            )
+        # Hold the request until a replica is ready, within the activation window.
+        t0 = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.state.ready_event(model.name).wait(), self.cfg.activation_s)
+        call.queue_s += time.monotonic() - t0
+        ready = self.state.ready(model.name)
+        if not ready:
+            raise ApiError(
+                503,
+                f"model {model.name} has no ready replica yet ({self.state.starting(model.name)} "
+                "starting); retry shortly",
+                "model_starting",
+                {"retry-after": "10"},
+            )
+        return ready
+
+    async def _route(
+        self,
+        request: web.Request,
+        call: Call,
+        body: dict[str, Any],
+        raw: bytes,
+        prompt: str,
+        limit_headers: dict[str, str],
+    ) -> web.StreamResponse:
+        assert call.model is not None
+        models = [call.model] + [m for m in (self.state.resolve(f) for f in call.model.spec.fallbacks) if m]
+        last: ApiError | None = None
+        payload = raw
+        if call.stream:
+            # Always ask the engine for usage, so every streamed request is counted.
+            body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
+            payload = _enc.encode(body)
+        pkey = prefix_key(prompt)
+        for model in models:
+            try:
+                replicas = await self._replicas(call, model)
+            except ApiError as exc:
+                last = exc
+                continue
+            preferred = self.affinity.get(pkey)
+            ranked = order(replicas, self.outstanding, preferred, self.cfg.saturation, self._rng.getrandbits(16))
+            for attempt, replica in enumerate(ranked[: self.cfg.max_attempts]):
+                if attempt:
+                    self.metrics.retries.labels(model=model.name).inc()
+                call.replica, call.model = replica, model
+                try:
+                    resp = await self._proxy(request, call, replica, payload, limit_headers)
+                except _RetryElsewhere as exc:
+                    last = ApiError(502, f"replica {replica.replica_id} of {model.name} failed: {exc}", "engine_error")
+                    continue
+                self.affinity.put(pkey, replica.replica_id)
+                return resp
+        raise last or ApiError(502, "no replica could answer", "engine_error")
+
+    async def _proxy(
+        self, request: web.Request, call: Call, replica: ReplicaInfo, payload: bytes, limit_headers: dict[str, str]
+    ) -> web.StreamResponse:
+        assert self._session is not None and replica.url
+        headers = {
+            "Authorization": f"Bearer {engine_key(self._secret, replica.replica_id)}",
+            "Content-Type": "application/json",
+            "X-Request-Id": call.request_id,
+        }
+        rid = replica.replica_id
+        self.outstanding[rid] = self.outstanding.get(rid, 0) + 1
+        gauge = self.metrics.in_flight.labels(model=replica.model, replica=rid)
+        gauge.inc()
+        try:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_s)
+            try:
+                upstream_cm = self._session.post(
+                    replica.url + call.endpoint, data=payload, headers=headers, timeout=timeout
+                )
+                async with asyncio.timeout(self.cfg.first_token_s):
+                    upstream = await upstream_cm.__aenter__()
+            except TimeoutError as exc:
+                raise ApiError(
+                    504,
+                    f"replica {rid} did not answer within {self.cfg.first_token_s:.0f}s (first_token timeout)",
+                    "timeout_first_token",
+                ) from exc
+            except (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError, OSError) as exc:
+                raise _RetryElsewhere(str(exc) or type(exc).__name__) from exc
+            try:
+                if upstream.status >= 500:
+                    text = (await upstream.read())[:300].decode(errors="replace")
+                    raise _RetryElsewhere(f"engine answered {upstream.status}: {text}")
+                if call.stream and upstream.status == 200:
+                    return await self._stream(request, call, upstream, limit_headers)
+                return await self._whole(call, upstream, limit_headers)
+            finally:
+                await upstream_cm.__aexit__(None, None, None)
+        finally:
+            self.outstanding[rid] -= 1
+            gauge.dec()
+
+    async def _whole(self, call: Call, upstream: aiohttp.ClientResponse, limit_headers: dict[str, str]) -> web.Response:
+        try:
+            async with asyncio.timeout(self.cfg.total_s):
+                data = await upstream.read()
+        except TimeoutError as exc:
+            raise ApiError(
+                504, f"the engine did not finish within {self.cfg.total_s:.0f}s (total timeout)", "timeout_total"
+            ) from exc
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            raise ApiError(502, f"the engine failed mid-answer: {exc}", "engine_error") from exc
+        call.status = upstream.status
+        if upstream.status == 200:
+            _count(call, data)
+        elif upstream.status >= 400:
+            call.error = data[:300].decode(errors="replace")
+        call.ttft_s = time.monotonic() - call.started
+        headers = {"x-request-id": call.request_id, **limit_headers}
+        return web.Response(
+            body=data, status=upstream.status, headers=headers, content_type=upstream.content_type or "application/json"
+        )
+
+    async def _stream(
+        self, request: web.Request, call: Call, upstream: aiohttp.ClientResponse, limit_headers: dict[str, str]
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "x-request-id": call.request_id,
+                **limit_headers,
+            },
+        )
+        content = upstream.content
+        try:
+            async with asyncio.timeout(self.cfg.first_token_s):
+                first = await content.readline()
+        except TimeoutError as exc:
+            raise ApiError(
+                504, f"no first token within {self.cfg.first_token_s:.0f}s (first_token timeout)", "timeout_first_token"
+            ) from exc
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            raise _RetryElsewhere(f"the engine closed before its first byte: {exc}") from exc
+        if not first:
+            raise _RetryElsewhere("the engine closed before its first byte")
+        call.status = 200
+        await resp.prepare(request)
+        call.ttft_s = time.monotonic() - call.started
+        deadline = call.started + self.cfg.total_s
+        line = first
+        try:
+            while line:
+                if line.startswith(b"data: {"):
+                    if b'"usage"' in line:
+                        _count_chunk(call, line)
+                    elif b'"content"' in line or b'"text"' in line:
+                        call.tokens_out += 1  # one chunk per token, until the usage chunk says exactly
+                await resp.write(line)
+                idle = min(self.cfg.idle_s, deadline - time.monotonic())
+                if idle <= 0:
+                    call.status, call.error = 504, "total timeout mid-stream"
+                    break
+                try:
+                    async with asyncio.timeout(idle):
+                        line = await content.readline()
+                except TimeoutError:
+                    call.status, call.error = 504, f"no token for {self.cfg.idle_s:.0f}s (idle timeout)"
+                    break
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
+            # The client went away: leaving this block closes the engine connection, which stops its work.
+            call.status, call.error = 499, "client closed the connection mid-stream"
+            raise
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            call.status, call.error = 502, f"the engine failed mid-stream: {exc}"
+        with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
+            await resp.write_eof()
+        return resp
+
+    # -- after -------------------------------------------------------------------------------
+
+    async def _finish(self, call: Call) -> None:
+        now = time.time()
+        model = call.model.name if call.model else "unknown"
+        price = self.state.prices.get(model) if call.model else None
+        if price is not None and call.status in (200, 499, 504, 502):
+            call.cost_usd = cost(call.tokens_in, call.tokens_out, price.input_usd_per_m, price.output_usd_per_m)
+        for scope, period, _amount in call.holds:
+            try:
+                await self.budgets.settle(scope, period, call.request_id, call.cost_usd, now)
+            except Exception:
+                log.exception("budget settle failed; the hold expires on its own", scope=scope)
+        if call.levels and (call.tokens_in or call.tokens_out):
+            self.limiter.spend_tokens(call.levels, now, call.tokens_in + call.tokens_out)
+            self._note(call.levels, 0, call.tokens_in + call.tokens_out)
+        total = time.monotonic() - call.started
+        key = call.key
+        project = key.project_id if key else None
+        scopes = self.state.scopes_of(key) if key else []
+        team = next((s.split(":", 1)[1] for s in scopes if s.startswith("team:")), None)
+        org = next((s.split(":", 1)[1] for s in scopes if s.startswith("org:")), None)
+        record = UsageRecord(
+            request_id=call.request_id,
+            at=call.at,
+            status=call.status or 500,
+            key_id=key.key_id if key else None,
+            project_id=project,
+            team_id=team,
+            org_id=org,
+            user=key.user if key else None,
+            model_asked=call.model_asked,
+            model_served=model if call.model else None,
+            replica_id=call.replica.replica_id if call.replica else None,
+            node_id=call.replica.node_id if call.replica else None,
+            endpoint=call.endpoint,
+            stream=call.stream,
+            tokens_in=call.tokens_in if call.status in (200, 499) else 0,
+            tokens_out=call.tokens_out,
+            queue_s=round(call.queue_s, 6),
+            ttft_s=round(call.ttft_s, 6) if call.ttft_s is not None else None,
+            total_s=round(total, 6),
+            cost_usd=round(call.cost_usd, 8),
+            error=call.error,
+            router=self.instance,
+        )
+        if key is not None:
+            self.usage.put(record)  # unauthenticated noise is logged, not billed
+        access_log.info(
+            "request",
+            request_id=call.request_id,
+            model_asked=call.model_asked,
+            model_served=record.model_served,
+            replica=record.replica_id,
+            status=record.status,
+            queue_s=record.queue_s,
+            ttft_s=record.ttft_s,
+            total_s=record.total_s,
+            tokens_in=record.tokens_in,
+            tokens_out=record.tokens_out,
+            key=key.prefix if key else None,
+            project=project,
+            user=record.user,
+        )
+        label = model if call.model else "unknown"
+        self.metrics.requests.labels(model=label, status=str(record.status)).inc()
+        self.metrics.latency.labels(model=label).observe(total)
+        if call.ttft_s is not None and call.stream:
+            self.metrics.ttft.labels(model=label).observe(call.ttft_s)
+        if record.tokens_in:
+            self.metrics.tokens.labels(model=label, direction="in").inc(record.tokens_in)
+        if record.tokens_out:
+            self.metrics.tokens.labels(model=label, direction="out").inc(record.tokens_out)
+
+
+class _RetryElsewhere(Exception):
+    """The replica failed before the first byte reached the client: another may be tried."""
+
+
+def _prompt_text(body: dict[str, Any], endpoint: str) -> str:
+    if endpoint == "/v1/chat/completions":
+        parts = []
+        for m in body.get("messages", []):
+            c = m.get("content")
+            if isinstance(c, str):
+                parts.append(c)
+            elif isinstance(c, list):
+                parts.extend(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return "\n".join(parts)
+    value = body.get("prompt" if endpoint == "/v1/completions" else "input")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "\n".join(v for v in value if isinstance(v, str))
+    return ""
+
+
+def _count(call: Call, data: bytes) -> None:
+    with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
+        usage = _dec.decode(data).get("usage") or {}
+        call.tokens_in = int(usage.get("prompt_tokens", call.tokens_in) or 0)
+        call.tokens_out = int(usage.get("completion_tokens", 0) or 0)
+
+
+def _count_chunk(call: Call, line: bytes) -> None:
+    with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError, ValueError):
+        usage = _dec.decode(line[6:]).get("usage")
+        if usage:
+            call.tokens_in = int(usage.get("prompt_tokens", call.tokens_in) or 0)
+            call.tokens_out = int(usage.get("completion_tokens", call.tokens_out) or 0)

@@ -26,6 +26,17 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     backoff_base_s: float = 2.0
     backoff_cap_s: float = 300.0
     stop_grace_s: float = 30.0
+    idle_s: float = 300.0  # an on-demand model's replica stops after this long without a request
+
+
+def wanted_replicas(m: ModelState, demand_at: float | None, now_epoch: float, cfg: Config) -> tuple[int, int]:
+    """(min, max) to hold now. An on-demand model (min 0) holds one replica while requests come,
+    and none once it has been idle for ``idle_s`` (SCHED-12)."""
+    if m.min > 0:
+        return m.min, max(m.max, m.min)
+    if demand_at is not None and now_epoch - demand_at < cfg.idle_s:
+        return 1, max(m.max, 1)
+    return 0, 0
 
 
 class Clock(msgspec.Struct, frozen=True, kw_only=True):
@@ -248,7 +259,7 @@ def _model(
             grace_s = state.nodes[r.node_id].drain_grace_s
             out.append(Stop(replica_id=r.id, reason=f"node {r.node_id} drained", grace_s=grace_s))
 
-    upper = max(m.max, m.min)
+    lower, upper = wanted_replicas(m, state.demand.get(m.name), clock.epoch, cfg)
     if len(staying) > upper:
         # Scale down: not-yet-ready replicas first, then those on the busiest nodes, newest first.
         per_node: dict[str, int] = {}
@@ -256,10 +267,15 @@ def _model(
             per_node[r.node_id] = per_node.get(r.node_id, 0) + 1
         order = sorted(staying, key=lambda r: (r.state == "ready", -per_node[r.node_id], -r.placed_at, r.id))
         for r in order[: len(staying) - upper]:
-            out.append(Stop(replica_id=r.id, reason=f"model {m.name} scaled to max {upper}", grace_s=grace))
+            why = (
+                f"idle on-demand model {m.name}: no request for {cfg.idle_s:.0f}s"
+                if m.min == 0 and upper == 0
+                else f"model {m.name} scaled to max {upper}"
+            )
+            out.append(Stop(replica_id=r.id, reason=why, grace_s=grace))
         return out
 
-    missing = m.min - len(staying)
+    missing = lower - len(staying)
     if missing <= 0:
         return out
     if m.failures and m.last_failure_at is not None:

@@ -89,6 +89,7 @@ class SchedulerService:
             asyncio.create_task(self._follow_events(), name="scheduler-events"),
             asyncio.create_task(self._follow_heartbeats(), name="scheduler-heartbeats"),
             asyncio.create_task(self._serve_explain(), name="scheduler-explain"),
+            asyncio.create_task(self._follow_demand(), name="scheduler-demand"),
             asyncio.create_task(self._lead(), name="scheduler-lead"),
         ]
         try:
@@ -299,6 +300,27 @@ class SchedulerService:
                         add(M.AGGREGATE, d.model, SCH.PlacementBlocked(model=d.model, reason=d.reason, wanted=d.wanted))
                         log.warning("no placement", model=d.model, reason=d.reason, wanted=d.wanted)
         return out
+
+    async def _follow_demand(self) -> None:
+        """Routers say when a model is asked for: an on-demand model gets a replica, and every request
+        for an unservable model triggers a fresh pass (SCHED-5, SCHED-12)."""
+
+        async def on_msg(msg: object) -> None:
+            token = msg.subject.rsplit(".", 1)[1]  # type: ignore[attr-defined]
+            with contextlib.suppress(ValueError):
+                model = S.decode_token(token)
+                first = model not in self.state.demand
+                self.state.demand[model] = time.time()
+                m = self.state.models.get(model)
+                if first or (m is not None and (m.min == 0 or m.parked is None)):
+                    self._wake.set()
+
+        sub = await self.store.nc.subscribe(f"{S.PREFIX}.demand.*", cb=on_msg)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     # -- explain -----------------------------------------------------------------------------
 

@@ -95,6 +95,7 @@ class ClusterState:
         self.models: dict[str, ModelState] = {}
         self.replicas: dict[str, ReplicaState] = {}
         self.position = 0
+        self.demand: dict[str, float] = {}  # model -> epoch of the last request a router saw (on demand)
 
     # -- fold of durable events ---------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The tenancy service: owns the tenancy tree aggregate and handles its commands.
 
 Thin I/O around :mod:`.tree`: catch the folded tree up with the log, decide (pure), append with
-the tree's expected sequence; on a conflict, catch up and decide again.
+the tree's expected sequence; on a conflict, catch up and decide again. The service also folds
+the key events (``llmgw.evt.key.>``), so a project that still holds live keys is not deleted.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import msgspec
 import structlog
 
+from llmgw.events import access as A
 from llmgw.events import tenancy as T
 from llmgw.events.commands import Accepted, Command, CommandProcessor, Rejected
+from llmgw.events.envelope import RecordedEvent
 from llmgw.events.store import AppendConflict, EventStore, NewEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.subjects import EVENTS_ROOT, event_subject
 from llmgw.services.tenancy.tree import TenancyTree, decide
 
 log = structlog.get_logger("llmgw.services.tenancy")
@@ -25,8 +28,18 @@ class TenancyService:
         self.store = store
         self.tree = TenancyTree()
         self.subject = event_subject(T.AGGREGATE, T.TREE_ID)
+        self.keys_subject = f"{EVENTS_ROOT}.{A.KEY_AGGREGATE}.>"
 
     async def catch_up(self) -> None:
+        # A key is created only while the tree is unchanged (the access service fences on it), so a key
+        # for a project deleted meanwhile is refused; a key created between this read and the delete's
+        # append is the one race left, milliseconds wide (docs/decisions.md).
+        async for batch in self.store.subscribe(self.keys_subject, after=self.tree.keys_seq, follow=False):
+            for event in batch:
+                if isinstance(event, RecordedEvent):
+                    self.tree.apply_key(event)
+                else:  # quarantined: move past it
+                    self.tree.keys_seq = max(self.tree.keys_seq, event.seq)
         for event in await self.store.read(self.subject, after=self.tree.last_seq):
             self.tree.apply(event)
 

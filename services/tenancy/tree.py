@@ -3,6 +3,10 @@
 Organisations hold teams; teams hold projects. A scope is named by its path (``acme``,
 ``acme/ml``, ``acme/ml/chat``) or its id; renames keep ids, so keys and quotas that name a
 scope by id survive a rename.
+
+The tree also folds ``key.created`` and ``key.revoked`` (:meth:`TenancyTree.apply_key`) into each
+project's live keys, so a project that still holds keys is not deleted. Key events live on their
+own subjects and never move :attr:`TenancyTree.last_seq`, the tree's expected sequence.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import re
 
 import msgspec
 
+from llmgw.events import access as A
 from llmgw.events import tenancy as T
 from llmgw.events.commands import Rejected
 from llmgw.events.envelope import RecordedEvent
@@ -36,6 +41,9 @@ class TenancyTree:
         self.scopes: dict[str, Scope] = {}
         self.last_seq = 0
         self.applied_commands: dict[str, int] = {}
+        self.live_keys: dict[str, dict[str, str]] = {}  # project id -> {key id: name (or id)}
+        self.key_projects: dict[str, str] = {}  # key id -> project id
+        self.keys_seq = 0  # position in the key events folded so far
 
     # -- fold --------------------------------------------------------------------------------
 
@@ -56,6 +64,21 @@ class TenancyTree:
         if event.envelope.causation:
             self.applied_commands[event.envelope.causation] = event.seq
         self.last_seq = max(self.last_seq, event.seq)
+
+    def apply_key(self, event: RecordedEvent) -> None:
+        """Fold a key event into its project's live keys (other events only move :attr:`keys_seq`)."""
+        p = event.payload
+        match p:
+            case A.KeyCreated():
+                self.key_projects[p.key_id] = p.project_id
+                self.live_keys.setdefault(p.project_id, {})[p.key_id] = p.name or p.key_id
+            case A.KeyRevoked():
+                project_id = self.key_projects.get(p.key_id)
+                keys = self.live_keys.get(project_id or "", {})
+                keys.pop(p.key_id, None)
+                if project_id is not None and not keys:
+                    self.live_keys.pop(project_id, None)
+        self.keys_seq = max(self.keys_seq, event.seq)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -190,6 +213,17 @@ def decide_delete(tree: TenancyTree, kind: str, path: str) -> list[msgspec.Struc
             f"{kind} {tree.path(scope)} still holds {len(children)} {what}{plural} ({names}); "
             f"delete {'them' if plural else 'it'} first",
             "not_empty",
+        )
+    keys = tree.live_keys.get(scope.id, {})
+    if keys:
+        names = sorted(keys.values())
+        shown = ", ".join(names[:10]) + (" …" if len(names) > 10 else "")
+        plural = "s" if len(names) != 1 else ""
+        where = tree.path(scope)
+        raise Rejected(
+            f"{kind} {where} still holds {len(names)} key{plural} ({shown}); revoke {'them' if plural else 'it'} "
+            f"first (`llmgw ctl key list --project {where}`, `llmgw ctl key revoke ID`)",
+            "has_keys",
         )
     if kind == "org":
         return [T.OrgDeleted(org_id=scope.id, name=scope.name)]

@@ -1,0 +1,120 @@
+"""Budgets (SPEC GW-5): reserve a request's maximum cost before it runs, settle on completion.
+
+The book lives in a JetStream KV bucket (``llmgw_budgets``), one entry per scope and period, updated
+by compare-and-set; so any number of routers share it and concurrent or streaming requests cannot
+take a scope past its budget: a request is admitted only if what is spent plus what is held by
+requests still running plus its own maximum fits. A hold whose router died expires after
+``hold_ttl_s`` so a crash cannot freeze a budget.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+import msgspec
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+
+BUCKET = "llmgw_budgets"
+
+
+class Entry(msgspec.Struct, kw_only=True):
+    spent: float = 0.0
+    holds: dict[str, tuple[float, float]] = {}  # request id -> (usd, expires epoch)
+
+
+class BudgetExceeded(Exception):
+    def __init__(self, scope: str, budget: float, period: str, spent: float, held: float, need: float) -> None:
+        self.scope = scope
+        super().__init__(
+            f"{scope} has spent ${spent:.4f} of its ${budget:.2f} {period} budget (${held:.4f} held by running "
+            f"requests); this request may cost up to ${need:.4f}: lower max_tokens, raise the budget, or wait for "
+            "the next period"
+        )
+
+
+def period_key(period: str, now: float) -> str:
+    t = datetime.fromtimestamp(now, UTC)
+    return t.strftime("%Y-%m-%d") if period == "day" else t.strftime("%Y-%m")
+
+
+def max_cost(tokens_in: int, max_tokens: int, input_per_m: float, output_per_m: float) -> float:
+    return (tokens_in * input_per_m + max_tokens * output_per_m) / 1e6
+
+
+def cost(tokens_in: int, tokens_out: int, input_per_m: float, output_per_m: float) -> float:
+    return (tokens_in * input_per_m + tokens_out * output_per_m) / 1e6
+
+
+def _kv_key(scope: str, period: str, now: float) -> str:
+    return f"{scope.replace(':', '_')}.{period_key(period, now)}"
+
+
+class BudgetBook:
+    def __init__(self, js: JetStreamContext, hold_ttl_s: float = 900.0) -> None:
+        self.js = js
+        self.hold_ttl_s = hold_ttl_s
+        self._kv = None
+
+    async def _bucket(self):
+        if self._kv is None:
+            try:
+                self._kv = await self.js.key_value(BUCKET)
+            except nats.js.errors.BucketNotFoundError:
+                try:
+                    self._kv = await self.js.create_key_value(
+                        KeyValueConfig(bucket=BUCKET, history=1, storage=StorageType.FILE)
+                    )
+                except nats.js.errors.APIError:
+                    self._kv = await self.js.key_value(BUCKET)
+        return self._kv
+
+    async def _update(self, key: str, change) -> Entry:
+        kv = await self._bucket()
+        for _ in range(50):
+            try:
+                got = await kv.get(key)
+                entry, rev = msgspec.json.decode(got.value or b"{}", type=Entry), got.revision
+            except nats.js.errors.KeyNotFoundError:
+                entry, rev = Entry(), None
+            now = time.time()
+            entry.holds = {rid: h for rid, h in entry.holds.items() if h[1] > now}
+            change(entry)
+            data = msgspec.json.encode(entry)
+            try:
+                if rev is None:
+                    await kv.create(key, data)
+                else:
+                    await kv.update(key, data, last=rev)
+                return entry
+            except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
+                continue  # another router changed it: read again
+        raise RuntimeError(f"budget entry {key} kept changing; try again")
+
+    async def reserve(self, scope: str, budget: float, period: str, request_id: str, amount: float) -> None:
+        now = time.time()
+
+        def change(e: Entry) -> None:
+            held = sum(h[0] for h in e.holds.values())
+            if e.spent + held + amount > budget + 1e-12:
+                raise BudgetExceeded(scope, budget, period, e.spent, held, amount)
+            e.holds[request_id] = (amount, now + self.hold_ttl_s)
+
+        await self._update(_kv_key(scope, period, now), change)
+
+    async def settle(self, scope: str, period: str, request_id: str, actual: float, reserved_at: float) -> None:
+        def change(e: Entry) -> None:
+            e.holds.pop(request_id, None)
+            e.spent += actual
+
+        await self._update(_kv_key(scope, period, reserved_at), change)
+
+    async def spent(self, scope: str, period: str) -> float:
+        kv = await self._bucket()
+        try:
+            got = await kv.get(_kv_key(scope, period, time.time()))
+        except nats.js.errors.KeyNotFoundError:
+            return 0.0
+        return msgspec.json.decode(got.value or b"{}", type=Entry).spent

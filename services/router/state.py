@@ -1,0 +1,221 @@
+"""What a router knows, folded live from the log: keys, scopes, limits, prices, budgets, models,
+ready replicas. Every router folds the same events, so a revoked key is refused by all of them
+as soon as each has read one more event (SPEC TEN-2: within seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime
+
+import msgspec
+
+from llmgw.events import access as A
+from llmgw.events import models as M
+from llmgw.events import replicas as R
+from llmgw.events import scheduler as SCH
+from llmgw.events import tenancy as T
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.subjects import aggregate_of
+
+
+class KeyInfo(msgspec.Struct, kw_only=True):
+    key_id: str
+    prefix: str
+    secret_sha256: str
+    project_id: str
+    name: str = ""
+    user: str | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    models: frozenset[str] = frozenset()
+    expires_at: float | None = None  # epoch seconds
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    name: str
+    spec: M.ModelSpec
+    min: int = 1
+    max: int = 1
+    stopped: bool = False
+    parked: str | None = None
+    unplaceable: str | None = None
+
+    @property
+    def on_demand(self) -> bool:
+        return self.min == 0
+
+
+class ReplicaInfo(msgspec.Struct, kw_only=True):
+    replica_id: str
+    model: str
+    node_id: str
+    state: str = "placed"
+    url: str | None = None
+
+
+class Budget(msgspec.Struct, frozen=True, kw_only=True):
+    usd: float
+    period: str
+
+
+class Price(msgspec.Struct, frozen=True, kw_only=True):
+    input_usd_per_m: float
+    output_usd_per_m: float
+
+
+class RouterState:
+    def __init__(self) -> None:
+        self.keys: dict[str, KeyInfo] = {}  # by prefix
+        self.parents: dict[str, tuple[str, str | None]] = {}  # scope id -> (kind, parent id)
+        self.limits: dict[str, tuple[int | None, int | None]] = {}  # "project:<id>" -> (rpm, tpm)
+        self.prices: dict[str, Price] = {}
+        self.budgets: dict[str, Budget] = {}
+        self.models: dict[str, ModelInfo] = {}
+        self.aliases: dict[str, str] = {}
+        self.replicas: dict[str, ReplicaInfo] = {}
+        self.ready_by_model: dict[str, dict[str, ReplicaInfo]] = {}
+        self.position = 0
+        self._ready_signal: dict[str, asyncio.Event] = {}
+
+    # -- queries on the request path ---------------------------------------------------------
+
+    def resolve(self, name: str) -> ModelInfo | None:
+        m = self.models.get(name)
+        if m is None and name in self.aliases:
+            m = self.models.get(self.aliases[name])
+        return m
+
+    def ready(self, model: str) -> list[ReplicaInfo]:
+        return list(self.ready_by_model.get(model, {}).values())
+
+    def starting(self, model: str) -> int:
+        return sum(1 for r in self.replicas.values() if r.model == model and r.state in ("placed", "starting"))
+
+    def scopes_of(self, key: KeyInfo) -> list[str]:
+        """The key's scopes, most specific first: key, project, team, org."""
+        out = [f"key:{key.key_id}", f"project:{key.project_id}"]
+        parent = self.parents.get(key.project_id, ("project", None))[1]
+        while parent is not None:
+            kind, up = self.parents.get(parent, ("?", None))
+            out.append(f"{kind}:{parent}")
+            parent = up
+        return out
+
+    def ready_event(self, model: str) -> asyncio.Event:
+        ev = self._ready_signal.get(model)
+        if ev is None:
+            ev = self._ready_signal[model] = asyncio.Event()
+        return ev
+
+    # -- the fold ----------------------------------------------------------------------------
+
+    def apply(self, e: RecordedEvent) -> None:
+        self.position = max(self.position, e.seq)
+        p = e.payload
+        match p:
+            case A.KeyCreated():
+                expires = p.expires_at.timestamp() if isinstance(p.expires_at, datetime) else None
+                self.keys[p.prefix] = KeyInfo(
+                    key_id=p.key_id,
+                    prefix=p.prefix,
+                    secret_sha256=p.secret_sha256,
+                    project_id=p.project_id,
+                    name=p.name,
+                    user=p.user,
+                    rpm=p.rpm,
+                    tpm=p.tpm,
+                    models=frozenset(p.models),
+                    expires_at=expires,
+                )
+                self.limits[f"key:{p.key_id}"] = (p.rpm, p.tpm)
+            case A.KeyRevoked():
+                for prefix, k in list(self.keys.items()):
+                    if k.key_id == p.key_id:
+                        del self.keys[prefix]
+            case A.LimitSet():
+                self.limits[p.scope] = (p.rpm, p.tpm)
+            case A.PriceSet():
+                self.prices[p.model] = Price(input_usd_per_m=p.input_usd_per_m, output_usd_per_m=p.output_usd_per_m)
+            case A.BudgetSet():
+                if p.usd is None:
+                    self.budgets.pop(p.scope, None)
+                else:
+                    self.budgets[p.scope] = Budget(usd=p.usd, period=p.period)
+            case T.OrgCreated():
+                self.parents[p.org_id] = ("org", None)
+            case T.TeamCreated():
+                self.parents[p.team_id] = ("team", p.org_id)
+            case T.ProjectCreated():
+                self.parents[p.project_id] = ("project", p.team_id)
+            case M.ModelAdded() | M.ModelChanged():
+                old = self.models.get(p.spec.name)
+                m = ModelInfo(name=p.spec.name, spec=p.spec, min=p.spec.scaling.min, max=p.spec.scaling.upper)
+                if old is not None and isinstance(p, M.ModelChanged):
+                    m.min, m.max, m.stopped = old.min, old.max, old.stopped
+                self.models[m.name] = m
+                self._reindex_aliases()
+            case M.ModelScaled():
+                m = self._model_of(e)
+                if m:
+                    m.min, m.max = p.min, p.max
+            case M.ModelStopped():
+                m = self._model_of(e)
+                if m:
+                    m.stopped = True
+            case M.ModelStarted():
+                m = self._model_of(e)
+                if m:
+                    m.stopped, m.min, m.max = False, p.min, p.max
+            case M.ModelRemoved():
+                m = self._model_of(e)
+                if m:
+                    del self.models[m.name]
+                    self._reindex_aliases()
+            case M.ModelParked():
+                m = self._model_of(e)
+                if m:
+                    m.parked = p.reason
+            case M.ModelRetried():
+                m = self._model_of(e)
+                if m:
+                    m.parked = None
+            case SCH.PlacementBlocked():
+                m = self.models.get(p.model)
+                if m:
+                    m.unplaceable = p.reason
+            case R.ReplicaPlaced():
+                self.replicas[p.replica_id] = ReplicaInfo(replica_id=p.replica_id, model=p.model, node_id=p.node_id)
+                m = self.models.get(p.model)
+                if m:
+                    m.unplaceable = None
+            case R.ReplicaStarting():
+                r = self.replicas.get(p.replica_id)
+                if r and r.state == "placed":
+                    r.state = "starting"
+            case R.ReplicaReady():
+                r = self.replicas.get(p.replica_id)
+                if r and r.state in ("placed", "starting", "ready"):
+                    r.state, r.url = "ready", p.url
+                    self.ready_by_model.setdefault(r.model, {})[r.replica_id] = r
+                    self.ready_event(r.model).set()
+            case R.ReplicaFailed() | R.ReplicaStopRequested() | R.ReplicaStopped():
+                r = self.replicas.get(p.replica_id)
+                if r:
+                    r.state = {R.ReplicaFailed: "failed", R.ReplicaStopRequested: "draining"}.get(type(p), "stopped")
+                    self.ready_by_model.get(r.model, {}).pop(r.replica_id, None)
+                    if r.state in ("failed", "stopped"):
+                        del self.replicas[r.replica_id]
+                    if not self.ready_by_model.get(r.model):
+                        self.ready_event(r.model).clear()
+
+    def _model_of(self, e: RecordedEvent) -> ModelInfo | None:
+        return self.models.get(aggregate_of(e.subject)[1])
+
+    def _reindex_aliases(self) -> None:
+        self.aliases = {a: m.name for m in self.models.values() for a in m.spec.aliases}
+
+
+def now_epoch() -> float:
+    return time.time()
