@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import structlog
@@ -17,15 +18,21 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from llmgw.events.catalog import default_registry
-from llmgw.events.commands import Rejected
+from llmgw.events.commands import CommandError, Rejected
 from llmgw.events.metrics import StoreMetrics
 from llmgw.events.models import ModelSpec
 from llmgw.events.store import EventStore
+from llmgw.projections.access import AccessProjection
 from llmgw.projections.backends import open_backend
 from llmgw.projections.eventlog import EventLogProjection
 from llmgw.projections.fleet import FleetProjection
 from llmgw.projections.runner import ProjectionRunner
 from llmgw.projections.tenancy import TenancyProjection
+from llmgw.projections.usage import UsageProjection
+from llmgw.services.access.bootstrap import DEMO_KEY_FILE as DEMO_KEY_FILE  # for `up`'s message
+from llmgw.services.access.bootstrap import ensure_demo_key
+from llmgw.services.access.service import AccessService
+from llmgw.services.accountant.service import RETENTION_DAYS, AccountantService
 from llmgw.services.api.app import AdminApi
 from llmgw.services.catalog.service import CatalogService
 from llmgw.services.fleet.service import FleetService
@@ -36,7 +43,7 @@ from llmgw.services.tenancy.service import TenancyService
 
 log = structlog.get_logger("llmgw.runtime")
 
-ALL_SERVICES = ("tenancy", "catalog", "fleet", "scheduler", "projections", "api", "router")
+ALL_SERVICES = ("tenancy", "access", "catalog", "fleet", "scheduler", "projections", "api", "router", "accountant")
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,12 +57,14 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     declared_models: tuple[ModelSpec, ...] = ()
     demo_model: ModelSpec | None = None
     demo_marker: str | None = None
+    bootstrap_dir: str | None = None  # `llmgw up`: the first time, a default org/team/project and DIR/demo-key
     scheduler: SchedulerConfig = SchedulerConfig()
+    usage_retention_days: float = RETENTION_DAYS  # requests and rollups older than this are deleted
     router: RouterConfig = RouterConfig()
 
 
 def projections() -> list:
-    return [TenancyProjection(), EventLogProjection(), FleetProjection()]
+    return [TenancyProjection(), EventLogProjection(), FleetProjection(), AccessProjection(), UsageProjection()]
 
 
 async def _site(app: web.Application, host: str, port: int) -> web.AppRunner:
@@ -70,8 +79,30 @@ async def _site(app: web.Application, host: str, port: int) -> web.AppRunner:
     return runner
 
 
-async def serve(config: ServerConfig, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
-    """Run the configured services until ``stop`` is set; then stop them cleanly."""
+async def _bootstrap_access(store: EventStore, data_dir: Path, services: tuple[str, ...]) -> None:
+    if not {"tenancy", "access"} <= set(services):
+        log.warning("no demo key: the tenancy and access services do not run here", services=list(services))
+        return
+    try:
+        written = await ensure_demo_key(store, data_dir)
+    except (CommandError, OSError) as exc:
+        log.error("could not create the demo key; create one with `llmgw ctl key create`", error=str(exc))
+        return
+    if written is not None:
+        log.info("demo key created", path=str(written))
+
+
+async def serve(
+    config: ServerConfig,
+    stop: asyncio.Event,
+    on_ready: Callable[[], None] | None = None,
+    handles: dict[str, Any] | None = None,
+) -> None:
+    """Run the configured services until ``stop`` is set; then stop them cleanly.
+
+    ``handles``, when given, is filled with the running service objects (tests and benchmarks).
+    """
+    handles = handles if handles is not None else {}
     unknown = set(config.services) - set(ALL_SERVICES)
     if unknown:
         raise SystemExit(f"error: unknown service(s) {', '.join(sorted(unknown))}; known: {', '.join(ALL_SERVICES)}")
@@ -82,6 +113,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event, on_ready: Callable[[]
     await store.ensure_streams()
     backend = await open_backend(config.db_dsn)
     runner = ProjectionRunner(store, backend, projections(), registry=registry)
+    handles.update(store=store, backend=backend, runner=runner)
     tasks: list[asyncio.Task] = []
     sites: list[web.AppRunner] = []
     processors = []
@@ -93,6 +125,10 @@ async def serve(config: ServerConfig, stop: asyncio.Event, on_ready: Callable[[]
             processor = TenancyService(store).processor()
             processors.append(processor)
             tasks.append(asyncio.create_task(processor.run(), name="tenancy-commands"))
+        if "access" in config.services:
+            processor = AccessService(store).processor()
+            processors.append(processor)
+            tasks.append(asyncio.create_task(processor.run(), name="access-commands"))
         if "catalog" in config.services:
             catalog = CatalogService(store)
             try:
@@ -111,7 +147,15 @@ async def serve(config: ServerConfig, stop: asyncio.Event, on_ready: Callable[[]
         if "scheduler" in config.services:
             scheduler = SchedulerService(store, config=config.scheduler)
             processors.append(scheduler)
+            handles["scheduler"] = scheduler
             tasks.append(asyncio.create_task(scheduler.run(), name="scheduler"))
+        if config.bootstrap_dir is not None:
+            await _bootstrap_access(store, Path(config.bootstrap_dir), config.services)
+        if "accountant" in config.services:
+            accountant = AccountantService(backend, retention_days=config.usage_retention_days)
+            processors.append(accountant)
+            handles["accountant"] = accountant
+            tasks.append(asyncio.create_task(accountant.run(), name="accountant"))
         if "api" in config.services:
             api = AdminApi(store, backend, runner, registry)
             sites.append(await _site(api.app(), config.host, config.admin_port))
@@ -119,6 +163,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event, on_ready: Callable[[]
             router = Router(store, config.router, registry=registry)
             await router.start()
             routers.append(router)
+            handles["router"] = router
             sites.append(await _site(router.app(), config.host, config.port))
         log.info("services started", services=list(config.services), port=config.port, admin_port=config.admin_port)
         if on_ready:

@@ -26,6 +26,7 @@ from llmgw.events.commands import CommandClient
 from llmgw.events.outcomes import CommandCompleted
 from llmgw.events.secrets import engine_key, engine_key_secret
 from llmgw.events.store import EventStore
+from llmgw.services.router.app import RouterConfig
 from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
 from tests.support import free_port, wait_until
 
@@ -94,21 +95,29 @@ class Fleet:
         self.base = base
         self.agents: dict[str, AgentProc] = {}
         self.admin_port = free_port()
+        self.port = free_port()
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.client = CommandClient(store)
 
-    async def start(self, services: tuple[str, ...] = ("catalog", "fleet", "scheduler", "projections", "api")) -> Fleet:
+    async def start(
+        self,
+        services: tuple[str, ...] = ("catalog", "fleet", "scheduler", "projections", "api"),
+        router: RouterConfig | None = None,
+        scheduler: SchedulerConfig = FAST,
+    ) -> Fleet:
         config = ServerConfig(
             nats_url=self.nats_url,
             db_dsn=f"sqlite:///{self.base / 'projections.db'}",
             services=services,
-            port=free_port(),
+            port=self.port,
             admin_port=self.admin_port,
-            scheduler=FAST,
+            scheduler=scheduler,
+            router=router or RouterConfig(),
         )
         ready = asyncio.Event()
-        self._task = asyncio.create_task(serve(config, self._stop, on_ready=ready.set))
+        self.handles: dict[str, Any] = {}
+        self._task = asyncio.create_task(serve(config, self._stop, on_ready=ready.set, handles=self.handles))
         await asyncio.wait_for(ready.wait(), 30)
         return self
 
@@ -139,11 +148,20 @@ class Fleet:
         max_: int | None = None,
         cores: int = 0,
         memory_gb: float = 0.05,
+        args: list[str] | None = None,
+        **spec_fields: Any,
     ) -> None:
         profile = M.Profile(
-            engine="llamacpp", cpu_cores=cores or None, min_memory_gb=memory_gb, ctx_size=1024, parallel=2
+            engine="llamacpp",
+            cpu_cores=cores or None,
+            min_memory_gb=memory_gb,
+            ctx_size=1024,
+            parallel=2,
+            args=args or [],
         )
-        spec = M.ModelSpec(name=name, source=str(source), scaling=M.Scaling(min=min_, max=max_), profiles=[profile])
+        spec = M.ModelSpec(
+            name=name, source=str(source), scaling=M.Scaling(min=min_, max=max_), profiles=[profile], **spec_fields
+        )
         await self.command("add", M.AddModel(spec=spec))
 
     # -- reading the log -------------------------------------------------------------------
@@ -196,6 +214,12 @@ class Fleet:
             deadline_s=deadline_s,
             what=f"{n} ready replica(s) of {model}\n" + "\n".join(a.log()[-1500:] for a in self.agents.values()),
         )
+
+    async def router_caught_up(self) -> None:
+        """Until this fleet's router has folded everything written so far (events reach it in order)."""
+        last = await self.store.stream_last_seq()
+        router = self.handles["router"]
+        await wait_until(lambda: router.state.position >= last, what="the router to read the log")
 
     async def key(self, replica_id: str) -> str:
         return engine_key(await engine_key_secret(self.store.js), replica_id)

@@ -403,7 +403,8 @@ class Router:
             or call.model.spec.max_output
             or self.cfg.default_max_tokens
         )
-        amount = max_cost(call.tokens_in * 2, int(out), price.input_usd_per_m, price.output_usd_per_m)
+        amount = max_cost(_max_prompt_tokens(body, call.endpoint), int(out), price.input_usd_per_m,
+                          price.output_usd_per_m)
         for scope in scopes:
             b = self.state.budgets[scope]
             try:
@@ -490,7 +491,10 @@ class Router:
                 continue
             preferred = self.affinity.get(pkey)
             ranked = order(replicas, self.outstanding, preferred, self.cfg.saturation, self._rng.getrandbits(16))
-            for attempt, replica in enumerate(ranked[: self.cfg.max_attempts]):
+            # Cycle through the replicas: with one replica, a retry still gets a fresh connection
+            # (a pooled keep-alive connection the engine had closed fails before any byte is sent).
+            attempts = [ranked[i % len(ranked)] for i in range(max(self.cfg.max_attempts, len(ranked)))]
+            for attempt, replica in enumerate(attempts):
                 if attempt:
                     self.metrics.retries.labels(model=model.name).inc()
                 call.replica, call.model = replica, model
@@ -718,6 +722,16 @@ def _prompt_text(body: dict[str, Any], endpoint: str) -> str:
     if isinstance(value, list):
         return "\n".join(v for v in value if isinstance(v, str))
     return ""
+
+
+def _max_prompt_tokens(body: dict[str, Any], endpoint: str) -> int:
+    """An upper bound on the prompt's tokens, without a tokenizer: a token covers at least one byte,
+    and a chat template adds a few special tokens per message. Budgets reserve with it, so a request
+    can never cost more than was held for it."""
+    text = _prompt_text(body, endpoint)
+    messages = body.get("messages")
+    per_message = 16 * (len(messages) if isinstance(messages, list) else 1)
+    return len(text.encode()) + per_message + 16
 
 
 def _count(call: Call, data: bytes) -> None:

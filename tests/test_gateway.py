@@ -1,0 +1,439 @@
+"""The gateway end to end: the official `openai` client, real engines, keys, limits, budgets, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import openai
+import pytest
+
+from llmgw.events import access as A
+from llmgw.events import models as M
+from llmgw.events import tenancy as T
+from llmgw.events.store import EventStore, NewEvent
+from llmgw.events.subjects import event_subject
+from llmgw.events.usage import UsageRecord
+from llmgw.services.router.app import RouterConfig
+from tests.fleet import Fleet
+from tests.gguf_tiny import write_tiny_gguf
+from tests.support import NatsServer, wait_until
+
+pytestmark = [pytest.mark.timeout(240)]
+
+GATEWAY = ("catalog", "fleet", "scheduler", "projections", "api", "router")
+FAST_ROUTER = RouterConfig(activation_s=30.0, first_token_s=20.0, idle_s=20.0, total_s=60.0)
+
+
+class Tenant(msgspec.Struct):
+    org: str
+    team: str
+    project: str
+
+
+async def make_tenant(store: EventStore, name: str = "acme") -> Tenant:
+    t = Tenant(org=f"o-{name}", team=f"t-{name}", project=f"p-{name}")
+    subject = event_subject(T.AGGREGATE, T.TREE_ID)
+    await store.append(
+        subject,
+        [
+            NewEvent(payload=T.OrgCreated(org_id=t.org, name=name), actor="user:test"),
+            NewEvent(payload=T.TeamCreated(team_id=t.team, org_id=t.org, name="ml"), actor="user:test"),
+            NewEvent(payload=T.ProjectCreated(project_id=t.project, team_id=t.team, name="chat"), actor="user:test"),
+        ],
+    )
+    return t
+
+
+async def make_key(store: EventStore, tenant: Tenant, **fields) -> tuple[str, str]:
+    key, prefix, digest = A.make_api_key()
+    key_id = f"key_{prefix}"
+    await store.append(
+        event_subject(A.KEY_AGGREGATE, key_id),
+        [
+            NewEvent(
+                payload=A.KeyCreated(
+                    key_id=key_id, prefix=prefix, secret_sha256=digest, project_id=tenant.project, name="test", **fields
+                ),
+                actor="user:test",
+            )
+        ],
+    )
+    return key, key_id
+
+
+async def set_event(store: EventStore, aggregate: str, agg_id: str, payload: msgspec.Struct) -> int:
+    return (
+        await store.append(event_subject(aggregate, agg_id), [NewEvent(payload=payload, actor="user:test")])
+    ).last_seq
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    return write_tiny_gguf(tmp_path / "tiny.gguf")
+
+
+@pytest.fixture
+async def gw(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
+    f = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=FAST_ROUTER)
+    f.agent("n1")
+    yield f
+    await f.stop()
+
+
+async def router_caught_up(gw: Fleet, seq: int = 0) -> None:
+    await gw.router_caught_up()
+
+
+def client(gw: Fleet, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1", api_key=key, max_retries=0)
+
+
+async def ready_model(gw: Fleet, tiny: Path, name: str = "tiny", **kw) -> None:
+    await gw.add_model(name, tiny, **kw)
+    await gw.wait_ready(name, kw.get("min_", 1))
+
+
+async def test_the_openai_client_works_unchanged(gw: Fleet, tiny: Path) -> None:
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant)
+    await ready_model(gw, tiny, aliases=["tiny-alias"])
+    await gw.add_model("tiny-embed", tiny, args=["--embeddings"], route="embedding")
+    await gw.wait_ready("tiny-embed", 1)
+    await router_caught_up(gw, 0)
+    c = client(gw, key)
+    models = await c.models.list()
+    assert {m.id for m in models.data} == {"tiny", "tiny-embed"}
+
+    chat = await c.chat.completions.create(
+        model="tiny-alias", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+    )
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    assert chat.usage.prompt_tokens > 0 and 0 < chat.usage.completion_tokens <= 5
+
+    chunks = [
+        ch
+        async for ch in await c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    ]
+    usage = [ch.usage for ch in chunks if ch.usage]
+    assert usage and usage[-1].completion_tokens > 0
+    assert any(ch.choices and ch.choices[0].finish_reason for ch in chunks)
+
+    comp = await c.completions.create(model="tiny", prompt="once upon a time", max_tokens=4)
+    assert comp.usage.completion_tokens > 0
+
+    emb = await c.embeddings.create(model="tiny-embed", input=["a", "b"])
+    assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
+
+    with pytest.raises(openai.NotFoundError) as nf:
+        await c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert "model 'nope' does not exist" in nf.value.message
+    with pytest.raises(openai.AuthenticationError):
+        await client(gw, "llmgw-aaaaaaaa-" + "x" * 43).models.list()
+
+
+async def test_a_request_id_is_kept_or_made_and_set_on_every_answer(gw: Fleet, tiny: Path) -> None:
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant)
+    await router_caught_up(gw, 0)
+    url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(
+            url, data=b"{not json", headers={"Authorization": f"Bearer {key}", "X-Request-Id": "req-123"}
+        ) as r:
+            assert r.status == 400 and r.headers["x-request-id"] == "req-123"
+            body = await r.json()
+            assert body["error"]["type"] == "invalid_request_error" and "not valid JSON" in body["error"]["message"]
+        async with s.post(url, json={"model": "x", "messages": []}, headers={"X-Request-Id": "bad id\u00e9" * 30}) as r:
+            assert r.status == 400 and len(r.headers["x-request-id"]) == 36  # generated: the given one was not plain
+
+
+async def test_statuses_case_by_case(gw: Fleet, tiny: Path) -> None:
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant, models=["tiny"])
+    await ready_model(gw, tiny)
+    await gw.add_model("other", tiny, min_=1)
+    await gw.wait_ready("other", 1)
+    await router_caught_up(gw, 0)
+    url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {key}"}
+    msg = [{"role": "user", "content": "hi"}]
+    big = "x" * (FAST_ROUTER.max_body_bytes + 10)
+    cases = [
+        ("no key is 401", {}, {"model": "tiny", "messages": msg}, 401),
+        ("a wrong type is 400", auth, {"model": "tiny", "messages": "hi"}, 400),
+        ("max_tokens zero is 400", auth, {"model": "tiny", "messages": msg, "max_tokens": 0}, 400),
+        ("a model the key may not use is 403", auth, {"model": "other", "messages": msg}, 403),
+        ("an unknown model is 404", auth, {"model": "ghost", "messages": msg}, 404),
+        (
+            "a body past the size limit is 413",
+            auth,
+            {"model": "tiny", "messages": [{"role": "user", "content": big}]},
+            413,
+        ),
+        (
+            "unknown fields are passed through",
+            auth,
+            {"model": "tiny", "messages": msg, "max_tokens": 2, "x_vendor_field": {"a": 1}},
+            200,
+        ),
+    ]
+    async with aiohttp.ClientSession() as s:
+        for description, headers, body, status in cases:
+            async with s.post(url, json=body, headers=headers) as r:
+                assert r.status == status, f"{description}: got {r.status} {await r.text()}"
+                if status >= 400:
+                    assert (await r.json())["error"]["message"], description
+
+
+async def test_limits_at_each_level_with_their_headers(gw: Fleet, tiny: Path) -> None:
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant, rpm=5)
+    await set_event(gw.store, A.LIMIT_AGGREGATE, f"team:{tenant.team}", A.LimitSet(scope=f"team:{tenant.team}", rpm=3))
+    await set_event(
+        gw.store, A.LIMIT_AGGREGATE, f"org:{tenant.org}", A.LimitSet(scope=f"org:{tenant.org}", rpm=100, tpm=100_000)
+    )
+    await ready_model(gw, tiny)
+    await router_caught_up(gw, 0)
+    url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    seen = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(4):
+            async with s.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+                seen.append((r.status, dict(r.headers)))
+    # The team's 3 per minute is the level with least left: its figures are the ones advertised.
+    assert [st for st, _ in seen] == [200, 200, 200, 429]
+    assert [h["x-ratelimit-remaining-requests"] for _, h in seen[:3]] == ["2", "1", "0"]
+    assert all(h["x-ratelimit-limit-requests"] == "3" for _, h in seen[:3])
+    assert seen[0][1]["x-ratelimit-limit-tokens"] == "100000"
+    refused = seen[3][1]
+    assert int(refused["Retry-After"]) >= 1
+    async with aiohttp.ClientSession() as s, s.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        err = (await r.json())["error"]
+        assert r.status == 429 and f"team:{tenant.team} is at its limit of 3 requests per minute" in err["message"]
+    with pytest.raises(openai.RateLimitError):
+        await client(gw, key).chat.completions.create(**body)
+
+
+async def test_two_routers_share_one_limit(store: EventStore, nats: NatsServer, tmp_path: Path, tiny: Path) -> None:
+    f1 = await Fleet(store, nats.url, tmp_path / "a").start(services=GATEWAY, router=FAST_ROUTER)
+    f2 = await Fleet(store, nats.url, tmp_path / "b").start(services=("router",), router=FAST_ROUTER)
+    try:
+        f1.agent("n1")
+        tenant = await make_tenant(store)
+        key, _ = await make_key(store, tenant)
+        await set_event(
+            store, A.LIMIT_AGGREGATE, f"project:{tenant.project}", A.LimitSet(scope=f"project:{tenant.project}", rpm=6)
+        )
+        await f1.add_model("tiny", tiny)
+        await f1.wait_ready("tiny", 1)
+        await router_caught_up(f1, 0)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        statuses = []
+        async with aiohttp.ClientSession() as s:
+            for i in range(10):
+                port = (f1 if i % 2 == 0 else f2).port
+                async with s.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    json=body,
+                    headers={"Authorization": f"Bearer {key}"},
+                ) as r:
+                    statuses.append(r.status)
+                await asyncio.sleep(FAST_ROUTER.gossip_s * 3)  # sequential requests: let gossip land between
+        assert statuses.count(200) == 6 and statuses.count(429) == 4
+    finally:
+        await f2.stop()
+        await f1.stop()
+
+
+async def test_a_budget_is_never_overshot_by_concurrent_streaming_requests(gw: Fleet, tiny: Path) -> None:
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant)
+    # $1 per million tokens in and out; each request may cost up to (prompt×2 + 8 out) tokens.
+    await set_event(
+        gw.store,
+        A.PRICE_AGGREGATE,
+        "tiny",
+        A.PriceSet(model="tiny", input_usd_per_m=1_000_000, output_usd_per_m=1_000_000),
+    )
+    budget = 200.0
+    await set_event(
+        gw.store,
+        A.BUDGET_AGGREGATE,
+        f"project:{tenant.project}",
+        A.BudgetSet(scope=f"project:{tenant.project}", usd=budget, period="day"),
+    )
+    await ready_model(gw, tiny)
+    await router_caught_up(gw, 0)
+    c = client(gw, key)
+
+    async def one() -> float | str:
+        try:
+            stream = await c.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi there"}], max_tokens=8, stream=True
+            )
+            async for _ in stream:
+                pass
+            return "ok"
+        except openai.RateLimitError as exc:
+            assert "budget" in exc.message
+            return "refused"
+
+    results = await asyncio.gather(*(one() for _ in range(40)))
+    assert "ok" in results and "refused" in results
+    from llmgw.services.router.budgets import BudgetBook
+
+    spent = await BudgetBook(gw.store.js).spent(f"project:{tenant.project}", "day")
+    assert 0 < spent <= budget
+
+
+async def test_a_replica_killed_before_the_first_byte_is_retried_on_another(gw: Fleet, tiny: Path) -> None:
+    gw.agent("n2")
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant)
+    await ready_model(gw, tiny, min_=2)
+    await router_caught_up(gw, 0)
+    replicas = await gw.ready("tiny")
+    victim = replicas[0]
+    # Stop the engine without telling anyone: the router still believes it is ready.
+    os.killpg(victim["pid"], signal.SIGSTOP)
+    os.killpg(victim["pid"], signal.SIGKILL)
+    c = client(gw, key)
+    for _ in range(4):  # whichever replica is tried first, every request is answered
+        chat = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert chat.usage.completion_tokens > 0
+
+
+async def test_a_client_that_disconnects_mid_stream_is_recorded_as_499(gw: Fleet, tiny: Path) -> None:
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant)
+    await ready_model(gw, tiny)
+    await router_caught_up(gw, 0)
+    url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "tell me a long story"}],
+        "max_tokens": 400,
+        "stream": True,
+    }
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(url, json=body, headers={"Authorization": f"Bearer {key}", "X-Request-Id": "gone-1"})
+        assert r.status == 200
+        await r.content.readline()
+        await r.content.readline()
+        r.close()  # the client goes away mid-stream
+
+    async def record() -> UsageRecord | None:
+        try:
+            msg = await gw.store.js.get_last_msg("LLMGW_USAGE", f"llmgw.usage.{tenant.project}", direct=True)
+        except Exception:
+            return None
+        rec = msgspec.json.decode(msg.data, type=UsageRecord)
+        return rec if rec.request_id == "gone-1" else None
+
+    rec = await wait_until(record, what="the usage record of the disconnected request")
+    assert rec.status == 499
+    assert 0 < rec.tokens_out < 400
+
+
+async def test_a_revoked_key_is_refused(gw: Fleet, tiny: Path) -> None:
+    tenant = await make_tenant(gw.store)
+    key, key_id = await make_key(gw.store, tenant)
+    await router_caught_up(gw, 0)
+    c = client(gw, key)
+    await c.models.list()
+    await set_event(gw.store, A.KEY_AGGREGATE, key_id, A.KeyRevoked(key_id=key_id))
+
+    async def refused() -> bool:
+        try:
+            await c.models.list()
+        except openai.AuthenticationError:
+            return True
+        return False
+
+    await wait_until(refused, deadline_s=2.0, what="the revoked key to be refused within 2 s")
+
+
+async def test_a_usage_record_published_twice_is_stored_once(gw: Fleet) -> None:
+    rec = UsageRecord(
+        request_id="dup-1",
+        at=msgspec.convert("2026-01-01T00:00:00Z", type=__import__("datetime").datetime),
+        status=200,
+        project_id="p",
+    )
+    for _ in range(2):
+        await gw.store.js.publish("llmgw.usage.p", msgspec.json.encode(rec), headers={"Nats-Msg-Id": "dup-1"})
+    info = await gw.store.js.stream_info("LLMGW_USAGE")
+    assert info.state.messages == 1
+
+
+async def test_a_stopped_model_is_answered_at_once_with_its_reason(gw: Fleet, tiny: Path) -> None:
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant)
+    await ready_model(gw, tiny)
+    await gw.command("stop", M.StopModel(name="tiny"))
+    await router_caught_up(gw, 0)
+    url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            url,
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": f"Bearer {key}"},
+        ) as r,
+    ):
+        assert r.status == 503
+        assert "Retry-After" not in r.headers
+        assert "stopped by an administrator" in (await r.json())["error"]["message"]
+
+
+async def test_an_on_demand_model_starts_on_the_first_request_and_returns_to_zero(
+    store: EventStore, nats: NatsServer, tmp_path: Path, tiny: Path
+) -> None:
+    from tests.fleet import FAST
+
+    sched = msgspec.structs.replace(FAST, idle_s=2.0)
+    gw = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=FAST_ROUTER, scheduler=sched)
+    try:
+        gw.agent("n1")
+        tenant = await make_tenant(store)
+        key, _ = await make_key(store, tenant)
+        await gw.add_model("lazy", tiny, min_=0, max_=1)
+        await router_caught_up(gw, 0)
+        assert await gw.active("lazy") == []
+        chat = await client(gw, key).chat.completions.create(
+            model="lazy", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert chat.usage.completion_tokens > 0  # held until a replica was ready, then answered
+
+        async def idle_stopped() -> bool:
+            reps = [r for r in (await gw.replicas()).values() if r["model"] == "lazy"]
+            return bool(reps) and all(r["state"] == "stopped" for r in reps)
+
+        await wait_until(idle_stopped, deadline_s=30, what="the idle on-demand replica to stop")
+    finally:
+        await gw.stop()
+
+
+def test_error_bodies_are_in_openai_shape() -> None:
+    from llmgw.services.router.app import ApiError
+
+    resp = ApiError(429, "slow down", "rate_limited", {"retry-after": "3"}).response("r1")
+    body = json.loads(resp.body)
+    assert body == {
+        "error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": "rate_limited"}
+    }
+    assert resp.headers["retry-after"] == "3"
