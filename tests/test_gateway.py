@@ -13,6 +13,8 @@ import aiohttp
 import msgspec
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from llmgw.events import access as A
 from llmgw.events import models as M
@@ -347,6 +349,16 @@ async def test_a_client_that_disconnects_mid_stream_is_recorded_as_499(gw: Fleet
     rec = await wait_until(record, what="the usage record of the disconnected request")
     assert rec.status == 499
     assert 0 < rec.tokens_out < 400
+    [replica] = await gw.ready("tiny")
+
+    async def engine_idle() -> bool:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(f"{replica['url']}/slots", headers={"Authorization": f"Bearer {await gw.key(replica['id'])}"}) as r,
+        ):
+            return r.status == 200 and not any(slot.get("is_processing") for slot in await r.json())
+
+    await wait_until(engine_idle, what="the engine to stop generating for the departed client")
 
 
 async def test_a_revoked_key_is_refused(gw: Fleet, tiny: Path) -> None:
@@ -437,3 +449,48 @@ def test_error_bodies_are_in_openai_shape() -> None:
         "error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": "rate_limited"}
     }
     assert resp.headers["retry-after"] == "3"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12,
+)
+bodies = st.one_of(
+    st.binary(max_size=200),
+    json_values.map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries(
+        {"model": json_values | st.just("tiny"), "messages": json_values},
+        optional={"stream": json_values, "max_tokens": json_values, "extra": json_values},
+    ).map(lambda v: json.dumps(v).encode()),
+)
+
+
+async def test_malformed_requests_never_get_a_500_or_hurt_the_gateway(gw: Fleet, tiny: Path) -> None:
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant)
+    await gw.router_caught_up()
+    url = f"http://127.0.0.1:{gw.port}"
+    statuses: set[int] = set()
+    async with aiohttp.ClientSession() as s:
+
+        async def post(path: str, data: bytes) -> None:
+            async with s.post(url + path, data=data, headers={"Authorization": f"Bearer {key}"}) as r:
+                assert r.status < 500 or r.status == 503, f"{path} {data[:100]!r} → {r.status} {await r.text()}"
+                statuses.add(r.status)
+                if r.status >= 400:
+                    assert (await r.json())["error"]["message"]
+
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]), data=bodies)
+        def check(path: str, data: bytes) -> None:
+            # Hypothesis drives a synchronous function: it draws the inputs, the loop below sends them.
+            pending.append((path, data))
+
+        pending: list[tuple[str, bytes]] = []
+        check()
+        for path, data in pending:
+            await post(path, data)
+        async with s.get(url + "/healthz") as r:
+            assert r.status == 200
+    assert 400 in statuses
