@@ -336,6 +336,8 @@ async def test_a_client_that_disconnects_mid_stream_is_recorded_as_499(gw: Fleet
         assert r.status == 200
         await r.content.readline()
         await r.content.readline()
+        [replica] = await gw.ready("tiny")
+        assert await _slots_busy(replica, await gw.key(replica["id"]))  # the engine is generating
         r.close()  # the client goes away mid-stream
 
     async def record() -> UsageRecord | None:
@@ -349,16 +351,21 @@ async def test_a_client_that_disconnects_mid_stream_is_recorded_as_499(gw: Fleet
     rec = await wait_until(record, what="the usage record of the disconnected request")
     assert rec.status == 499
     assert 0 < rec.tokens_out < 400
-    [replica] = await gw.ready("tiny")
+    key = await gw.key(replica["id"])
 
     async def engine_idle() -> bool:
-        async with (
-            aiohttp.ClientSession() as s,
-            s.get(f"{replica['url']}/slots", headers={"Authorization": f"Bearer {await gw.key(replica['id'])}"}) as r,
-        ):
-            return r.status == 200 and not any(slot.get("is_processing") for slot in await r.json())
+        return not await _slots_busy(replica, key)
 
     await wait_until(engine_idle, what="the engine to stop generating for the departed client")
+
+
+async def _slots_busy(replica: dict, key: str) -> bool:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"{replica['url']}/slots", headers={"Authorization": f"Bearer {key}"}) as r,
+    ):
+        assert r.status == 200
+        return any(slot["is_processing"] for slot in await r.json())
 
 
 async def test_a_revoked_key_is_refused(gw: Fleet, tiny: Path) -> None:
