@@ -12,7 +12,7 @@ from llmgw.events import tenancy as T
 
 @click.group()
 def ctl() -> None:
-    """Operate the system: tenancy, and (later) models, nodes, keys, limits."""
+    """Operate the system: tenancy, keys, limits, prices, budgets, models, nodes."""
 
 
 def _scope_group(kind: str, example: str) -> click.Group:

@@ -13,8 +13,10 @@ from pathlib import Path
 import click
 
 from llmgw.cli import (
+    access_cmd,  # noqa: F401 - registers `ctl key|limit|price|budget`
     fleet_cmd,  # noqa: F401 - registers `ctl model|nodes|…`
     logs,
+    usage_cmd,  # noqa: F401 - registers `ctl usage|request`
 )
 from llmgw.cli.agent_cmd import LocalAgent, agent, demo_model
 from llmgw.cli.bench import bench
@@ -24,7 +26,7 @@ from llmgw.cli.ctl import ctl
 from llmgw.cli.events_cmd import events
 from llmgw.cli.fleet_cmd import load_model_file
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError
-from llmgw.cli.runtime import ALL_SERVICES, ServerConfig, serve
+from llmgw.cli.runtime import ALL_SERVICES, DEMO_KEY_FILE, ServerConfig, serve
 
 
 @click.group()
@@ -104,6 +106,7 @@ def up(
         declared_models=declared,
         demo_model=demo,
         demo_marker=str(data_dir / "demo-added"),
+        bootstrap_dir=str(data_dir),
         nats_url=natsd.url,
         db_dsn=f"sqlite:///{data_dir / 'projections.db'}",
         host=host,
@@ -127,6 +130,9 @@ def up(
             f"NATS {natsd.url}, data in {data_dir}",
             err=True,
         )
+        demo_key = data_dir / DEMO_KEY_FILE
+        if demo_key.exists():
+            click.echo(f"a demo API key (project default/default/default) is in {demo_key}", err=True)
 
     async def supervise() -> None:
         stop = asyncio.Event()

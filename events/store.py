@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
@@ -25,8 +24,6 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import (
-    ConsumerConfig,
-    DeliverPolicy,
     DiscardPolicy,
     RetentionPolicy,
     StorageType,
@@ -176,6 +173,16 @@ class EventStore:
         except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
             raise StoreError(f"cannot reach NATS at {url}: {exc}; is `llmgw up` running?") from exc
         return cls(nc, registry, **kwargs)
+
+    def on_stream(self, stream: str) -> EventStore:
+        """This store reading ``stream`` instead (e.g. ``LLMGW_USAGE``): same connection, registry and metrics.
+
+        Reads (``subscribe``, ``last_seq``, ``stream_last_seq``, ``get``) go to ``stream``; closing the
+        view closes the shared connection, so close only the store it came from.
+        """
+        if stream == self.stream:
+            return self
+        return EventStore(self.nc, self.registry, replicas=self.replicas, metrics=self.metrics, stream=stream)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -362,74 +369,14 @@ class EventStore:
         """Yield batches of decoded events after sequence ``after`` on ``subject``.
 
         With ``follow`` it waits for new events forever; without, it ends once it has caught up
-        with the stream as it was when called (or reached ``until``). Undecodable messages are
-        quarantined and yielded as :class:`Quarantined` so a reader's position moves past them.
+        with the stream (or reached ``until``). Undecodable messages are quarantined and yielded as
+        :class:`Quarantined` so a reader's position moves past them. A pull consumer underneath
+        (:mod:`llmgw.events.reader`): however slow the reader, no event is ever skipped.
         """
-        end = until
-        if not follow and end is None:
-            end = await self.stream_last_seq()
-        if end is not None and end <= after:
-            return
-        queue: asyncio.Queue = asyncio.Queue(maxsize=batch_size * 8)
+        from llmgw.events.reader import read_log  # the reader builds on this module
 
-        async def on_msg(msg: Any) -> None:
-            await queue.put(msg)
-
-        config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=after + 1,
-        )
-        sub = await self.js.subscribe(
-            subject,
-            stream=self.stream,
-            cb=on_msg,
-            ordered_consumer=True,
-            config=config,
-            idle_heartbeat=5.0,
-            pending_msgs_limit=batch_size * 16,
-        )
-        try:
-            while True:
-                if not follow:
-                    # A filtered reader may never see the stream's last sequence: the consumer's
-                    # pending count says when it has caught up.
-                    first = await self._next_or_done(queue, sub)
-                    if first is None:
-                        return
-                else:
-                    first = await queue.get()
-                msgs = [first]
-                while len(msgs) < batch_size and not queue.empty():
-                    msgs.append(queue.get_nowait())
-                batch: list[RecordedEvent | Quarantined] = []
-                done = False
-                for msg in msgs:
-                    seq = msg.metadata.sequence.stream
-                    if end is not None and seq > end:
-                        done = True
-                        break
-                    batch.append(await self._decode(msg.subject, msg.data, seq))
-                    if end is not None and seq >= end:
-                        done = True
-                    if not follow and msg.metadata.num_pending == 0:
-                        done = True
-                if batch:
-                    yield batch
-                if done:
-                    return
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    async def _next_or_done(self, queue: asyncio.Queue, sub: Any) -> Any | None:
-        """The next message, or None once the consumer has nothing pending for us."""
-        while True:
-            try:
-                return await asyncio.wait_for(queue.get(), timeout=0.5)
-            except TimeoutError:
-                info = await sub.consumer_info()
-                if info.num_pending == 0 and queue.empty():
-                    return None
+        async for batch in read_log(self, subject, after=after, follow=follow, batch_size=batch_size, until=until):
+            yield batch
 
     async def _decode(self, subject: str, data: bytes, seq: int) -> RecordedEvent | Quarantined:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmgw.events import access as A
 from llmgw.events import tenancy as T
 from llmgw.events.commands import Rejected
 from llmgw.events.envelope import Envelope, RecordedEvent, utc_now
@@ -123,3 +124,43 @@ def test_the_same_name_may_live_under_different_parents() -> None:
         [*ACME, T.CreateScope(kind="team", path="acme/ops"), T.CreateScope(kind="project", path="acme/ops/chat")]
     )
     assert tree.find("project", "acme/ops/chat") is not tree.find("project", "acme/ml/chat")
+
+
+def _with_keys(tree: TenancyTree, project_path: str, names: list[str], revoked: int = 0) -> None:
+    """Fold ``key.created`` for each name (and ``key.revoked`` for the first ``revoked``) into the tree."""
+    project = tree.find("project", project_path)
+    assert project is not None
+    seq = tree.keys_seq
+    for i, name in enumerate(names):
+        env = Envelope(id=f"k{i}", type="key.created", at=utc_now(), actor="user:t")
+        payload = A.KeyCreated(
+            key_id=f"key_{i}", prefix=f"p{i:07d}", secret_sha256="0" * 64, project_id=project.id, name=name
+        )
+        seq += 1
+        tree.apply_key(RecordedEvent(envelope=env, payload=payload, subject=f"llmgw.evt.key.key_{i}", seq=seq))
+    for i in range(revoked):
+        env = Envelope(id=f"r{i}", type="key.revoked", at=utc_now(), actor="user:t")
+        seq += 1
+        tree.apply_key(
+            RecordedEvent(
+                envelope=env, payload=A.KeyRevoked(key_id=f"key_{i}"), subject=f"llmgw.evt.key.key_{i}", seq=seq
+            )
+        )
+
+
+def test_a_project_that_still_holds_keys_is_not_deleted_and_says_which() -> None:
+    tree = fold(ACME)
+    last_seq = tree.last_seq
+    _with_keys(tree, "acme/ml/chat", ["web", "ci"])
+    assert tree.last_seq == last_seq, "key events never move the tree's expected sequence"
+    with pytest.raises(Rejected) as caught:
+        decide(tree, T.DeleteScope(kind="project", path="acme/ml/chat"))
+    assert "project acme/ml/chat still holds 2 keys (ci, web); revoke them first" in caught.value.reason
+    assert caught.value.code == "has_keys"
+
+
+def test_a_project_whose_keys_are_all_revoked_can_be_deleted() -> None:
+    tree = fold(ACME)
+    _with_keys(tree, "acme/ml/chat", ["web", "ci"], revoked=2)
+    [deleted] = decide(tree, T.DeleteScope(kind="project", path="acme/ml/chat"))
+    assert isinstance(deleted, T.ProjectDeleted)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.events.access import hash_api_key, key_prefix
 from tests.support import free_port
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
@@ -100,7 +102,8 @@ def test_the_tree_is_built_through_the_cli_and_survives_a_restart(up: Up) -> Non
     assert up.stop() == 0
     up.start()
     tree = json.loads(up.cli("ctl", "tree", "--json").stdout)
-    [acme] = tree
+    assert sorted(o["name"] for o in tree) == ["acme", "default"]  # `default`: the first run's demo org
+    [acme] = [o for o in tree if o["name"] == "acme"]
     assert acme["name"] == "acme"
     assert acme["children"][0]["name"] == "ml"
     assert acme["children"][0]["children"][0]["name"] == "chat"
@@ -120,7 +123,9 @@ def test_a_refused_command_prints_its_reason_and_exits_non_zero(up: Up) -> None:
 def test_the_log_names_who_did_what_and_show_links_causes(up: Up) -> None:
     up.cli("ctl", "org", "create", "acme")
     lines = up.cli("events", "tail", "--json", "--type", "org.created").stdout.splitlines()
-    [event] = [json.loads(x) for x in lines]
+    events = [json.loads(x) for x in lines]
+    assert [e["actor"] for e in events][:1] == ["system:bootstrap"], "the first run's demo org comes first"
+    event = events[-1]
     assert event["actor"].startswith("user:")
     assert event["causation"]
     shown = up.cli("events", "show", event["causation"])
@@ -160,3 +165,55 @@ def test_projections_verify_agrees_with_the_live_tables(up: Up) -> None:
     done = up.cli("projections", "verify")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "tenancy: identical" in done.stdout
+
+
+def test_up_writes_a_demo_key_for_its_owner_only_the_first_time_and_keeps_it_on_restart(up: Up) -> None:
+    demo = up.data_dir / "demo-key"
+    assert stat.S_IMODE(demo.stat().st_mode) == 0o600
+    key = demo.read_text().strip()
+    prefix = key_prefix(key)
+    assert prefix is not None, "a key in llmgw's format"
+    listed = json.loads(up.cli("ctl", "key", "list", "--project", "default/default/default", "--json").stdout)
+    assert [(k["name"], k["prefix"], k["state"]) for k in listed] == [("demo", prefix, "active")]
+    assert up.stop() == 0
+    up.start()
+    assert demo.read_text().strip() == key
+    assert stat.S_IMODE(demo.stat().st_mode) == 0o600
+    assert len(json.loads(up.cli("ctl", "key", "list", "--json").stdout)) == 1, "no second demo key"
+
+
+def test_a_created_key_is_printed_once_and_listed_by_its_prefix_only(up: Up) -> None:
+    for args in (["org", "create", "acme"], ["team", "create", "acme/ml"], ["project", "create", "acme/ml/chat"]):
+        assert up.cli("ctl", *args).returncode == 0
+    create = ["key", "create", "--project", "acme/ml/chat", "--name", "ci", "--rpm", "60", "--expires", "30d"]
+    done = up.cli("ctl", *create)
+    assert done.returncode == 0, done.stderr
+    key = done.stdout.strip()
+    prefix = key_prefix(key)
+    assert prefix is not None and done.stdout.count(key) == 1
+    assert "created for project acme/ml/chat" in done.stderr and "will not be shown again" in done.stderr
+    secret = key.split("-", 2)[2]
+
+    listed = up.cli("ctl", "key", "list", "--project", "acme/ml/chat")
+    assert listed.returncode == 0, listed.stderr
+    assert f"llmgw-{prefix}-…" in listed.stdout and "ci" in listed.stdout and "active" in listed.stdout
+    as_json = up.cli("ctl", "keys", "list", "--json").stdout
+    assert prefix in as_json
+    assert secret not in listed.stdout + as_json and hash_api_key(key) not in as_json
+
+    refused = up.cli("ctl", "project", "delete", "acme/ml/chat")
+    assert refused.returncode == 2
+    assert "project acme/ml/chat still holds 1 key (ci); revoke it first" in refused.stderr
+    revoked = up.cli("ctl", "key", "revoke", prefix, "--reason", "rotated")
+    assert revoked.returncode == 0 and "revoked" in revoked.stdout
+    assert "revoked" in up.cli("ctl", "key", "list", "--project", "acme/ml/chat").stdout
+
+    assert up.cli("ctl", "limit", "set", "team:acme/ml", "--rpm", "600").returncode == 0
+    assert up.cli("ctl", "price", "set", "smollm2", "--input", "0.1", "--output", "0.3").returncode == 0
+    assert up.cli("ctl", "budget", "set", "acme/ml/chat", "--usd", "20", "--period", "day").returncode == 0
+    assert "team:acme/ml" in up.cli("ctl", "limit", "list").stdout
+    assert "smollm2" in up.cli("ctl", "price", "list").stdout
+    assert "project:acme/ml/chat" in up.cli("ctl", "budget", "list").stdout
+    bad = up.cli("ctl", "limit", "set", "team:acme/nope", "--rpm", "5")
+    assert bad.returncode == 2 and "there is no team 'acme/nope' (teams: acme/ml" in bad.stderr
+    assert up.cli("ctl", "project", "delete", "acme/ml/chat").returncode == 0

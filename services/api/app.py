@@ -7,6 +7,7 @@ its projection to reach the log's current position for the subjects it folds.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 import msgspec
@@ -16,14 +17,31 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from llmgw.events import access as A
 from llmgw.events import nodes as N
 from llmgw.events import subjects as S
 from llmgw.events import tenancy as T
+from llmgw.events.envelope import utc_now
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import encode_token, event_subject
+from llmgw.projections.access import scope_path, tenancy_paths
 from llmgw.projections.backends import Backend
 from llmgw.projections.rebuild import rebuild, verify
 from llmgw.projections.runner import ProjectionRunner
+from llmgw.projections.usage import (
+    GROUPS,
+    PERIODS,
+    ScopeError,
+    UnknownScope,
+    add_up,
+    minute_of,
+    parse_since,
+    period_start,
+    request_record,
+    resolve_scope,
+    spend,
+    usage_totals,
+)
 
 log = structlog.get_logger("llmgw.services.api")
 
@@ -77,6 +95,31 @@ FLEET_COLUMNS = {
 }
 
 
+# Never a key's secret or hash: the projection does not hold them, and the API would not show them.
+ACCESS_COLUMNS = {
+    "keys": [
+        "id",
+        "prefix",
+        "project_id",
+        "name",
+        "user_name",
+        "rpm",
+        "tpm",
+        "models",
+        "expires_at",
+        "revoked",
+        "revoked_at",
+        "revoked_by",
+        "revoke_reason",
+        "created_at",
+        "created_by",
+    ],
+    "limits": ["scope", "rpm", "tpm", "updated_at", "updated_by"],
+    "prices": ["model", "input_usd_per_m", "output_usd_per_m", "updated_at", "updated_by"],
+    "budgets": ["scope", "usd", "period", "updated_at", "updated_by"],
+}
+
+
 def model_status(m: dict[str, Any]) -> str:
     """The one phrase `ctl models` shows: why a model is not serving, or how it is serving."""
     if m["stopped"]:
@@ -117,9 +160,16 @@ class AdminApi:
         app.router.add_get("/api/v1/nodes/{id}", self.node)
         app.router.add_get("/api/v1/models", self.models)
         app.router.add_get("/api/v1/replicas", self.replicas)
+        app.router.add_get("/api/v1/keys", self.keys)
+        app.router.add_get("/api/v1/limits", self.limits)
+        app.router.add_get("/api/v1/prices", self.prices)
+        app.router.add_get("/api/v1/budgets", self.budgets)
         app.router.add_get("/api/v1/projections", self.projections)
         app.router.add_post("/api/v1/projections/rebuild", self.rebuild)
         app.router.add_post("/api/v1/projections/verify", self.verify)
+        app.router.add_get("/api/v1/usage", self.usage)
+        app.router.add_get("/api/v1/usage/spend", self.usage_spend)
+        app.router.add_get("/api/v1/requests/{id}", self.request_usage)
         return app
 
     @web.middleware
@@ -262,6 +312,62 @@ class AdminApi:
             r["stale"] = r["state"] == "ready" and r["model"] in hashes and r["spec_hash"] != hashes[r["model"]]
         return web.json_response({"replicas": rows})
 
+    # -- access (SPEC TEN-2, GW-4, GW-5) -----------------------------------------------------
+
+    async def _access_rows(
+        self, table: str, sql_tail: str = "", *args: Any
+    ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
+        """Rows of an access table as dicts, and the tenancy paths (id -> kind, path) to name scopes with."""
+        await self._caught_up("tenancy", await self.store.last_seq(event_subject(T.AGGREGATE, T.TREE_ID)))
+        await self._caught_up("access", await self.store.stream_last_seq())
+        cols = ACCESS_COLUMNS[table]
+        rows = await self.backend.query("access", f"SELECT {', '.join(cols)} FROM {{{table}}} {sql_tail}", *args)
+        return [dict(zip(cols, r, strict=True)) for r in rows], await tenancy_paths(self.backend)
+
+    async def _key_names(self) -> dict[str, str]:
+        return {r[0]: r[1] for r in await self.backend.query("access", "SELECT id, name FROM {keys}")}
+
+    async def keys(self, request: web.Request) -> web.Response:
+        """Every key (revoked ones too), never its secret or hash; ``?project=PATH-or-ID`` narrows."""
+        rows, paths = await self._access_rows("keys", "ORDER BY created_at, id")
+        project = request.query.get("project", "").strip().removeprefix("project:")
+        if project:
+            found = [sid for sid, (kind, path) in paths.items() if kind == "project" and project in (sid, path)]
+            if not found:
+                known = sorted(path for kind, path in paths.values() if kind == "project")
+                listing = f" (projects: {', '.join(known[:10])})" if known else ""
+                return error(404, f"there is no project {project!r}{listing}", "not_found")
+            rows = [r for r in rows if r["project_id"] == found[0]]
+        now = utc_now()
+        for r in rows:
+            kind_path = paths.get(r["project_id"])
+            r["project"] = kind_path[1] if kind_path else f"{r['project_id']} (deleted)"
+            r["user"] = r.pop("user_name")
+            r["models"] = msgspec.json.decode(r["models"] or "[]")
+            r["revoked"] = bool(r["revoked"])
+            expired = r["expires_at"] is not None and datetime.fromisoformat(r["expires_at"]) <= now
+            r["state"] = "revoked" if r["revoked"] else "expired" if expired else "active"
+            r["display"] = f"{A.KEY_PREFIX}-{r['prefix']}-…"
+        return web.json_response({"keys": rows})
+
+    async def limits(self, request: web.Request) -> web.Response:
+        rows, paths = await self._access_rows("limits")
+        names = await self._key_names()
+        for r in rows:
+            r["path"] = scope_path(r["scope"], paths, names)
+        return web.json_response({"limits": sorted(rows, key=lambda r: r["path"])})
+
+    async def prices(self, request: web.Request) -> web.Response:
+        rows, _ = await self._access_rows("prices", "ORDER BY model")
+        return web.json_response({"prices": rows})
+
+    async def budgets(self, request: web.Request) -> web.Response:
+        rows, paths = await self._access_rows("budgets")
+        names = await self._key_names()
+        for r in rows:
+            r["path"] = scope_path(r["scope"], paths, names)
+        return web.json_response({"budgets": sorted(rows, key=lambda r: r["path"])})
+
     async def projections(self, request: web.Request) -> web.Response:
         await self.runner.refresh_lag()
         return web.json_response({"projections": self.runner.status()})
@@ -287,3 +393,87 @@ class AdminApi:
             result = await verify(self.store, self.backend, projection, runner=self.runner)
             results.append({"name": projection.name, **result})
         return web.json_response({"verified": results, "identical": all(r["identical"] for r in results)})
+
+    # -- usage (SPEC USE-1, USE-2, GW-8) -----------------------------------------------------
+
+    async def _usage_caught_up(self) -> None:
+        # Usage positions are sequences of the usage stream, not of the event log.
+        await self._caught_up("usage", await self.store.on_stream(S.STREAM_USAGE).stream_last_seq())
+
+    async def _usage_scope(self, request: web.Request, required: bool = False) -> tuple[str, str] | None:
+        scope = request.query.get("scope", "").strip()
+        if not scope:
+            if required:
+                raise ScopeError("give a scope: ?scope=project:acme/ml/chat (or org:, team:, key:<id>, model:)")
+            return None
+        if scope.split(":", 1)[0] in ("org", "team", "project"):
+            # A path is resolved through the tree: read it as of now, like `tree` does.
+            await self._caught_up("tenancy", await self.store.last_seq(event_subject(T.AGGREGATE, T.TREE_ID)))
+        return await resolve_scope(self.backend, scope)
+
+    async def usage(self, request: web.Request) -> web.Response:
+        """Sums over the per-minute rollups: ?scope=KIND:ID-OR-PATH&since=1h|ISO&by=model|key|project|team|org."""
+        by = request.query.get("by", "model")
+        if by not in GROUPS:
+            return error(400, f"by={by!r}: group by one of {', '.join(GROUPS)}", "invalid")
+        now = utc_now()
+        try:
+            since = parse_since(request.query.get("since") or "24h", now)
+            scope = await self._usage_scope(request)
+        except UnknownScope as exc:
+            return error(404, str(exc), "not_found")
+        except ValueError as exc:
+            return error(400, str(exc), "invalid")
+        await self._usage_caught_up()
+        groups = await usage_totals(self.backend, by, scope, since)
+        return web.json_response(
+            {
+                "scope": request.query.get("scope") or None,
+                "scope_kind": scope[0] if scope else None,
+                "scope_id": scope[1] if scope else None,
+                "since": minute_of(since),
+                "by": by,
+                "groups": [g.as_dict() for g in groups],
+                "total": add_up(groups).as_dict(),
+            }
+        )
+
+    async def usage_spend(self, request: web.Request) -> web.Response:
+        """What a scope has spent in its budget period: ?scope=project:acme/ml/chat&period=day|month."""
+        period = request.query.get("period", "month")
+        if period not in PERIODS:
+            return error(400, f"period={period!r}: budgets run per {' or '.join(PERIODS)}", "invalid")
+        now = utc_now()
+        try:
+            scope = await self._usage_scope(request, required=True)
+            assert scope is not None
+            await self._usage_caught_up()
+            usd = await spend(self.backend, scope, period, now)
+        except UnknownScope as exc:
+            return error(404, str(exc), "not_found")
+        except ScopeError as exc:
+            return error(400, str(exc), "invalid")
+        return web.json_response(
+            {
+                "scope": request.query["scope"],
+                "scope_kind": scope[0],
+                "scope_id": scope[1],
+                "period": period,
+                "since": period_start(period, now).isoformat(),
+                "usd": usd,
+            }
+        )
+
+    async def request_usage(self, request: web.Request) -> web.Response:
+        """One request's usage record, as stored (GW-8: `ctl request ID`)."""
+        rid = request.match_info["id"]
+        await self._usage_caught_up()
+        found = await request_record(self.backend, rid)
+        if found is None:
+            return error(
+                404,
+                f"no usage record for request {rid}: a record is written when the request ends; "
+                "check the id in the gateway's x-request-id header or access log",
+                "not_found",
+            )
+        return web.json_response(found)

@@ -34,14 +34,20 @@ class TenancyService:
         # A key is created only while the tree is unchanged (the access service fences on it), so a key
         # for a project deleted meanwhile is refused; a key created between this read and the delete's
         # append is the one race left, milliseconds wide (docs/decisions.md).
-        async for batch in self.store.subscribe(self.keys_subject, after=self.tree.keys_seq, follow=False):
-            for event in batch:
-                if isinstance(event, RecordedEvent):
-                    self.tree.apply_key(event)
-                else:  # quarantined: move past it
-                    self.tree.keys_seq = max(self.tree.keys_seq, event.seq)
-        for event in await self.store.read(self.subject, after=self.tree.last_seq):
-            self.tree.apply(event)
+        # The last sequence on a subject says whether there is anything to read, and up to where: a filtered
+        # read then ends on that event instead of waiting to be sure nothing else matches.
+        last_key = await self.store.last_seq(self.keys_subject)
+        if last_key > self.tree.keys_seq:
+            async for batch in self.store.subscribe(
+                self.keys_subject, after=self.tree.keys_seq, follow=False, until=last_key
+            ):
+                for event in batch:
+                    if isinstance(event, RecordedEvent):
+                        self.tree.apply_key(event)
+            self.tree.keys_seq = max(self.tree.keys_seq, last_key)  # quarantined positions are moved past too
+        if await self.store.last_seq(self.subject) > self.tree.last_seq:
+            for event in await self.store.read(self.subject, after=self.tree.last_seq):
+                self.tree.apply(event)
 
     async def handle(self, command: Command, payload: T.TenancyCommand) -> Accepted:
         for _ in range(MAX_ATTEMPTS):

@@ -1,0 +1,139 @@
+"""Keys, limits, prices and budgets as tables (read by `ctl key|limit|price|budget list` and the API).
+
+The keys table never holds a key's secret or its hash: a read model is for showing, and only the
+routers (which fold the events themselves) check keys. Scopes are kept as on the log (by id);
+the API names them by path through the tenancy projection.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from llmgw.events import access as A
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.subjects import EVENTS_ROOT
+from llmgw.projections.backends import Backend
+from llmgw.projections.base import Projection, Tx
+
+_KEY_INSERT = (
+    "INSERT INTO {keys} (id, prefix, project_id, name, user_name, rpm, tpm, models, expires_at, revoked, revoked_at, "
+    "revoked_by, revoke_reason, created_at, created_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL, NULL, '', ?, ?) "
+    "ON CONFLICT (id) DO NOTHING"
+)
+_KEY_REVOKE = "UPDATE {keys} SET revoked = 1, revoked_at = ?, revoked_by = ?, revoke_reason = ? WHERE id = ?"
+_KEY_LIMITS = "UPDATE {keys} SET rpm = ?, tpm = ? WHERE id = ?"
+_LIMIT_UPSERT = (
+    "INSERT INTO {limits} (scope, rpm, tpm, updated_at, updated_by) VALUES (?, ?, ?, ?, ?) ON CONFLICT (scope) "
+    "DO UPDATE SET rpm = excluded.rpm, tpm = excluded.tpm, updated_at = excluded.updated_at, "
+    "updated_by = excluded.updated_by"
+)
+_PRICE_UPSERT = (
+    "INSERT INTO {prices} (model, input_usd_per_m, output_usd_per_m, updated_at, updated_by) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT (model) DO UPDATE SET input_usd_per_m = excluded.input_usd_per_m, "
+    "output_usd_per_m = excluded.output_usd_per_m, updated_at = excluded.updated_at, updated_by = excluded.updated_by"
+)
+_BUDGET_UPSERT = (
+    "INSERT INTO {budgets} (scope, usd, period, updated_at, updated_by) VALUES (?, ?, ?, ?, ?) ON CONFLICT (scope) "
+    "DO UPDATE SET usd = excluded.usd, period = excluded.period, updated_at = excluded.updated_at, "
+    "updated_by = excluded.updated_by"
+)
+
+
+class AccessProjection(Projection):
+    name = "access"
+    subject = f"{EVENTS_ROOT}.>"
+    tables = {
+        "keys": "id TEXT PRIMARY KEY, prefix TEXT NOT NULL, project_id TEXT NOT NULL, name TEXT NOT NULL, "
+        "user_name TEXT, rpm INTEGER, tpm INTEGER, models TEXT NOT NULL, expires_at TEXT, revoked INTEGER NOT NULL, "
+        "revoked_at TEXT, revoked_by TEXT, revoke_reason TEXT, created_at TEXT NOT NULL, created_by TEXT NOT NULL",
+        "limits": "scope TEXT PRIMARY KEY, rpm INTEGER, tpm INTEGER, updated_at TEXT NOT NULL, "
+        "updated_by TEXT NOT NULL",
+        "prices": "model TEXT PRIMARY KEY, input_usd_per_m DOUBLE PRECISION NOT NULL, "
+        "output_usd_per_m DOUBLE PRECISION NOT NULL, updated_at TEXT NOT NULL, updated_by TEXT NOT NULL",
+        "budgets": "scope TEXT PRIMARY KEY, usd DOUBLE PRECISION NOT NULL, period TEXT NOT NULL, "
+        "updated_at TEXT NOT NULL, updated_by TEXT NOT NULL",
+    }
+    primary_keys = {"keys": ["id"], "limits": ["scope"], "prices": ["model"], "budgets": ["scope"]}
+    indexes = {"keys": [["project_id"], ["prefix"]]}
+    handlers = {
+        "key.created": "key_created",
+        "key.revoked": "key_revoked",
+        "limit.set": "limit_set",
+        "price.set": "price_set",
+        "budget.set": "budget_set",
+    }
+
+    async def key_created(self, tx: Tx, e: RecordedEvent) -> None:
+        p: A.KeyCreated = e.payload  # type: ignore[assignment]
+        await tx.execute(
+            _KEY_INSERT,
+            p.key_id,
+            p.prefix,
+            p.project_id,
+            p.name,
+            p.user,
+            p.rpm,
+            p.tpm,
+            msgspec.json.encode(p.models).decode(),
+            p.expires_at.isoformat() if p.expires_at else None,
+            e.envelope.at.isoformat(),
+            e.envelope.actor,
+        )
+
+    async def key_revoked(self, tx: Tx, e: RecordedEvent) -> None:
+        p: A.KeyRevoked = e.payload  # type: ignore[assignment]
+        await tx.execute(_KEY_REVOKE, e.envelope.at.isoformat(), e.envelope.actor, p.reason, p.key_id)
+
+    async def limit_set(self, tx: Tx, e: RecordedEvent) -> None:
+        p: A.LimitSet = e.payload  # type: ignore[assignment]
+        if p.rpm is None and p.tpm is None:
+            await tx.execute("DELETE FROM {limits} WHERE scope = ?", p.scope)
+        else:
+            await tx.execute(_LIMIT_UPSERT, p.scope, p.rpm, p.tpm, e.envelope.at.isoformat(), e.envelope.actor)
+        kind, _, key_id = p.scope.partition(":")
+        if kind == "key":  # a key's own limits: the latest of its creation and its `limit.set`
+            await tx.execute(_KEY_LIMITS, p.rpm, p.tpm, key_id)
+
+    async def price_set(self, tx: Tx, e: RecordedEvent) -> None:
+        p: A.PriceSet = e.payload  # type: ignore[assignment]
+        await tx.execute(
+            _PRICE_UPSERT, p.model, p.input_usd_per_m, p.output_usd_per_m, e.envelope.at.isoformat(), e.envelope.actor
+        )
+
+    async def budget_set(self, tx: Tx, e: RecordedEvent) -> None:
+        p: A.BudgetSet = e.payload  # type: ignore[assignment]
+        if p.usd is None:
+            await tx.execute("DELETE FROM {budgets} WHERE scope = ?", p.scope)
+        else:
+            await tx.execute(_BUDGET_UPSERT, p.scope, p.usd, p.period, e.envelope.at.isoformat(), e.envelope.actor)
+
+
+# -- naming scopes for people: read helpers over this projection and the tenancy one -------------
+
+
+async def tenancy_paths(backend: Backend) -> dict[str, tuple[str, str]]:
+    """id -> (kind, path) of every org, team and project, from the tenancy projection's ``scopes``."""
+    rows = await backend.query("tenancy", "SELECT id, kind, name, parent_id FROM {scopes}")
+    by_id = {r[0]: r for r in rows}
+
+    def path(sid: str) -> str:
+        names: list[str] = []
+        seen: set[str] = set()
+        current: str | None = sid
+        while current is not None and current in by_id and current not in seen:
+            seen.add(current)
+            names.append(by_id[current][2])
+            current = by_id[current][3]
+        return "/".join(reversed(names))
+
+    return {r[0]: (r[1], path(r[0])) for r in rows}
+
+
+def scope_path(scope: str, paths: dict[str, tuple[str, str]], key_names: dict[str, str]) -> str:
+    """``team:acme/ml`` for ``team:<id>``; ``key:<id> (name)`` for a key; ``… (deleted)`` for a scope gone."""
+    kind, _, sid = scope.partition(":")
+    if kind == "key":
+        name = key_names.get(sid)
+        return f"key:{sid} ({name})" if name else f"key:{sid}"
+    found = paths.get(sid)
+    return f"{kind}:{found[1]}" if found is not None and found[0] == kind else f"{scope} (deleted)"
