@@ -420,7 +420,7 @@ class PostgresBackend(Backend):
     kind = "postgresql"
     dollar = True
 
-    def __init__(self, dsn: str, *, min_size: int = 1, max_size: int = 4) -> None:
+    def __init__(self, dsn: str, *, min_size: int = 1, max_size: int = 8) -> None:
         super().__init__(dsn)
         self._pool: Any = None
         self._min_size = min_size
@@ -482,14 +482,15 @@ def _redact(dsn: str) -> str:
     return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", dsn)
 
 
-async def open_backend(dsn: str) -> Backend:
+async def open_backend(dsn: str, *, pool_size: int = 8) -> Backend:
     """The backend a DSN names, opened.
 
     ``sqlite:///abs/path.db`` or a plain file path → SQLite; ``postgresql://…`` or
-    ``postgres://…`` → PostgreSQL (a small pool).
+    ``postgres://…`` → PostgreSQL (a pool of up to ``pool_size`` connections: one per projection
+    applying a batch, plus rebuilds, verifies and readers).
     """
     if dsn.startswith(("postgresql://", "postgres://")):
-        return await PostgresBackend(dsn).open()
+        return await PostgresBackend(dsn, max_size=pool_size).open()
     if dsn.startswith("sqlite://"):
         path = dsn.removeprefix("sqlite://")
         if not path.startswith("/"):

@@ -66,8 +66,15 @@ def _index_name(table: str, columns: Sequence[str]) -> str:
     return name
 
 
+_IDENT = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
 def table_ddl(projection: Projection, logical: str, shadow: bool = False) -> list[str]:
     """``CREATE TABLE`` (with the primary key unless the columns declare one) and its indexes."""
+    for ident in (projection.name, logical):
+        if not _IDENT.match(ident) or "__" in ident:
+            # Names go into SQL unquoted, and "__" is reserved for the shadow suffix.
+            raise ProjectionError(f"{ident!r} is not a valid projection or table name: use [a-z][a-z0-9_]*, no '__'")
     physical = projection.table_name(logical, shadow)
     columns = projection.tables[logical].strip()
     keys = projection.primary_keys.get(logical)
@@ -155,12 +162,20 @@ async def set_checkpoint(tx: Transaction, name: str, position: int, version: int
 # -- applying ------------------------------------------------------------------------------------
 
 
-async def apply_events(tx: Transaction, projection: Projection, events: Sequence[Any]) -> int:
+async def apply_events(tx: Transaction, projection: Projection, events: Sequence[Any], *, whole: bool = False) -> int:
     """Apply each decoded event in order; quarantined positions are passed over. Returns how many were applied.
 
     Unknown event types, and types the projection has no handler for, reach ``apply`` and are
-    skipped there. A handler error becomes :class:`HandlerError` naming the event.
+    skipped there. A handler error becomes :class:`HandlerError` naming the event. With ``whole``,
+    a projection that overrides ``apply_batch`` gets the batch at once (its error names no event).
     """
+    if whole and type(projection).apply_batch is not Projection.apply_batch:
+        batch = [e for e in events if isinstance(e, RecordedEvent)]
+        try:
+            await projection.apply_batch(tx, batch)
+        except Exception as exc:
+            raise HandlerError(projection.name, None, None, exc) from exc
+        return len(batch)
     applied = 0
     for event in events:
         if isinstance(event, Quarantined):
@@ -195,7 +210,8 @@ async def commit_batch(
             async with backend.transaction(projection, shadow=shadow, buffered=buffered) as tx:
                 if before is not None:
                     await before(tx)
-                return await apply_events(tx, projection, events)
+                # The buffered pass folds a batch at once where the projection can; the retry goes event by event.
+                return await apply_events(tx, projection, events, whole=buffered)
         except CheckpointMoved:
             raise
         except Exception as exc:

@@ -28,7 +28,7 @@ class ProjectionMetrics:
         )
         self.errors = Counter(
             "llmgw_projection_errors",
-            "Batches that failed to apply; a second failure in a row stops the projection",
+            "Failed batches and reads; a batch failing twice in a row stops the projection",
             ["projection"],
             registry=self.registry,
         )

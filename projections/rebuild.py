@@ -135,6 +135,7 @@ async def rebuild(
     """
     started = time.monotonic()
     name = projection.name
+    store = store.on_stream(projection.stream)  # positions are sequences of the projection's stream
     await ensure_checkpoints(backend)
     async with backend.shadow_lock(name):
         try:
@@ -206,6 +207,7 @@ async def verify(
     :class:`ProjectionError` when the projection has never run on this database.
     """
     name = projection.name
+    store = store.on_stream(projection.stream)
     await ensure_checkpoints(backend)
     async with backend.shadow_lock(name):
         try:
@@ -315,7 +317,15 @@ async def _fold_shadow(
     if await store.last_seq(projection.subject) <= after:
         return 0  # nothing new on the subject: skip the reader's wait for "caught up"
     folded = 0
-    batches = read_log(store, projection.subject, after=after, follow=False, until=until, batch_size=batch_size)
+    batches = read_log(
+        store,
+        projection.subject,
+        after=after,
+        follow=False,
+        until=until,
+        batch_size=batch_size,
+        decode=projection.decode,
+    )
     async with contextlib.aclosing(batches):
         async for batch in batches:
             await commit_batch(backend, projection, batch, shadow=True)

@@ -71,8 +71,9 @@ class ProjectionState(msgspec.Struct, frozen=True, kw_only=True):
 class _Slot:
     """The runner's mutable state for one projection."""
 
-    def __init__(self, projection: Projection) -> None:
+    def __init__(self, projection: Projection, store: EventStore) -> None:
         self.projection = projection
+        self.store = store.on_stream(projection.stream)  # the stream its subject is on
         self.position = 0
         self.head = 0  # highest sequence known on the projection's subject, for the lag
         self.applied = 0
@@ -120,7 +121,7 @@ class ProjectionRunner:
         self.batch_size = batch_size
         self.metrics = metrics if metrics is not None else ProjectionMetrics(registry)
         self.lag_interval_s = lag_interval_s
-        self._slots = {p.name: _Slot(p) for p in self.projections}
+        self._slots = {p.name: _Slot(p, store) for p in self.projections}
         self._lag_task: asyncio.Task[None] | None = None
         self._started = False
 
@@ -204,7 +205,8 @@ class ProjectionRunner:
         another subject than the projection reads, so once the log has reached ``position`` the
         goal is the last event *on its subject* at or before it. A position the log has not
         reached yet is waited for as it is. Raises :class:`ProjectionFailed` if the projection
-        has stopped on an error, instead of waiting out the timeout.
+        has stopped on an error, instead of waiting out the timeout. Positions are sequences of
+        the projection's own stream (``Projection.stream``).
         """
         slot = self._slot(name)
         if slot.position >= position:
@@ -214,8 +216,8 @@ class ProjectionRunner:
                 goal = position
                 # In this order: once the log holds `position`, the subject's head read after it
                 # covers every event on the subject up to `position`.
-                if await self.store.stream_last_seq() >= position:
-                    head = await self.store.last_seq(slot.projection.subject)
+                if await slot.store.stream_last_seq() >= position:
+                    head = await slot.store.last_seq(slot.projection.subject)
                     slot.head = max(slot.head, head)
                     goal = min(position, head)
                 async with slot.changed:
@@ -230,7 +232,7 @@ class ProjectionRunner:
         """Ask the log for each subject's last sequence and update the lag gauges."""
         for slot in self._slots.values():
             try:
-                slot.head = max(slot.head, await self.store.last_seq(slot.projection.subject))
+                slot.head = max(slot.head, await slot.store.last_seq(slot.projection.subject))
             except Exception as exc:  # metrics must never take the runner down
                 log.warning("could not read the log head for the lag", projection=slot.projection.name, error=str(exc))
                 continue
@@ -311,26 +313,34 @@ class ProjectionRunner:
         while True:
             try:
                 slot.status = "running"
-                batches = read_log(self.store, p.subject, after=slot.position, follow=True, batch_size=self.batch_size)
+                batches = read_log(
+                    slot.store, p.subject, after=slot.position, follow=True, batch_size=self.batch_size, decode=p.decode
+                )
                 async with contextlib.aclosing(batches):
                     async for batch in batches:
                         async with slot.lock:
-                            rewind = await self._apply(slot, batch)
+                            try:
+                                rewind = await self._apply(slot, batch)
+                            except Exception as exc:
+                                raise _ApplyFailed() from exc
                         delay = RETRY_MIN_S
                         if rewind:
                             break
                     else:
-                        return  # a following subscription only ends when the store closes
+                        return  # a following reader only ends when the store closes
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                cause = exc.cause if isinstance(exc, HandlerError) else exc
-                if not (self.backend.is_transient(cause) or _outside_batch(exc)):
-                    await self._fail(slot, exc)
+                error = exc.__cause__ if isinstance(exc, _ApplyFailed) else exc
+                assert isinstance(error, Exception)
+                cause = error.cause if isinstance(error, HandlerError) else error
+                if isinstance(exc, _ApplyFailed) and not self.backend.is_transient(cause):
+                    await self._fail(slot, error)
                     return
                 # The bus or the database went away: read again from the checkpoint, with backoff.
-                slot.status, slot.error = "retrying", exc
-                log.warning("projection interrupted; retrying", projection=p.name, error=str(exc), retry_in_s=delay)
+                self.metrics.errors.labels(projection=p.name).inc()
+                slot.status, slot.error = "retrying", error
+                log.warning("projection interrupted; retrying", projection=p.name, error=str(error), retry_in_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_S)
                 slot.error = None
@@ -364,6 +374,8 @@ class ProjectionRunner:
                 # Another writer (a second process, a rebuild) got there first.
                 log.info("projection checkpoint moved elsewhere", projection=p.name, ours=expected, now=moved.position)
                 slot.position = moved.position
+                self._gauge(slot)
+                await self._notify(slot)
                 if moved.position < expected:
                     return True
                 events = [e for e in events if e.seq > moved.position]
@@ -400,8 +412,5 @@ class ProjectionRunner:
             await asyncio.sleep(self.lag_interval_s)
 
 
-def _outside_batch(exc: Exception) -> bool:
-    """Errors of the reader (the bus), as opposed to applying a batch: always worth retrying."""
-    import nats.errors
-
-    return isinstance(exc, nats.errors.Error)
+class _ApplyFailed(Exception):
+    """Raised from the batch's error: tells the run loop the batch failed, not the reader."""

