@@ -565,18 +565,39 @@ def raw_payload(store: EventStore) -> bytes:
 Once = Callable[[], Awaitable[tuple[float, int]]]  # one measurement: (seconds, events lost)
 
 
-async def best_of(repeat: int, once: Once) -> tuple[float, int]:
-    """The fastest of ``repeat`` measurements (the one the shared machine disturbed least), and any loss."""
-    runs = [await once() for _ in range(repeat)]
-    return min(seconds for seconds, _ in runs), max(lost for _, lost in runs)
+class Rounds:
+    """Interleaved measurements: every figure once per round, for ``repeat`` rounds, keeping the fastest.
+
+    The machine is shared: a burst of someone else's load hits whatever runs at that moment. Taking
+    each figure once per round, next to its raw counterpart, and keeping each one's best run, compares
+    llmgw and raw under the same conditions rather than minutes apart.
+    """
+
+    def __init__(self, repeat: int, echo: Echo) -> None:
+        self.repeat = repeat
+        self.echo = echo
+        self.steps: list[tuple[str, str, Once]] = []  # key, progress text, measurement
+        self.best: dict[str, tuple[float, int]] = {}
+
+    def step(self, key: str, what: str, once: Once) -> None:
+        self.steps.append((key, what, once))
+
+    async def run(self, where: str) -> None:
+        for r in range(1, self.repeat + 1):
+            for key, what, once in self.steps:
+                self.echo(f"{where} (round {r}/{self.repeat}): {what}")
+                seconds, lost = await once()
+                best_s, worst_lost = self.best.get(key, (float("inf"), 0))
+                self.best[key] = (min(best_s, seconds), max(worst_lost, lost))
+
+    def add(self, report: Report, key: str, label: str, events: int, **more: Any) -> None:
+        if key in self.best:
+            seconds, lost = self.best[key]
+            report.add(key, label, events, seconds, lost=lost, **more)
 
 
-async def _raw_writes(
-    nc: NATS, payload: bytes, opts: BackboneOptions, report: Report, tag: str, sizes: tuple[int, ...], echo: Echo
-) -> None:
-    n = opts.events
+def _raw_publish_steps(rounds: Rounds, nc: NATS, payload: bytes, n: int, tag: str) -> None:
     js = nc.jetstream(timeout=10.0)
-    where = "durable" if tag == "durable" else "no flush"
 
     async def pipelined() -> tuple[float, int]:
         await reset_stream(js, raw_stream_config())
@@ -586,31 +607,27 @@ async def _raw_writes(
         await reset_stream(js, raw_stream_config())
         return await raw_awaited(js, payload, n), 0
 
-    echo(f"{where}: raw pipelined publishes")
-    seconds, _ = await best_of(opts.repeat, pipelined)
-    report.add(f"raw.pipelined.{tag}", f"raw publish_async, pipelined, {where}", n, seconds)
-    echo(f"{where}: raw publishes awaited one by one")
-    seconds, _ = await best_of(opts.repeat, awaited)
-    report.add(f"raw.awaited.{tag}", f"raw publish, each awaited, {where}", n, seconds)
-    for size in sizes:
-
-        async def atomic(size: int = size) -> tuple[float, int]:
-            await reset_stream(js, raw_stream_config())
-            return await raw_atomic(nc, payload, n, size), 0
-
-        echo(f"{where}: raw atomic batches of {size}")
-        seconds, _ = await best_of(opts.repeat, atomic)
-        report.add(f"raw.batch{size}.{tag}", f"raw atomic batches of {size}, {where}", n, seconds)
+    rounds.step(f"raw.pipelined.{tag}", "raw pipelined publishes", pipelined)
+    rounds.step(f"raw.awaited.{tag}", "raw publishes awaited one by one", awaited)
 
 
-async def _llmgw_append_many(store: EventStore, opts: BackboneOptions) -> float:
-    async def once() -> tuple[float, int]:
+def _raw_batch_step(rounds: Rounds, nc: NATS, payload: bytes, n: int, tag: str, size: int) -> None:
+    js = nc.jetstream(timeout=10.0)
+
+    async def atomic() -> tuple[float, int]:
+        await reset_stream(js, raw_stream_config())
+        return await raw_atomic(nc, payload, n, size), 0
+
+    rounds.step(f"raw.batch{size}.{tag}", f"raw atomic batches of {size}", atomic)
+
+
+def _append_many_step(rounds: Rounds, store: EventStore, n: int, tag: str) -> None:
+    async def append_many() -> tuple[float, int]:
         await reset_events(store)
-        seconds, _ = await store_append_many(store, bench_events(0, opts.events))
+        seconds, _ = await store_append_many(store, bench_events(0, n))
         return seconds, 0
 
-    seconds, _ = await best_of(opts.repeat, once)
-    return seconds
+    rounds.step(f"llmgw.append_many.{tag}", "llmgw append_many", append_many)
 
 
 async def _durable_phase(server: BenchNats, opts: BackboneOptions, report: Report, base: Path, echo: Echo) -> None:
@@ -618,119 +635,105 @@ async def _durable_phase(server: BenchNats, opts: BackboneOptions, report: Repor
     drops = Drops()
     nc = await nats.connect(server.url, name="llmgw-bench-raw")
     store = await connect_store(server.url, drops)
+    databases = iter(range(1_000_000))  # each apply folds into a database of its own
     try:
         payload = raw_payload(store)
         report.notes.append(
             f"raw payloads are {len(payload)} bytes, the size of one encoded llmgw envelope; raw messages carry no "
             "Nats-Msg-Id (llmgw's carry the event id, which the server also de-duplicates on)"
         )
-        await _raw_writes(nc, payload, opts, report, "durable", (100, MAX_ATOMIC_BATCH), echo)
-
         js = nc.jetstream(timeout=10.0)
-
-        async def read_raw() -> tuple[float, int]:
-            return await raw_read(js, n), 0
-
-        echo("durable: raw ordered consumer read")
-        seconds, _ = await best_of(opts.repeat, read_raw)  # the last raw atomic batches' messages
-        report.add("raw.read", "raw ordered consumer read", n, seconds)
-        await js.delete_stream(RAW_STREAM)
+        rounds = Rounds(opts.repeat, echo)
 
         async def append_each() -> tuple[float, int]:
             await reset_events(store)
             return await store_append_each(store, bench_events(0, n)), 0
 
-        echo("durable: llmgw append, one event at a time")
-        seconds, _ = await best_of(opts.repeat, append_each)
-        report.add(
-            "llmgw.append.durable", "llmgw append, one at a time, durable", n, seconds, baseline="raw.awaited.durable"
-        )
-        echo("durable: llmgw append_many")
-        report.add(
-            "llmgw.append_many.durable",
-            "llmgw append_many (group commit), durable",
-            n,
-            await _llmgw_append_many(store, opts),
-            baseline=f"raw.batch{MAX_ATOMIC_BATCH}.durable",
-            min_rate=APPEND_TARGET,
-        )
-        last_seq = await store.stream_last_seq()  # the log now holds exactly n bench events
+        async def read_raw() -> tuple[float, int]:  # the n messages of the raw atomic batches just written
+            return await raw_read(js, n), 0
 
-        async def read_store() -> tuple[float, int]:
+        async def read_store() -> tuple[float, int]:  # the n events append_many just wrote
             drops.reset()
             seconds, read = await store_read(store)
             return seconds, max(n - read, drops.count)
-
-        echo("durable: llmgw subscribe(follow=False) read")
-        seconds, lost = await best_of(opts.repeat, read_store)
-        report.add("llmgw.read", "llmgw subscribe(follow=False), decoded", n, seconds, baseline="raw.read", lost=lost)
 
         async def read_projections() -> tuple[float, int]:
             seconds, read = await projections_read(store)
             return seconds, n - read
 
-        echo("durable: projections read_log (pull consumer) read")
-        seconds, lost = await best_of(opts.repeat, read_projections)
-        report.add(
-            "projections.read", "projections read_log (pull), decoded", n, seconds, baseline="raw.read", lost=lost
-        )
-
-        # The projections fold those n events from zero, each time into a new database.
-        databases = iter(range(1_000_000))
-
         async def apply_sqlite() -> tuple[float, int]:
             drops.reset()
             dsn = f"sqlite:///{base / f'apply-{next(databases)}.db'}"
-            seconds, counted = await apply_from_zero(store, dsn, last_seq, drops)
+            seconds, counted = await apply_from_zero(store, dsn, n, drops)
             return seconds, n - counted
-
-        echo("projection apply on SQLite")
-        seconds, lost = await best_of(opts.repeat, apply_sqlite)
-        report.add(
-            "apply.sqlite",
-            "projection apply, SQLite",
-            n,
-            seconds,
-            baseline="raw.read",
-            min_rate=APPLY_TARGET,
-            lost=lost,
-        )
-        if not opts.pg_dsn:
-            report.notes.append(
-                "PostgreSQL skipped: no DSN (--pg, LLMGW_BENCH_POSTGRES_DSN or LLMGW_TEST_POSTGRES_DSN)"
-            )
-            return
-        admin_dsn = opts.pg_dsn
 
         async def apply_pg() -> tuple[float, int]:
-            async with fresh_pg_database(admin_dsn) as pg_dsn:
+            assert opts.pg_dsn
+            async with fresh_pg_database(opts.pg_dsn) as pg_dsn:
                 drops.reset()
-                seconds, counted = await apply_from_zero(store, pg_dsn, last_seq, drops)
+                seconds, counted = await apply_from_zero(store, pg_dsn, n, drops)
             return seconds, n - counted
 
-        echo("projection apply on PostgreSQL")
-        try:
-            seconds, lost = await best_of(opts.repeat, apply_pg)
-        except (OSError, ImportError) as exc:
-            report.notes.append(f"PostgreSQL skipped: {exc}")
-            return
-        except Exception as exc:
-            if not type(exc).__module__.startswith("asyncpg"):
-                raise
-            report.notes.append(f"PostgreSQL skipped: {type(exc).__name__}: {exc}")
-            return
-        report.add(
-            "apply.postgres",
-            "projection apply, PostgreSQL",
-            n,
-            seconds,
-            baseline="raw.read",
-            min_rate=APPLY_TARGET,
-            lost=lost,
+        # One round, in this order; each llmgw figure right after the raw one it is compared with.
+        _raw_publish_steps(rounds, nc, payload, n, "durable")
+        rounds.step("llmgw.append.durable", "llmgw append, one event at a time", append_each)
+        _raw_batch_step(rounds, nc, payload, n, "durable", 100)
+        _raw_batch_step(rounds, nc, payload, n, "durable", MAX_ATOMIC_BATCH)
+        _append_many_step(rounds, store, n, "durable")
+        rounds.step("raw.read", "raw ordered consumer read", read_raw)
+        rounds.step("llmgw.read", "llmgw subscribe(follow=False) read", read_store)
+        rounds.step("projections.read", "projections read_log read", read_projections)
+        rounds.step("apply.sqlite", "projection apply on SQLite", apply_sqlite)
+        pg = await _pg_usable(opts.pg_dsn, report)
+        if pg:
+            rounds.step("apply.postgres", "projection apply on PostgreSQL", apply_pg)
+        await rounds.run("durable")
+
+        rounds.add(report, "raw.pipelined.durable", "raw publish_async, pipelined, durable", n)
+        rounds.add(report, "raw.awaited.durable", "raw publish, each awaited, durable", n)
+        rounds.add(report, "raw.batch100.durable", "raw atomic batches of 100, durable", n)
+        rounds.add(
+            report, f"raw.batch{MAX_ATOMIC_BATCH}.durable", f"raw atomic batches of {MAX_ATOMIC_BATCH}, durable", n
         )
+        rounds.add(report, "raw.read", "raw ordered consumer read", n)
+        rounds.add(
+            report, "llmgw.append.durable", "llmgw append, one at a time, durable", n, baseline="raw.awaited.durable"
+        )
+        rounds.add(
+            report,
+            "llmgw.append_many.durable",
+            "llmgw append_many (group commit), durable",
+            n,
+            baseline=f"raw.batch{MAX_ATOMIC_BATCH}.durable",
+            min_rate=APPEND_TARGET,
+        )
+        rounds.add(report, "llmgw.read", "llmgw subscribe(follow=False), decoded", n, baseline="raw.read")
+        rounds.add(report, "projections.read", "projections read_log (pull), decoded", n, baseline="raw.read")
+        for key, label in (
+            ("apply.sqlite", "projection apply, SQLite"),
+            ("apply.postgres", "projection apply, PostgreSQL"),
+        ):
+            rounds.add(report, key, label, n, baseline="raw.read", min_rate=APPLY_TARGET)
     finally:
         await store.close()
         await nc.drain()
+
+
+async def _pg_usable(dsn: str | None, report: Report) -> bool:
+    """Whether PostgreSQL can be used (a database can be created and dropped); a note says why not."""
+    if not dsn:
+        report.notes.append("PostgreSQL skipped: no DSN (--pg, LLMGW_BENCH_POSTGRES_DSN or LLMGW_TEST_POSTGRES_DSN)")
+        return False
+    try:
+        async with fresh_pg_database(dsn):
+            return True
+    except (OSError, ImportError) as exc:
+        report.notes.append(f"PostgreSQL skipped: {exc}")
+    except Exception as exc:
+        if not type(exc).__module__.startswith("asyncpg"):
+            raise
+        report.notes.append(f"PostgreSQL skipped: {type(exc).__name__}: {exc}")
+    return False
 
 
 async def _nosync_phase(server: BenchNats, opts: BackboneOptions, report: Report, base: Path, echo: Echo) -> None:
@@ -739,22 +742,23 @@ async def _nosync_phase(server: BenchNats, opts: BackboneOptions, report: Report
     nc = await nats.connect(server.url, name="llmgw-bench-raw")
     store = await connect_store(server.url, drops)
     try:
-        await _raw_writes(nc, raw_payload(store), opts, report, "nosync", (MAX_ATOMIC_BATCH,), echo)
+        rounds = Rounds(opts.repeat, echo)
+        payload = raw_payload(store)
+        _raw_publish_steps(rounds, nc, payload, n, "nosync")
+        _raw_batch_step(rounds, nc, payload, n, "nosync", MAX_ATOMIC_BATCH)
+        _append_many_step(rounds, store, n, "nosync")
+        await rounds.run("no flush")
         await nc.jetstream().delete_stream(RAW_STREAM)
-
-        echo("no flush: llmgw append_many")
-        report.add(
-            "llmgw.append_many.nosync",
-            "llmgw append_many (group commit), no flush",
-            n,
-            await _llmgw_append_many(store, opts),
-            baseline=f"raw.batch{MAX_ATOMIC_BATCH}.nosync",
-        )
+        rounds.add(report, "raw.pipelined.nosync", "raw publish_async, pipelined, no flush", n)
+        rounds.add(report, "raw.awaited.nosync", "raw publish, each awaited, no flush", n)
+        batch = f"raw.batch{MAX_ATOMIC_BATCH}.nosync"
+        rounds.add(report, batch, f"raw atomic batches of {MAX_ATOMIC_BATCH}, no flush", n)
+        rounds.add(report, "llmgw.append_many.nosync", "llmgw append_many (group commit), no flush", n, baseline=batch)
         if opts.skip_rebuild:
             report.notes.append("full rebuild skipped (--skip-rebuild)")
             return
 
-        # Measured once: at this size the run is long enough to average the machine's noise out.
+        # Measured once: at this size a run is long enough to average the machine's noise out.
         m = opts.rebuild_events
         echo(f"rebuild: writing {m:,} events with append_many on the no-flush server (preparation)")
         await reset_events(store)
@@ -762,13 +766,7 @@ async def _nosync_phase(server: BenchNats, opts: BackboneOptions, report: Report
         for start in range(0, m, PREPARE_CHUNK):
             seconds, last_seq = await store_append_many(store, bench_events(start, min(PREPARE_CHUNK, m - start)))
             prepare_s += seconds
-        report.add(
-            "rebuild.prepare",
-            "rebuild's log: llmgw append_many, no flush",
-            m,
-            prepare_s,
-            baseline=f"raw.batch{MAX_ATOMIC_BATCH}.nosync",
-        )
+        report.add("rebuild.prepare", "rebuild's log: llmgw append_many, no flush", m, prepare_s, baseline=batch)
 
         echo(f"rebuild: folding {m:,} events into SQLite")
         drops.reset()
@@ -797,14 +795,6 @@ async def _nosync_phase(server: BenchNats, opts: BackboneOptions, report: Report
             baseline="raw.read",
             lost=max(m - read, drops.count),
         )
-        lost = [f for f in report.figures.values() if f.lost]
-        if lost:
-            report.notes.append(
-                "INVALID rows: the reader delivered fewer events than the log holds. EventStore.subscribe reads "
-                "through a push ordered consumer with pending_msgs_limit = 16 × batch_size; once the reader is "
-                "further behind, nats-py drops messages (slow consumer) and its ordered consumer, having already "
-                "counted them, never notices the gap"
-            )
     finally:
         await store.close()
         await nc.drain()
@@ -822,6 +812,18 @@ async def run_backbone(opts: BackboneOptions, echo: Echo) -> Report:
             with nats_server(base, durable=False) as server:
                 echo(f"nats-server without the durable flush on {server.url}")
                 await _nosync_phase(server, opts, report, base, echo)
+    lost = [f for f in report.figures.values() if f.lost]
+    if lost:
+        report.notes.append(
+            f"INVALID rows ({'; '.join(f.label for f in lost)}): the reader delivered fewer events than the "
+            "log holds, so the time is no figure"
+        )
+    if any(f.key.startswith("llmgw.read") for f in lost):
+        report.notes.append(
+            "EventStore.subscribe reads through a push ordered consumer with pending_msgs_limit = "
+            "16 × batch_size; once the reader is further behind, nats-py drops messages (slow consumer) and "
+            "its ordered consumer, having already counted them, never notices the gap"
+        )
     return report
 
 
