@@ -69,6 +69,14 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     profiles: list[Profile] = []
 
 
+def spec_hash(spec: ModelSpec) -> str:
+    """What a running replica depends on: a replica started from another hash is a stale profile (CAT-5)."""
+    import hashlib
+
+    relevant = (spec.source, spec.profiles, spec.context_length)
+    return hashlib.sha256(msgspec.json.encode(relevant)).hexdigest()[:16]
+
+
 class ModelAdded(msgspec.Struct, frozen=True, kw_only=True):
     spec: ModelSpec
     declared: bool = False  # from the config file: edited there, not at runtime

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import msgspec
 
 from llmgw.events import models as M
@@ -11,14 +9,9 @@ from llmgw.events import nodes as N
 from llmgw.events import replicas as R
 from llmgw.events import scheduler as SCH
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.models import spec_hash
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of
 from llmgw.projections.base import Projection, Tx
-
-
-def spec_hash(spec: M.ModelSpec) -> str:
-    # The same rule as the scheduler's (a replica running an older hash is stale, CAT-5).
-    relevant = (spec.source, spec.profiles, spec.context_length)
-    return hashlib.sha256(msgspec.json.encode(relevant)).hexdigest()[:16]
 
 
 def _json(v: object) -> str:
