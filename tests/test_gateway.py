@@ -501,3 +501,28 @@ async def test_malformed_requests_never_get_a_500_or_hurt_the_gateway(gw: Fleet,
         async with s.get(url + "/healthz") as r:
             assert r.status == 200
     assert 400 in statuses
+
+
+async def test_a_model_that_cannot_answer_falls_back_to_the_next(gw: Fleet, tiny: Path) -> None:
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant)
+    await ready_model(gw, tiny, name="backup")
+    await gw.add_model("primary", tiny, fallbacks=["backup"])
+    await gw.wait_ready("primary", 1)
+    await gw.command("stop", M.StopModel(name="primary"))
+    await gw.router_caught_up()
+    url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+    body = {"model": "primary", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url, json=body, headers={"Authorization": f"Bearer {key}", "X-Request-Id": "fb-1"}) as r,
+    ):
+        assert r.status == 200, await r.text()
+
+    async def record() -> UsageRecord | None:
+        msg = await gw.store.js.get_last_msg("LLMGW_USAGE", f"llmgw.usage.{tenant.project}", direct=True)
+        rec = msgspec.json.decode(msg.data, type=UsageRecord)
+        return rec if rec.request_id == "fb-1" else None
+
+    rec = await wait_until(record, what="the fallback request's usage record")
+    assert (rec.model_asked, rec.model_served) == ("primary", "backup")
