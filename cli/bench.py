@@ -889,3 +889,8 @@ def backbone(
     click.echo(report.table())
     for note in report.notes:
         click.echo(f"- {note}")
+
+
+from llmgw.cli.bench_scheduler import scheduler  # noqa: E402 - registered into the group above
+
+bench.add_command(scheduler)

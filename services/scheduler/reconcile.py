@@ -116,7 +116,8 @@ def backoff_s(failures: int, cfg: Config) -> float:
 # -- candidates: the cluster as placement sees it -------------------------------------------------
 
 
-def candidates(state: ClusterState, model: str) -> dict[str, Candidate]:
+def _node_view(state: ClusterState) -> dict[str, Candidate]:
+    """Every registered node with what its replicas hold, for no model in particular."""
     out: dict[str, Candidate] = {}
     for n in state.nodes.values():
         if not n.registered or n.capacity is None:
@@ -143,49 +144,102 @@ def candidates(state: ClusterState, model: str) -> dict[str, Candidate]:
             gpus={g.index: g.memory_total_mb for g in cap.gpus},
             reserved_gpus=[i for r in held for i in r.gpus],
             disk_free_bytes=hb.disk_free_bytes if hb else None,
-            model_replicas=sum(1 for r in held if r.model == model and r.active),
             replicas=len(held),
-            has_weights=bool(hb and any(w == model or w.startswith(f"{model}/") for w in hb.weights)),
         )
     return out
+
+
+def _weights_index(state: ClusterState) -> dict[str, set[str]]:
+    """Model name → nodes holding its weights: a weights entry ``a/b/c`` holds ``a/b/c``, ``a/b`` and ``a``
+    (the same test as ``w == model or w.startswith(model + "/")``, done once per pass, not per model)."""
+    out: dict[str, set[str]] = {}
+    for n in state.nodes.values():
+        if n.heartbeat is None:
+            continue
+        for w in n.heartbeat.weights:
+            out.setdefault(w, set()).add(n.id)
+            i = w.find("/")
+            while i >= 0:
+                out.setdefault(w[:i], set()).add(n.id)
+                i = w.find("/", i + 1)
+    return out
+
+
+def _for_model(
+    view: dict[str, Candidate], state: ClusterState, model: str, weights: dict[str, set[str]]
+) -> dict[str, Candidate]:
+    """``view`` with the fields that depend on the model: its replicas on each node, its weights."""
+    out = dict(view)
+    counts: dict[str, int] = {}
+    for r in state.replicas_of(model):
+        if r.active and r.node_id in out:
+            counts[r.node_id] = counts.get(r.node_id, 0) + 1
+    for node_id, k in counts.items():
+        out[node_id] = msgspec.structs.replace(out[node_id], model_replicas=k)
+    for node_id in weights.get(model, ()):
+        if node_id in out:
+            out[node_id] = msgspec.structs.replace(out[node_id], has_weights=True)
+    return out
+
+
+def candidates(state: ClusterState, model: str) -> dict[str, Candidate]:
+    return _for_model(_node_view(state), state, model, _weights_index(state))
 
 
 # -- the pass -----------------------------------------------------------------------------------
 
 
+class _Pass:
+    """What one pass learns as it goes: replicas failed, nodes lost, and the nodes as placement
+    sees them — built once, on the first placement, then updated with each reservation the pass
+    makes, so later placements count earlier ones and one pass never over-commits a node."""
+
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+        self.failed_now: set[str] = set()
+        self.lost_now: set[str] = set()
+        self.draining_nodes = {n.id for n in state.nodes.values() if n.draining}
+        self._view: dict[str, Candidate] | None = None
+        self._weights: dict[str, set[str]] = {}
+
+    @property
+    def view(self) -> dict[str, Candidate]:
+        if self._view is None:
+            self._view = _node_view(self.state)
+            for node_id in self.lost_now:
+                if node_id in self._view:
+                    self._view[node_id] = msgspec.structs.replace(self._view[node_id], unusable="lost (no heartbeat)")
+            self._weights = _weights_index(self.state)
+        return self._view
+
+    def candidates(self, model: str) -> dict[str, Candidate]:
+        view = self.view
+        return _for_model(view, self.state, model, self._weights)
+
+    def reserve(self, node_id: str, need: Need, gpus: list[int]) -> None:
+        self.view[node_id] = reserve(self.view[node_id], need, gpus, model_replica=False)
+
+
 def reconcile(state: ClusterState, clock: Clock, cfg: Config) -> list[Decision]:
+    p = _Pass(state)
     decisions: list[Decision] = []
-    failed_now: set[str] = set()
-    decisions += _nodes(state, clock, cfg, failed_now)
-    lost_now = {d.node_id for d in decisions if isinstance(d, MarkLost)}
-
-    cands_by_model: dict[str, dict[str, Candidate]] = {}
-    planned: dict[str, list[tuple[Need, list[int]]]] = {}  # node -> reservations made in this pass
-
-    def cands(model: str) -> dict[str, Candidate]:
-        base = candidates(state, model)
-        for node_id in lost_now:
-            if node_id in base:
-                base[node_id] = msgspec.structs.replace(base[node_id], unusable="lost (no heartbeat)")
-        for node_id, items in planned.items():
-            if node_id in base:
-                for (
-                    need,
-                    gpus,
-                ) in items:
-                    base[node_id] = reserve(base[node_id], need, gpus, model_replica=False)
-        cands_by_model[model] = base
-        return base
+    decisions += _nodes(state, clock, cfg, p.failed_now)
+    p.lost_now = {d.node_id for d in decisions if isinstance(d, MarkLost)}
 
     for name in sorted(state.models):
         m = state.models[name]
-        live = [r for r in state.replicas_of(name) if r.active and r.id not in failed_now]
-        decisions += _model(state, m, live, clock, cfg, cands, planned)
+        live = [r for r in state.replicas_of(name) if r.active and r.id not in p.failed_now]
+        decisions += _model(state, m, live, clock, cfg, p)
 
-    known = set(state.models)
-    for r in sorted(state.replicas.values(), key=lambda r: r.id):
-        if r.active and r.model not in known and r.id not in failed_now:
-            decisions.append(Stop(replica_id=r.id, reason=f"model {r.model} was removed", grace_s=cfg.stop_grace_s))
+    gone = [
+        r
+        for model in state.replica_models()
+        if model not in state.models
+        for r in state.replicas_of(model)
+        if r.active and r.id not in p.failed_now
+    ]
+    for r in sorted(gone, key=lambda r: r.id):
+        decisions.append(Stop(replica_id=r.id, reason=f"model {r.model} was removed", grace_s=cfg.stop_grace_s))
     return decisions
 
 
@@ -207,7 +261,7 @@ def _nodes(state: ClusterState, clock: Clock, cfg: Config, failed_now: set[str])
             if n.last_seen is not None and silent < cfg.lost_after_s:
                 out.append(MarkReturned(node_id=node_id))
             else:
-                for r in state.replicas_on(node_id):
+                for r in sorted(state.replicas_on(node_id), key=lambda r: r.id):
                     if r.active:  # e.g. placed by an earlier leader just before the loss
                         failed_now.add(r.id)
                         out.append(Fail(replica_id=r.id, node_id=node_id, reason=f"node {node_id} lost"))
@@ -233,8 +287,7 @@ def _model(
     live: list[ReplicaState],
     clock: Clock,
     cfg: Config,
-    cands: object,
-    planned: dict[str, list[tuple[Need, list[int]]]],
+    p: _Pass,
 ) -> list[Decision]:
     out: list[Decision] = []
     grace = cfg.stop_grace_s
@@ -249,23 +302,32 @@ def _model(
             Park(model=m.name, reason=f"{m.failures} failed starts in a row; last: {m.last_error}", failures=m.failures)
         ]
 
-    draining_nodes = {n.id for n in state.nodes.values() if n.draining}
-    moving = [r for r in live if r.node_id in draining_nodes]
-    staying = [r for r in live if r.node_id not in draining_nodes]
-    # A drain replaces first, then stops the old replica (FLEET-4).
+    lower, upper = wanted_replicas(m, state.demand.get(m.name), clock.epoch, cfg)
+    moving = [r for r in live if r.node_id in p.draining_nodes]
+    staying = [r for r in live if r.node_id not in p.draining_nodes]
+    # A drain replaces first, then stops the old replica (FLEET-4): it waits for as many ready
+    # replicas elsewhere as the model holds now (`lower`, so an on-demand model in use waits too).
     ready_staying = [r for r in staying if r.state == "ready"]
     for r in sorted(moving, key=lambda r: r.id):
-        if len(ready_staying) >= m.min:
+        if len(ready_staying) >= lower:
             grace_s = state.nodes[r.node_id].drain_grace_s
             out.append(Stop(replica_id=r.id, reason=f"node {r.node_id} drained", grace_s=grace_s))
 
-    lower, upper = wanted_replicas(m, state.demand.get(m.name), clock.epoch, cfg)
     if len(staying) > upper:
-        # Scale down: not-yet-ready replicas first, then those on the busiest nodes, newest first.
+        # Scale down, placement's scores in reverse: not-yet-ready replicas first, then those on the
+        # node with most of this model's replicas (spread), then on the busiest node (most replicas
+        # of any model), newest first.
         per_node: dict[str, int] = {}
         for r in staying:
             per_node[r.node_id] = per_node.get(r.node_id, 0) + 1
-        order = sorted(staying, key=lambda r: (r.state == "ready", -per_node[r.node_id], -r.placed_at, r.id))
+        load = {
+            node_id: sum(1 for x in state.replicas_on(node_id) if x.active or x.state == "draining")
+            for node_id in per_node
+        }
+        order = sorted(
+            staying,
+            key=lambda r: (r.state == "ready", -per_node[r.node_id], -load[r.node_id], -r.placed_at, r.id),
+        )
         for r in order[: len(staying) - upper]:
             why = (
                 f"idle on-demand model {m.name}: no request for {cfg.idle_s:.0f}s"
@@ -287,17 +349,17 @@ def _model(
     profile = m.spec.profiles[0]
     need = need_of(profile)
     for i in range(missing):
-        cs = cands(m.name)  # type: ignore[operator]
+        cs = p.candidates(m.name)
         # Count this model's replicas already planned in this pass, so they spread too.
-        for p in out:
-            if isinstance(p, Place) and p.node_id in cs:
-                cs[p.node_id] = msgspec.structs.replace(cs[p.node_id], model_replicas=cs[p.node_id].model_replicas + 1)
+        for d in out:
+            if isinstance(d, Place) and d.node_id in cs:
+                cs[d.node_id] = msgspec.structs.replace(cs[d.node_id], model_replicas=cs[d.node_id].model_replicas + 1)
         seed = f"{m.name}/{len(staying) + i}/{state.position}"
         choice, verdicts = place(list(cs.values()), need, seed)
         if choice is None:
             out.append(Blocked(model=m.name, reason=summarise(verdicts), wanted=missing - i, verdicts=verdicts))
             break
-        planned.setdefault(choice.node_id, []).append((need, choice.gpus))
-        why = f"{len(staying) + i} of {m.min} wanted; best of {sum(1 for v in verdicts if v.fits)} fitting nodes"
+        p.reserve(choice.node_id, need, choice.gpus)
+        why = f"{len(staying) + i} of {lower} wanted; best of {sum(1 for v in verdicts if v.fits)} fitting nodes"
         out.append(Place(model=m.name, node_id=choice.node_id, gpus=choice.gpus, need=need, why=why))
     return out

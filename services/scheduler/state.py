@@ -1,12 +1,11 @@
 """The cluster as the scheduler sees it: folded from node, model and replica events plus heartbeats.
 
 The fold is deterministic (same events, same state); ``observe`` adds what telemetry says now.
-Decisions never read this object directly: :meth:`ClusterState.snapshot` hands them plain data.
+The reconcile pass reads this object and never changes it; only the shell folds into it.
 """
 
 from __future__ import annotations
 
-import hashlib
 from datetime import datetime
 
 import msgspec
@@ -15,14 +14,9 @@ from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events import replicas as R
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.models import spec_hash
 
 GiB = 1024**3
-
-
-def spec_hash(spec: M.ModelSpec) -> str:
-    """What a running replica depends on: a change makes it ``ready (stale profile)`` (CAT-5)."""
-    relevant = (spec.source, spec.profiles, spec.context_length)
-    return hashlib.sha256(msgspec.json.encode(relevant)).hexdigest()[:16]
 
 
 def capacity_of(hb: N.NodeHeartbeat) -> N.NodeCapacity:
@@ -90,11 +84,19 @@ class ReplicaState(msgspec.Struct, kw_only=True):
 
 
 class ClusterState:
+    """Nodes, models and replicas, folded. ``replicas`` changes only through :meth:`apply` and
+    :meth:`forget_inactive`, which keep the per-node and per-model indexes in step with it."""
+
     def __init__(self) -> None:
         self.nodes: dict[str, NodeState] = {}
         self.models: dict[str, ModelState] = {}
         self.replicas: dict[str, ReplicaState] = {}
         self.position = 0
+        # Indexes of ``replicas`` (a replica's model and node never change): a pass asks "what is
+        # on this node" and "what runs this model" for every node and model, and scanning every
+        # replica for each made a pass quadratic.
+        self._on_node: dict[str, dict[str, ReplicaState]] = {}
+        self._of_model: dict[str, dict[str, ReplicaState]] = {}
         self.demand: dict[str, float] = {}  # model -> epoch of the last request a router saw (on demand)
 
     # -- fold of durable events ---------------------------------------------------------------
@@ -160,18 +162,20 @@ class ClusterState:
                 n.cordoned, n.draining, n.drain_grace_s = True, True, p.grace_s
                 n.cordon_reason = n.cordon_reason or "draining"
             case R.ReplicaPlaced():
-                self.replicas[p.replica_id] = ReplicaState(
-                    id=p.replica_id,
-                    model=p.model,
-                    node_id=p.node_id,
-                    state="placed",
-                    spec_hash=p.spec_hash,
-                    profile=p.profile,
-                    source=p.source,
-                    cores=p.cores,
-                    memory_bytes=p.memory_bytes,
-                    gpus=list(p.gpus),
-                    placed_at=at,
+                self._index(
+                    ReplicaState(
+                        id=p.replica_id,
+                        model=p.model,
+                        node_id=p.node_id,
+                        state="placed",
+                        spec_hash=p.spec_hash,
+                        profile=p.profile,
+                        source=p.source,
+                        cores=p.cores,
+                        memory_bytes=p.memory_bytes,
+                        gpus=list(p.gpus),
+                        placed_at=at,
+                    )
                 )
             case R.ReplicaStarting():
                 r = self.replicas.get(p.replica_id)
@@ -204,6 +208,22 @@ class ClusterState:
                 if r:
                     r.state, r.reason = "stopped", p.reason or r.reason
 
+    def _index(self, r: ReplicaState) -> None:
+        old = self.replicas.get(r.id)
+        if old is not None and (old.node_id, old.model) != (r.node_id, r.model):
+            self._unindex(old)
+        self.replicas[r.id] = r
+        self._on_node.setdefault(r.node_id, {})[r.id] = r
+        self._of_model.setdefault(r.model, {})[r.id] = r
+
+    def _unindex(self, r: ReplicaState) -> None:
+        for index, key in ((self._on_node, r.node_id), (self._of_model, r.model)):
+            group = index.get(key)
+            if group is not None:
+                group.pop(r.id, None)
+                if not group:
+                    del index[key]
+
     def _model_of(self, event: RecordedEvent) -> ModelState | None:
         from llmgw.events.subjects import aggregate_of
 
@@ -224,20 +244,25 @@ class ClusterState:
 
     def forget_inactive(self, keep_s: float, now_epoch: float) -> None:
         """Drop stopped and failed replicas older than ``keep_s``: state stays small on a long-lived leader."""
-        for rid in [
-            r.id
+        for r in [
+            r
             for r in self.replicas.values()
             if not r.active and r.state != "draining" and now_epoch - r.placed_at > keep_s
         ]:
-            del self.replicas[rid]
+            del self.replicas[r.id]
+            self._unindex(r)
 
     # -- views -------------------------------------------------------------------------------
 
     def replicas_of(self, model: str) -> list[ReplicaState]:
-        return [r for r in self.replicas.values() if r.model == model]
+        return list(self._of_model.get(model, {}).values())
+
+    def replica_models(self) -> list[str]:
+        """Every model with replicas in the state, removed models included."""
+        return list(self._of_model)
 
     def replicas_on(self, node_id: str) -> list[ReplicaState]:
-        return [r for r in self.replicas.values() if r.node_id == node_id]
+        return list(self._on_node.get(node_id, {}).values())
 
 
 def format_bytes(n: int | None) -> str:
