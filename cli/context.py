@@ -27,6 +27,7 @@ class RunInfo(msgspec.Struct, frozen=True, kw_only=True):
     admin_url: str
     gateway_url: str
     data_dir: str
+    mirror_url: str | None = None  # its file server, for agents
 
 
 def default_data_dir() -> Path:

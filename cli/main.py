@@ -8,7 +8,9 @@ import json
 import os
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -25,8 +27,10 @@ from llmgw.cli.context import RUN_FILE, RunInfo, default_data_dir, write_run_inf
 from llmgw.cli.ctl import ctl
 from llmgw.cli.events_cmd import events
 from llmgw.cli.fleet_cmd import load_model_file
+from llmgw.cli.mirror_cmd import mirror
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError
 from llmgw.cli.runtime import ALL_SERVICES, DEMO_KEY_FILE, ServerConfig, serve
+from llmgw.services.mirror.hub import DEFAULT_HUB
 
 
 @click.group()
@@ -45,6 +49,38 @@ main.add_command(bench)
 main.add_command(ctl)
 main.add_command(events)
 main.add_command(agent)
+main.add_command(mirror)
+
+
+def _hub_token() -> str | None:
+    """HF_TOKEN, else the token `hf auth login` stored: what huggingface_hub itself would use."""
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+def _port_or_another(host: str, port: int) -> int:
+    """``port`` when it is free, else one the system picks (for defaults derived from another port)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return port
+        except OSError:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+
+
+def _mirror_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The mirror's options, shared by `up` and `server`."""
+    fn = click.option(
+        "--hf-endpoint",
+        envvar="HF_ENDPOINT",
+        default=DEFAULT_HUB,
+        show_default=True,
+        help="The Hugging Face–compatible hub the mirror fetches from ($HF_ENDPOINT). A token: $HF_TOKEN.",
+    )(fn)
+    fn = click.option("--mirror-max-gb", type=float, help="The most the mirror directory may hold, in GB.")(fn)
+    return click.option("--mirror-port", type=int, help="The mirror's file server port (default: admin port + 2).")(fn)
 
 
 def _install_stop(stop: asyncio.Event) -> None:
@@ -71,6 +107,7 @@ def _install_stop(stop: asyncio.Event) -> None:
 @click.option("--no-demo", is_flag=True, help="Do not serve the SmolLM2 demo model.")
 @click.option("--no-agent", is_flag=True, help="Run no local agent (this machine runs no engines).")
 @click.option("--log-level", default="info", show_default=True)
+@_mirror_options
 @click.pass_context
 def up(
     ctx: click.Context,
@@ -84,6 +121,9 @@ def up(
     no_demo: bool,
     no_agent: bool,
     log_level: str,
+    mirror_port: int | None,
+    mirror_max_gb: float | None,
+    hf_endpoint: str,
 ) -> None:
     """Run everything on this machine: embedded NATS, SQLite projections, every service."""
     logs.configure(log_level)
@@ -112,6 +152,11 @@ def up(
         host=host,
         port=port,
         admin_port=admin_port,
+        mirror_dir=str(data_dir / "mirror"),
+        mirror_port=mirror_port or _port_or_another(host, admin_port + 2),
+        mirror_max_bytes=int(mirror_max_gb * 1e9) if mirror_max_gb else None,
+        hub_endpoint=hf_endpoint,
+        hub_token=_hub_token(),
     )
 
     def ready() -> None:
@@ -123,11 +168,12 @@ def up(
                 admin_url=f"http://{host}:{admin_port}",
                 gateway_url=f"http://{host}:{port}",
                 data_dir=str(data_dir),
+                mirror_url=f"http://{host}:{config.mirror_port}",
             ),
         )
         click.echo(
             f"llmgw is up: gateway http://{host}:{port}, admin http://{host}:{admin_port}, "
-            f"NATS {natsd.url}, data in {data_dir}",
+            f"mirror http://{host}:{config.mirror_port}, NATS {natsd.url}, data in {data_dir}",
             err=True,
         )
         demo_key = data_dir / DEMO_KEY_FILE
@@ -185,7 +231,9 @@ def up(
 @click.option("--admin-port", default=8081, show_default=True)
 @click.option("--replicas", default=1, show_default=True, help="Stream replicas (3 in a JetStream cluster).")
 @click.option("--catalog", "catalog_file", help="Models declared in a YAML file (edited there, not at runtime).")
+@click.option("--mirror-dir", help="Where the mirror keeps models (default: DATA_DIR/mirror).")
 @click.option("--log-level", default="info", show_default=True)
+@_mirror_options
 def server(
     nats_url: str,
     db_dsn: str,
@@ -195,7 +243,11 @@ def server(
     admin_port: int,
     replicas: int,
     catalog_file: str | None,
+    mirror_dir: str | None,
     log_level: str,
+    mirror_port: int | None,
+    mirror_max_gb: float | None,
+    hf_endpoint: str,
 ) -> None:
     """Run services against an external NATS and PostgreSQL (the cluster shape)."""
     logs.configure(log_level)
@@ -208,6 +260,11 @@ def server(
         admin_port=admin_port,
         stream_replicas=replicas,
         declared_models=tuple(load_model_file(catalog_file)) if catalog_file else (),
+        mirror_dir=mirror_dir or str(default_data_dir() / "mirror"),
+        mirror_port=mirror_port or admin_port + 2,
+        mirror_max_bytes=int(mirror_max_gb * 1e9) if mirror_max_gb else None,
+        hub_endpoint=hf_endpoint,
+        hub_token=_hub_token(),
     )
 
     async def go() -> None:

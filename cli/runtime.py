@@ -36,6 +36,8 @@ from llmgw.services.accountant.service import RETENTION_DAYS, AccountantService
 from llmgw.services.api.app import AdminApi
 from llmgw.services.catalog.service import CatalogService
 from llmgw.services.fleet.service import FleetService
+from llmgw.services.mirror.hub import DEFAULT_HUB
+from llmgw.services.mirror.service import MirrorConfig, MirrorService
 from llmgw.services.router.app import Router, RouterConfig
 from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
 from llmgw.services.scheduler.service import SchedulerService
@@ -43,7 +45,18 @@ from llmgw.services.tenancy.service import TenancyService
 
 log = structlog.get_logger("llmgw.runtime")
 
-ALL_SERVICES = ("tenancy", "access", "catalog", "fleet", "scheduler", "projections", "api", "router", "accountant")
+ALL_SERVICES = (
+    "tenancy",
+    "access",
+    "catalog",
+    "fleet",
+    "scheduler",
+    "projections",
+    "api",
+    "router",
+    "accountant",
+    "mirror",
+)
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,6 +74,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     scheduler: SchedulerConfig = SchedulerConfig()
     usage_retention_days: float = RETENTION_DAYS  # requests and rollups older than this are deleted
     router: RouterConfig = RouterConfig()
+    mirror_dir: str | None = None  # where the mirror keeps MODEL/VERSION/FILE; needed when it runs here
+    mirror_port: int = 8083  # its file server
+    mirror_max_bytes: int | None = None  # the most the mirror directory may hold
+    hub_endpoint: str = DEFAULT_HUB  # the Hugging Face–compatible hub (HF_ENDPOINT)
+    hub_token: str | None = None  # a hub token (HF_TOKEN), for gated or private repositories
 
 
 def projections() -> list:
@@ -118,6 +136,7 @@ async def serve(
     sites: list[web.AppRunner] = []
     processors = []
     routers: list[Router] = []
+    mirrors: list[MirrorService] = []
     try:
         if "projections" in config.services:
             await runner.start()
@@ -165,6 +184,24 @@ async def serve(
             routers.append(router)
             handles["router"] = router
             sites.append(await _site(router.app(), config.host, config.port))
+        if "mirror" in config.services:
+            if not config.mirror_dir:
+                raise SystemExit("error: the mirror service needs a directory to keep models in (--mirror-dir)")
+            mirror = MirrorService(
+                store,
+                MirrorConfig(
+                    dir=config.mirror_dir,
+                    hub=config.hub_endpoint,
+                    token=config.hub_token,
+                    max_bytes=config.mirror_max_bytes,
+                ),
+            )
+            mirrors.append(mirror)
+            await mirror.start()
+            processors.append(mirror)
+            handles["mirror"] = mirror
+            tasks.append(asyncio.create_task(mirror.run(), name="mirror-commands"))
+            sites.append(await _site(mirror.app(), config.host, config.mirror_port))
         log.info("services started", services=list(config.services), port=config.port, admin_port=config.admin_port)
         if on_ready:
             on_ready()
@@ -180,6 +217,8 @@ async def serve(
             await site.cleanup()
         for router in routers:
             await router.stop()
+        for m in mirrors:
+            await m.close()
         for t in tasks:
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from llmgw.events import access, models, nodes, outcomes, replicas, scheduler, tenancy
+from llmgw.events import access, mirror, models, nodes, outcomes, replicas, scheduler, tenancy
 from llmgw.events.registry import EventRegistry, EventType
 
-MODULES = (outcomes, tenancy, access, models, nodes, replicas, scheduler)
+MODULES = (outcomes, tenancy, access, models, nodes, replicas, scheduler, mirror)
 
 
 def all_event_types() -> list[EventType]:
@@ -44,6 +44,7 @@ def render_markdown() -> str:
                 default = "" if f.default is msgspec.NODEFAULT else repr(f.default)
                 if f.default_factory is not msgspec.NODEFAULT:
                     default = repr(f.default_factory())
-                lines.append(f"| `{f.name}` | `{_type_name(f.type)}` | {default} |")
+                kind = _type_name(f.type).replace("|", "\\|")  # a bare | would end the table cell
+                lines.append(f"| `{f.name}` | `{kind}` | {default} |")
             lines.append("")
     return "\n".join(lines)

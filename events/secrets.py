@@ -2,7 +2,8 @@
 
 Engine keys (ARCHITECTURE §9, GW-7): each replica's engine accepts only its own key, derived with
 HMAC from the replica id and a cluster secret, so the agent that starts the engine and every
-router that calls it compute the same key without ever sending it over the bus.
+router that calls it compute the same key without ever sending it over the bus. The mirror's
+file server token is derived from the same secret with another label (:func:`mirror_token`).
 """
 
 from __future__ import annotations
@@ -52,3 +53,10 @@ def engine_key(secret: bytes, replica_id: str) -> str:
     """The key replica ``replica_id``'s engine accepts."""
     digest = hmac.new(secret, f"engine:{replica_id}".encode(), hashlib.sha256).digest()
     return "llmgw-engine-" + base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def mirror_token(secret: bytes) -> str:
+    """The bearer token the mirror's file server accepts (MIR-2): every holder of the cluster secret
+    (agents, control planes) computes it; another label than engine keys, so neither reveals the other."""
+    digest = hmac.new(secret, b"mirror:files", hashlib.sha256).digest()
+    return "llmgw-mirror-" + base64.urlsafe_b64encode(digest).decode().rstrip("=")

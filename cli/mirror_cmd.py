@@ -1,0 +1,152 @@
+"""`llmgw mirror`: model weights fetched from a Hugging Face hub, verified and served (SPEC MIR-1, MIR-2).
+
+Commands go to the mirror service over the bus; what the mirror holds is folded from its events
+in the log, so `mirror list` answers even while the mirror is down and shows why a fetch failed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from llmgw.cli.client import Session, run
+from llmgw.events import mirror as E
+from llmgw.events.commands import CommandError
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
+from llmgw.services.mirror.rules import human
+from llmgw.services.mirror.state import FETCHING, PRESENT, MirrorState
+
+
+@click.group()
+def mirror() -> None:
+    """Model weights on the mirror: fetch them from a Hugging Face hub, list, remove."""
+
+
+def _line(e: RecordedEvent) -> str | None:
+    p = e.payload
+    match p:
+        case E.FileProgress():
+            return f"{p.file}: {100 * p.done // max(p.size, 1)}% of {human(p.size)}"
+        case E.FileVerified():
+            resumed = f", resumed from {human(p.resumed_from)}" if p.resumed_from else ""
+            return f"{p.file}: {human(p.size)}, sha256 {p.sha256[:16]}… verified{resumed}"
+        case E.FetchCompleted():
+            return f"done: {p.files} file(s), {human(p.bytes)}, {human(p.downloaded)} downloaded in {p.seconds:.0f}s"
+    return None
+
+
+async def _follow(s: Session, model: str, version: str, start: int) -> int:
+    """Print a fetch's progress from the log until it completes (0) or fails (1)."""
+    store = await s.store()
+    subject = event_subject(E.AGGREGATE, model)
+    start = start or await store.last_seq(subject)
+    state = MirrorState()
+    click.echo("(Ctrl-C stops watching; the fetch goes on in the mirror)", err=True)
+    seen = 0
+    async for batch in store.subscribe(subject, after=0, follow=True):
+        for e in batch:
+            if not isinstance(e, RecordedEvent):
+                continue
+            state.apply(model, e)
+            if e.seq > start and getattr(e.payload, "version", None) == version:
+                line = _line(e)
+                if line:
+                    click.echo(line)
+            seen = e.seq
+        if seen < start:
+            continue
+        v = state.version(model, version)
+        if v is None:
+            raise CommandError(f"{model}/{version} was removed while it was fetched")
+        if v.state == PRESENT:
+            click.echo(f"{model}/{version} is on the mirror")
+            return 0
+        if v.state != FETCHING:
+            click.echo(f"error: {v.error}", err=True)
+            return 1
+    return 1
+
+
+@mirror.command("fetch")
+@click.argument("model")
+@click.argument("repo")
+@click.option("--revision", default="main", show_default=True, help="A branch, tag or commit; pinned to its commit.")
+@click.option("--file", "files", multiple=True, help="Only this file of the repository (repeatable); all by default.")
+@click.option(
+    "--allow-pickle",
+    is_flag=True,
+    help="Accept pickled weights (.bin, .pt, .pth, .ckpt), which can run code when they are loaded.",
+)
+@click.option("--detach", is_flag=True, help="Return once the fetch is accepted; `llmgw mirror list` follows it.")
+@click.pass_context
+def fetch(
+    ctx: click.Context, model: str, repo: str, revision: str, files: tuple[str, ...], allow_pickle: bool, detach: bool
+) -> None:
+    """Fetch REPO (owner/name) at a revision into the mirror as MODEL/VERSION, checking every sha256."""
+
+    async def go(s: Session) -> int:
+        payload = E.MirrorFetch(
+            model=model, repo=repo, revision=revision, files=list(files) or None, allow_pickle=allow_pickle
+        )
+        out = await s.command(E.SERVICE, "fetch", payload, timeout=60.0)
+        click.echo(out.message)
+        if detach or out.result.get("state") != FETCHING:
+            return 0
+        return await _follow(s, model, out.result["version"], out.last_seq)
+
+    run(ctx, go)
+
+
+async def _fold(s: Session) -> MirrorState:
+    store = await s.store()
+    state = MirrorState()
+    for e in await store.read(f"{EVENTS_ROOT}.{E.AGGREGATE}.>"):
+        state.apply(aggregate_of(e.subject)[1], e)
+    return state
+
+
+@mirror.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def list_(ctx: click.Context, as_json: bool) -> None:
+    """What the mirror holds and fetches: model, version, state, files, size, repository."""
+
+    async def go(s: Session) -> None:
+        rows = (await _fold(s)).rows()
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+            return
+        if not rows:
+            click.echo("the mirror holds nothing yet: `llmgw mirror fetch MODEL OWNER/REPO`")
+            return
+        click.echo(f"{'MODEL':<28} {'VERSION':<10} {'STATE':<14} {'FILES':>5} {'SIZE':>10}  REPOSITORY")
+        for r in rows:
+            state = r["state"]
+            if state == FETCHING:
+                state += f" {100 * r['done'] // max(r['bytes'], 1)}%"
+            click.echo(
+                f"{r['model']:<28} {r['version']:<10} {state:<14} {len(r['files']):>5} {human(r['bytes']):>10}  "
+                f"{r['repo']}@{r['commit'][:12]}"
+            )
+            if r["error"]:
+                click.echo(f"  {r['error']}")
+
+    run(ctx, go)
+
+
+@mirror.command("remove")
+@click.argument("target", metavar="MODEL[/VERSION]")
+@click.pass_context
+def remove(ctx: click.Context, target: str) -> None:
+    """Delete a model's files from the mirror: one version, or all of them."""
+    model, _, version = target.partition("/")
+    if not model or "/" in version:
+        raise click.UsageError(f"{target!r}: give MODEL or MODEL/VERSION")
+
+    async def go(s: Session) -> None:
+        out = await s.command(E.SERVICE, "remove", E.MirrorRemove(model=model, version=version or None))
+        click.echo(out.message)
+
+    run(ctx, go)

@@ -1,0 +1,422 @@
+"""The mirror service: handles `mirror fetch|remove`, downloads in the background, serves files.
+
+A fetch is decided when its command arrives (the hub is asked about the repository, and whatever
+would be refused is refused then, before any download) and carried out by a task per model
+version, one file at a time, into ``MIRROR_DIR/MODEL/VERSION/FILE.partial``; a file takes its name
+only once its checksum matched. Tasks survive nothing: a fetch the log says is still running when
+the service starts is picked up again, resuming each file from its partial.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import structlog
+from aiohttp import web
+
+from llmgw.events import mirror as E
+from llmgw.events.commands import Accepted, Command, CommandProcessor, Rejected
+from llmgw.events.secrets import engine_key_secret, mirror_token
+from llmgw.events.store import AppendConflict, EventStore, NewEvent
+from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
+from llmgw.services.mirror.download import DiskGuard, DownloadError, download
+from llmgw.services.mirror.files import file_server
+from llmgw.services.mirror.hub import DEFAULT_HUB, HubClient, HubError
+from llmgw.services.mirror.rules import check_model, check_repo, digest_mismatch, human, plan_fetch, should_report
+from llmgw.services.mirror.state import FETCHING, MirrorState, VersionState
+
+log = structlog.get_logger("llmgw.services.mirror")
+
+ACTOR = f"svc:{E.SERVICE}"
+MAX_ATTEMPTS = 5
+
+
+class MirrorConfig(msgspec.Struct, frozen=True, kw_only=True):
+    dir: str
+    hub: str = DEFAULT_HUB  # HF_ENDPOINT, resolved by the caller
+    token: str | None = None  # a hub token (HF_TOKEN); sent to the hub only
+    max_bytes: int | None = None  # the most the mirror directory may hold
+    chunk_bytes: int = 1 << 20  # written (and hashed) in pieces this large
+    retries: int = 5  # attempts in a row without progress before a fetch fails
+    retry_backoff_s: float = 1.0
+    progress_interval_s: float = 1.0
+    progress_step: float = 0.05
+    hub_timeout_s: float = 20.0
+
+
+class MirrorService:
+    def __init__(self, store: EventStore, config: MirrorConfig, *, guard: DiskGuard | None = None) -> None:
+        self.store = store
+        self.config = config
+        self.root = Path(config.dir)
+        self.state = MirrorState()
+        self.hub = HubClient(config.hub, config.token, config.hub_timeout_s)
+        self.guard = guard or DiskGuard(self.root, config.max_bytes)
+        self.tasks: dict[tuple[str, str], asyncio.Task] = {}
+        self.token: str | None = None  # what the file server accepts, derived from the cluster secret
+        self._session: aiohttp.ClientSession | None = None
+        self._follower: asyncio.Task | None = None
+        self._processor: CommandProcessor | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read the log, finish removals, pick up fetches that were running; then follow the log."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.token = mirror_token(await engine_key_secret(self.store.js))
+        # No total timeout: a file can take hours. A stalled connection is caught by the read timeout.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
+        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        await self.catch_up()
+        await asyncio.to_thread(self._sweep_removed)
+        for v in self.state.fetching():
+            log.info("resuming a fetch", model=v.model, version=v.version)
+            self._spawn(v)
+        self._follower = asyncio.create_task(self._follow(), name="mirror-follow")
+
+    def processor(self) -> CommandProcessor:
+        if self._processor is None:
+            self._processor = CommandProcessor(self.store, E.SERVICE, E.MirrorCommand, self.handle)
+        return self._processor
+
+    async def run(self) -> None:
+        await self.processor().run()
+
+    def stop(self) -> None:
+        self.processor().stop()
+
+    async def close(self) -> None:
+        """Stop downloads (their partial files stay for the next start) and the follower."""
+        self.stop()
+        tasks = [*self.tasks.values(), *([self._follower] if self._follower else [])]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._session is not None:
+            await self._session.close()
+
+    def app(self) -> web.Application:
+        return file_server(self.state, self.root, lambda: self.token)
+
+    # -- the log -----------------------------------------------------------------------------
+
+    async def catch_up(self) -> None:
+        async for batch in self.store.subscribe(
+            f"{EVENTS_ROOT}.{E.AGGREGATE}.>", after=self.state.position, follow=False
+        ):
+            self._apply(batch)
+
+    async def _follow(self) -> None:
+        # Keeps the fold (and so the file server) current with what the tasks write.
+        async for batch in self.store.subscribe(f"{EVENTS_ROOT}.{E.AGGREGATE}.>", after=self.state.position):
+            self._apply(batch)
+
+    def _apply(self, batch: list) -> None:
+        for e in batch:
+            if hasattr(e, "envelope"):
+                _, model = aggregate_of(e.subject)
+                self.state.apply(model, e)
+
+    async def _append(self, model: str, payload: msgspec.Struct, causation: str | None) -> int:
+        event = NewEvent(payload=payload, actor=ACTOR, causation=causation, correlation=causation)
+        result = await self.store.append(event_subject(E.AGGREGATE, model), [event])
+        return result.last_seq
+
+    # -- commands ----------------------------------------------------------------------------
+
+    async def handle(self, command: Command, payload: E.MirrorCommand) -> Accepted:
+        for _ in range(MAX_ATTEMPTS):
+            await self.catch_up()
+            if command.id in self.state.applied_commands:
+                return Accepted(message="already applied", last_seq=self.state.applied_commands[command.id])
+            try:
+                if isinstance(payload, E.MirrorFetch):
+                    return await self._fetch(command, payload)
+                return await self._remove(command, payload)
+            except AppendConflict:
+                continue
+        raise Rejected("the mirror kept changing while this command was decided; send it again", "busy")
+
+    def _reserved(self) -> int:
+        """Bytes that fetches under way will still write: promised already, so not free."""
+        return sum(max(f.size - f.done, 0) for v in self.state.fetching() for f in v.files.values() if not f.verified)
+
+    async def _fetch(self, command: Command, p: E.MirrorFetch) -> Accepted:
+        model = check_model(p.model)
+        repo = check_repo(p.repo)
+        revision = p.revision.strip() or "main"
+        if len(revision) > 256 or any(c.isspace() for c in revision):
+            raise Rejected(f"{revision!r} is not a revision: a branch, tag or commit", "invalid_revision")
+        try:
+            info = await self.hub.info(repo, revision)
+        except HubError as exc:
+            raise Rejected(exc.message, exc.code) from exc
+        free = await asyncio.to_thread(self.guard.free) - self._reserved()
+        cmd = msgspec.structs.replace(p, repo=repo, revision=revision)
+        plan = plan_fetch(self.state, cmd, info, has_token=bool(self.config.token), free_bytes=free)
+        result = {"model": model, "version": plan.version, "commit": info.commit}
+        if plan.already:
+            held = self.state.version(model, plan.version)
+            return Accepted(message=plan.message, result={**result, "state": held.state if held else FETCHING})
+        if info.gated:
+            # A token is configured, but has its owner accepted the terms? Ask before promising a fetch.
+            await self._preflight(repo, info.commit, plan.files[0])
+        started = E.FetchStarted(
+            version=plan.version,
+            repo=repo,
+            revision=revision,
+            commit=info.commit,
+            files=plan.files,
+            hub=self.hub.endpoint,
+        )
+        event = NewEvent(payload=started, actor=command.actor, causation=command.id, correlation=command.id)
+        subject = event_subject(E.AGGREGATE, model)
+        appended = await self.store.append(subject, [event], expected=self.state.seqs.get(model, 0))
+        await self.catch_up()  # in order: the fold must never skip past events it has not seen
+        held = self.state.version(model, plan.version)
+        assert held is not None
+        self._spawn(held)
+        log.info("fetch started", model=model, version=plan.version, repo=repo, files=len(plan.files))
+        return Accepted(
+            message=plan.message,
+            events=[event.id],
+            last_seq=appended.last_seq,
+            result={**result, "state": FETCHING, "files": len(plan.files), "bytes": sum(f.size for f in plan.files)},
+        )
+
+    async def _preflight(self, repo: str, commit: str, f: E.MirrorFile) -> None:
+        assert self._session is not None
+        url = self.hub.file_url(repo, commit, f.path)
+        headers = {"Accept-Encoding": "identity", **self.hub.auth_for(url)}
+        try:
+            async with self._session.head(url, headers=headers, allow_redirects=False) as resp:
+                if resp.status in (401, 403):
+                    raise Rejected(
+                        f"{repo} is gated on the hub and the configured token may not read it: accept its terms "
+                        "with that account, or choose another repository",
+                        "gated",
+                    )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise Rejected(
+                f"the hub did not answer for {repo} ({exc}); send the fetch again", "hub_unreachable"
+            ) from exc
+
+    async def _remove(self, command: Command, p: E.MirrorRemove) -> Accepted:
+        versions = self.state.models.get(p.model)
+        if not versions:
+            held = ", ".join(sorted(self.state.models)) or "nothing"
+            raise Rejected(f"the mirror holds no model {p.model!r} (it holds: {held})", "not_found")
+        if p.version is not None and p.version not in versions:
+            raise Rejected(
+                f"the mirror holds no {p.model}/{p.version}; versions of {p.model}: {', '.join(sorted(versions))}",
+                "not_found",
+            )
+        targets = [versions[p.version]] if p.version is not None else list(versions.values())
+        for v in targets:
+            await self._cancel(p.model, v.version)
+        payload = E.MirrorRemoved(version=p.version)
+        event = NewEvent(payload=payload, actor=command.actor, causation=command.id, correlation=command.id)
+        appended = await self.store.append(
+            event_subject(E.AGGREGATE, p.model), [event], expected=self.state.seqs.get(p.model, 0)
+        )
+        await asyncio.to_thread(self._delete, p.model, p.version)
+        what = f"{p.model}/{p.version}" if p.version else f"{p.model} ({', '.join(v.version for v in targets)})"
+        files = sum(len(v.files) for v in targets)
+        size = sum(v.size for v in targets)
+        log.info("removed", model=p.model, version=p.version)
+        return Accepted(
+            message=f"removed {what} from the mirror: {files} file(s), {human(size)}",
+            events=[event.id],
+            last_seq=appended.last_seq,
+            result={"model": p.model, "versions": [v.version for v in targets]},
+        )
+
+    # -- files on disk -----------------------------------------------------------------------
+
+    def _delete(self, model: str, version: str | None) -> None:
+        target = self.root / model if version is None else self.root / model / version
+        shutil.rmtree(target, ignore_errors=True)
+        if version is not None:
+            with contextlib.suppress(OSError):
+                (self.root / model).rmdir()  # only when it held nothing else
+        self.guard.refresh()
+
+    def _sweep_removed(self) -> None:
+        """Finish removals a stop interrupted: the tombstone was written, the files may not be gone."""
+        for model, stones in self.state.tombstones.items():
+            held = self.state.models.get(model, {})
+            base = self.root / model
+            if not base.is_dir():
+                continue
+            for child in base.iterdir():
+                if child.is_dir() and child.name not in held and (None in stones or child.name in stones):
+                    shutil.rmtree(child, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                base.rmdir()
+
+    # -- fetching ----------------------------------------------------------------------------
+
+    def _spawn(self, v: VersionState) -> None:
+        files = [
+            E.MirrorFile(path=f.path, name=f.name, size=f.size, sha256=f.published_sha256, blob_id=f.blob_id)
+            for name in v.fetch_files
+            if (f := v.files.get(name)) is not None and not f.verified
+        ]
+        key = (v.model, v.version)
+        self.tasks[key] = asyncio.create_task(
+            self._run_fetch(v.model, v.version, v.repo, v.commit, files, v.causation), name=f"mirror-{v.model}"
+        )
+
+    async def _cancel(self, model: str, version: str) -> None:
+        task = self.tasks.pop((model, version), None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _run_fetch(
+        self, model: str, version: str, repo: str, commit: str, files: list[E.MirrorFile], causation: str | None
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        downloaded = 0
+        try:
+            for f in files:
+                reason, code, got = await self._fetch_file(model, version, repo, commit, f, causation)
+                if reason is not None:
+                    await self._append(
+                        model, E.FetchFailed(version=version, reason=reason, file=f.name, code=code), causation
+                    )
+                    log.warning("fetch failed", model=model, version=version, file=f.name, reason=reason)
+                    return
+                downloaded += got
+            held = self.state.version(model, version)
+            total = {f.name: f.size for f in files} | ({n: x.size for n, x in held.files.items()} if held else {})
+            await self._append(
+                model,
+                E.FetchCompleted(
+                    version=version,
+                    files=len(total),
+                    bytes=sum(total.values()),
+                    downloaded=downloaded,
+                    seconds=round(loop.time() - began, 3),
+                ),
+                causation,
+            )
+            log.info("fetch completed", model=model, version=version, downloaded=downloaded)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("fetch task failed", model=model, version=version)
+            with contextlib.suppress(Exception):
+                await self._append(
+                    model,
+                    E.FetchFailed(
+                        version=version,
+                        reason=f"the mirror failed on {model}/{version} ({type(exc).__name__}: {exc}); "
+                        "see its log, then fetch again",
+                        code="internal",
+                    ),
+                    causation,
+                )
+        finally:
+            if self.tasks.get((model, version)) is asyncio.current_task():
+                self.tasks.pop((model, version), None)
+
+    async def _fetch_file(
+        self, model: str, version: str, repo: str, commit: str, f: E.MirrorFile, causation: str | None
+    ) -> tuple[str | None, str, int]:
+        """(why it failed or None, failure code, bytes downloaded)."""
+        assert self._session is not None
+        folder = self.root / model / version
+        folder.mkdir(parents=True, exist_ok=True)
+        final, part = folder / f.name, folder / f"{f.name}.partial"
+        if final.exists() and not part.exists():
+            os.replace(final, part)  # renamed before a stop, never recorded: verify it again
+        loop = asyncio.get_running_loop()
+        last = [part.stat().st_size if part.exists() else 0, loop.time()]
+
+        async def progress(done: int) -> None:
+            now = loop.time()
+            if should_report(
+                done,
+                f.size,
+                last[0],
+                last[1],
+                now,
+                interval_s=self.config.progress_interval_s,
+                step=self.config.progress_step,
+            ):
+                last[0], last[1] = done, now
+                await self._append(
+                    model, E.FileProgress(version=version, file=f.name, done=done, size=f.size), causation
+                )
+
+        self.guard.refresh()
+        try:
+            got = await download(
+                self._session,
+                self.hub.file_url(repo, commit, f.path),
+                part,
+                f,
+                auth=self.hub.auth_for,
+                guard=self.guard,
+                progress=progress,
+                chunk_bytes=self.config.chunk_bytes,
+                retries=self.config.retries,
+                backoff_s=self.config.retry_backoff_s,
+            )
+        except DownloadError as exc:
+            if exc.code == "checksum":
+                part.unlink(missing_ok=True)
+                return f"{exc.reason}: it was deleted and is not served", exc.code, 0
+            return exc.reason, exc.code, 0
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            part.unlink(missing_ok=True)  # a full disk keeps no half file
+            self.guard.refresh()
+            return (
+                f"the mirror's disk is full ({self.root}): {f.name} needs {human(f.size)}; remove what is no longer "
+                "used (`llmgw mirror remove MODEL[/VERSION]`) or give the mirror more room, then fetch again",
+                "disk_full",
+                0,
+            )
+        mismatch = digest_mismatch(f, got.size, got.sha256, got.blob_id)
+        if mismatch is not None:
+            part.unlink(missing_ok=True)
+            self.guard.refresh()
+            return (
+                f"{mismatch}: it was deleted and is not served. Fetch it again; if this repeats, the hub's copy "
+                "is damaged",
+                "checksum",
+                got.downloaded,
+            )
+        os.replace(part, final)
+        await asyncio.to_thread(_sync_dir, folder)
+        await self._append(
+            model,
+            E.FileVerified(
+                version=version, file=f.name, size=got.size, sha256=got.sha256, resumed_from=got.resumed_from
+            ),
+            causation,
+        )
+        return None, "", got.downloaded
+
+
+def _sync_dir(path: Path) -> None:
+    """The rename is durable once the directory is flushed."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
