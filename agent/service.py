@@ -23,11 +23,13 @@ from llmgw.agent import discovery
 from llmgw.agent.engines.health import EngineStartError
 from llmgw.agent.plan import Desired, ReportFailed, ReportStopped, Start, StopEngine, plan
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig, tail
+from llmgw.agent.weights.cache import WeightsCache, WeightsError
+from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events import replicas as R
 from llmgw.events import subjects as S
 from llmgw.events.envelope import RecordedEvent, sanitize_actor
-from llmgw.events.secrets import engine_key, engine_key_secret
+from llmgw.events.secrets import engine_key, engine_key_secret, mirror_token
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import encode_token, event_subject
 
@@ -50,6 +52,25 @@ class LogsReply(msgspec.Struct, frozen=True, kw_only=True):
     error: str = ""
 
 
+def weights_subject(node_id: str) -> str:
+    return f"{S.PREFIX}.rpc.agent.{encode_token(node_id)}.weights"
+
+
+class WeightsRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``list`` what the cache holds; ``collect`` deletes every file not in ``keep``; ``remove`` deletes
+    the files named in ``remove`` that are not in ``keep``. Files a running engine uses always stay."""
+
+    action: str = "list"  # list | collect | remove
+    keep: list[str] = []  # MODEL/VERSION/FILE refs that models in the catalog use
+    remove: list[str] = []
+
+
+class WeightsReply(msgspec.Struct, frozen=True, kw_only=True):
+    held: list[str] = []  # after the action
+    removed: list[str] = []
+    error: str = ""
+
+
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     data_dir: Path
@@ -62,6 +83,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     advertise_host: str = "127.0.0.1"
     llama_server_binary: str | None = None
+    mirror_url: str | None = None  # the mirror's file server, for `mirror:` sources (FLEET-8)
 
 
 class LogRing:
@@ -106,6 +128,8 @@ class Agent:
         self._tasks: set[asyncio.Task] = set()
         self._gpus_cache: tuple[float, list[N.GpuInfo]] | None = None
         self._cpu_seen: dict[str, tuple[float, float]] = {}
+        self.weights = WeightsCache(cfg.data_dir / "weights", cfg.mirror_url, lambda: mirror_token(self._secret))
+        self.weights_in_use: dict[str, str] = {}  # replica id -> the mirror file its engine runs
 
     def key(self, rid: str) -> str:
         return engine_key(self._secret, rid)
@@ -121,6 +145,7 @@ class Agent:
             asyncio.create_task(self._heartbeats(), name="agent-heartbeats"),
             asyncio.create_task(self._reconcile_loop(), name="agent-reconcile"),
             asyncio.create_task(self._serve_logs(), name="agent-logs"),
+            asyncio.create_task(self._serve_weights(), name="agent-weights"),
         ]
         log.info("agent started", node=self.cfg.node_id, cpus=self.cpus, adopted=len(self.supervisor.engines))
         try:
@@ -203,6 +228,8 @@ class Agent:
                 if rec.replica_id in self.desired:
                     self.desired[rec.replica_id] = Desired(replica_id=rec.replica_id, state="failed")
             running = set(self.supervisor.engines)
+            for rid in [r for r in self.weights_in_use if r not in running and r not in self.pending]:
+                del self.weights_in_use[rid]
             for action in plan(self.desired, running, self.pending):
                 self._spawn_task(action)
 
@@ -247,8 +274,22 @@ class Agent:
         if placed is None:
             return
         node = self.cfg.node_id
+        model_path: str | None = None
         try:
-            rec = self.supervisor.spawn(placed, self.key(rid))
+            ref = M.mirror_ref(placed.source)
+            if ref is not None:
+                self.weights_in_use[rid] = ref
+                model_path = str(await self.weights.ensure(ref))
+        except (ValueError, WeightsError) as exc:
+            self.weights_in_use.pop(rid, None)
+            log.warning("weights not available", replica=rid, source=placed.source, reason=str(exc))
+            await self._append(rid, R.ReplicaFailed(replica_id=rid, node_id=node, reason=str(exc)))
+            self.desired[rid] = Desired(replica_id=rid, state="failed")
+            return
+        if self.desired.get(rid, Desired(replica_id=rid, state="")).state != "placed":
+            return  # stopped while the weights were fetched
+        try:
+            rec = self.supervisor.spawn(placed, self.key(rid), model_path=model_path)
         except (EngineStartError, OSError) as exc:
             await self._append(rid, R.ReplicaFailed(replica_id=rid, node_id=node, reason=str(exc)))
             self.desired[rid] = Desired(replica_id=rid, state="failed")
@@ -331,6 +372,7 @@ class Agent:
             engines=discovery.engines(has_gpus=bool(gpus)),
             replicas=reports,
             sensors=self.sensors.read(),
+            weights=self.weights.held(),
         )
 
     async def heartbeat(self) -> None:
@@ -346,6 +388,43 @@ class Agent:
                 log.warning("heartbeat failed", error=str(exc))
 
     # -- logs --------------------------------------------------------------------------------
+
+    def _weights_request(self, req: WeightsRequest) -> WeightsReply:
+        running = {
+            ref for rid, ref in self.weights_in_use.items() if rid in self.supervisor.engines or rid in self.pending
+        }
+        keep = set(req.keep) | running
+        if req.action == "collect":
+            removed = self.weights.collect(keep)
+        elif req.action == "remove":
+            removed = self.weights.remove(req.remove, keep)
+        elif req.action == "list":
+            removed = []
+        else:
+            return WeightsReply(error=f"unknown weights action {req.action!r} (list, collect, remove)")
+        return WeightsReply(held=self.weights.held(), removed=removed)
+
+    async def _serve_weights(self) -> None:
+        async def on_request(msg: Any) -> None:
+            try:
+                req = msgspec.json.decode(msg.data, type=WeightsRequest)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                await msg.respond(msgspec.json.encode(WeightsReply(error=f"bad weights request: {exc}")))
+                return
+            try:
+                reply = self._weights_request(req)
+            except OSError as exc:
+                reply = WeightsReply(error=f"node {self.cfg.node_id}: {exc}")
+            await msg.respond(msgspec.json.encode(reply))
+            with contextlib.suppress(Exception):
+                await self.heartbeat()  # what it holds now, without waiting for the next beat
+
+        sub = await self.store.nc.subscribe(weights_subject(self.cfg.node_id), cb=on_request)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def _serve_logs(self) -> None:
         async def on_request(msg: Any) -> None:

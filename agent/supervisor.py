@@ -213,9 +213,12 @@ class Supervisor:
             python=sys.executable,
         )
 
-    def spawn(self, placed: ReplicaPlaced, key: str) -> EngineRecord:
-        """Start the engine process; raises :class:`EngineStartError` with a reason."""
-        model_path = placed.source
+    def spawn(self, placed: ReplicaPlaced, key: str, model_path: str | None = None) -> EngineRecord:
+        """Start the engine process; raises :class:`EngineStartError` with a reason.
+
+        ``model_path`` is the local file to serve (a weights-cache file for a ``mirror:`` source);
+        the placement's source, a local path, when left out."""
+        model_path = model_path or placed.source
         if not Path(model_path).exists():
             raise EngineStartError(f"model file {model_path} does not exist on this node")
         port = self._pick_port()

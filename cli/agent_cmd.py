@@ -53,6 +53,7 @@ def load_agent_config(path: str | None) -> dict[str, Any]:
         "heartbeat_s",
         "startup_timeout_s",
         "llama_server",
+        "mirror",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -77,6 +78,12 @@ def load_agent_config(path: str | None) -> dict[str, Any]:
 @click.option("--port-range", help="Engine ports, LOW-HIGH (default 20000-20999).")
 @click.option("--threads", type=int, help="llama.cpp threads when a profile reserves no cores.")
 @click.option("--heartbeat", "heartbeat_s", type=float, help="Seconds between heartbeats (default 5).")
+@click.option(
+    "--mirror",
+    "mirror_url",
+    envvar="LLMGW_MIRROR_URL",
+    help="The mirror's file server URL, for models whose source is mirror:MODEL/VERSION/FILE.",
+)
 @click.option("--log-level", default="info", show_default=True)
 def agent(
     nats_url: str,
@@ -87,6 +94,7 @@ def agent(
     port_range: str | None,
     threads: int | None,
     heartbeat_s: float | None,
+    mirror_url: str | None,
     log_level: str,
 ) -> None:
     """Run the node agent: report this machine, run the engines placed on it."""
@@ -111,6 +119,7 @@ def agent(
         llamacpp_threads=threads or (conf.get("llamacpp") or {}).get("threads"),
         startup_timeout_s=float(conf.get("startup_timeout_s", 120.0)),
         llama_server_binary=conf.get("llama_server"),
+        mirror_url=mirror_url or conf.get("mirror"),
     )
     ddir.mkdir(parents=True, exist_ok=True)
 
@@ -144,8 +153,9 @@ def die_with_parent() -> None:
 class LocalAgent:
     """`llmgw up`'s agent, a child process started again if it dies; its engines keep serving meanwhile."""
 
-    def __init__(self, nats_url: str, data_dir: Path, node_id: str) -> None:
+    def __init__(self, nats_url: str, data_dir: Path, node_id: str, mirror_url: str | None = None) -> None:
         self.nats_url = nats_url
+        self.mirror_url = mirror_url
         self.dir = data_dir / "agent"
         self.node_id = node_id
         self.proc: subprocess.Popen | None = None
@@ -164,6 +174,7 @@ class LocalAgent:
             self.node_id,
             "--data-dir",
             str(self.dir),
+            *(["--mirror", self.mirror_url] if self.mirror_url else []),
         ]
         with open(self.dir / "agent.log", "ab") as out:
             self.proc = subprocess.Popen(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +13,20 @@ import msgspec
 import nats.errors
 import yaml
 
-from llmgw.agent.service import LogsReply, LogsRequest, logs_subject
+from llmgw.agent.service import (
+    LogsReply,
+    LogsRequest,
+    WeightsReply,
+    WeightsRequest,
+    logs_subject,
+    weights_subject,
+)
 from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
+from llmgw.events import mirror as MI
 from llmgw.events import models as M
 from llmgw.events import nodes as N
-from llmgw.events.commands import CommandError, Unreachable
+from llmgw.events.commands import CommandError, CommandRejectedError, Unreachable
 
 EXPLAIN_SUBJECT = "llmgw.rpc.scheduler.explain"  # served by every scheduler instance
 
@@ -106,7 +116,150 @@ def _simple(verb: str, payload_of: Any, help_: str) -> None:
 
 _simple("stop", lambda n: M.StopModel(name=n), "Stop a model: it keeps its definition and files, and runs nothing.")
 _simple("start", lambda n: M.StartModel(name=n), "Start a stopped model with its saved scaling.")
-_simple("remove", lambda n: M.RemoveModel(name=n), "Remove a model from the catalog; its replicas stop.")
+
+
+PURGE_WAIT_S = 60.0
+
+
+def _ref(source: str | None) -> str | None:
+    try:
+        return M.mirror_ref(source or "")
+    except ValueError:
+        return None
+
+
+async def _sources_in_use(s: Session) -> dict[str, str]:
+    """Model name -> the mirror file (MODEL/VERSION/FILE) its source names, for every model in the catalog."""
+    rows = (await s.api("GET", "/api/v1/models"))["models"]
+    return {m["name"]: ref for m in rows if (ref := _ref(m.get("source")))}
+
+
+async def _ask_agent(s: Session, node: str, req: WeightsRequest) -> WeightsReply | None:
+    store = await s.store()
+    try:
+        msg = await store.nc.request(weights_subject(node), msgspec.json.encode(req), timeout=10)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        return None
+    return msgspec.json.decode(msg.data, type=WeightsReply)
+
+
+async def _node_ids(s: Session) -> list[str]:
+    return [n["id"] for n in (await s.api("GET", "/api/v1/nodes"))["nodes"]]
+
+
+@model.command("remove")
+@click.argument("name")
+@click.option(
+    "--purge", is_flag=True, help="Also delete its mirror files and the nodes' copies (files others use stay)."
+)
+@click.pass_context
+def model_remove(ctx: click.Context, name: str, purge: bool) -> None:
+    """Remove a model from the catalog; its replicas stop. --purge: its files go too, once they stopped."""
+
+    async def go(s: Session) -> int:
+        ref = (
+            _ref(
+                next(
+                    (m.get("source") for m in (await s.api("GET", "/api/v1/models"))["models"] if m["name"] == name),
+                    None,
+                )
+            )
+            if purge
+            else None
+        )
+        out = await s.command(M.SERVICE, "remove", M.RemoveModel(name=name, purge=purge))
+        click.echo(out.message)
+        if not purge:
+            return 0
+        end = time.monotonic() + PURGE_WAIT_S
+        left = (await s.api("GET", "/api/v1/replicas", params={"model": name}))["replicas"]
+        if left:
+            click.echo(f"waiting for {len(left)} replica(s) of {name} to stop (up to {PURGE_WAIT_S:.0f} s)")
+        while left and time.monotonic() < end:
+            await asyncio.sleep(0.5)
+            left = (await s.api("GET", "/api/v1/replicas", params={"model": name}))["replicas"]
+        if left:
+            raise CommandError(
+                f"{len(left)} replica(s) of {name} still run after {PURGE_WAIT_S:.0f} s "
+                f"({', '.join(r['id'] + ' on ' + r['node_id'] for r in left)}); nothing was purged. "
+                "Run `llmgw ctl weights --collect` once they stopped"
+            )
+        click.echo(f"replicas of {name} stopped")
+        if ref is None:
+            click.echo(f"model {name}'s source is a local path: no mirror files or node copies to purge")
+            return 0
+        others = await _sources_in_use(s)
+        others.pop(name, None)
+        used = set(others.values())
+        mmodel, version, _ = ref.split("/")
+        if ref in used:
+            users = sorted(n for n, r in others.items() if r == ref)
+            click.echo(f"{ref} stays on the mirror and the nodes: {', '.join(users)} use(s) it")
+            return 0
+        sharing = sorted(n for n, r in others.items() if r.startswith(f"{mmodel}/{version}/"))
+        if sharing:
+            click.echo(f"mirror {mmodel}/{version} stays: {', '.join(sharing)} use(s) its other files")
+        else:
+            try:
+                done = await s.command(MI.SERVICE, "remove", MI.MirrorRemove(model=mmodel, version=version))
+                click.echo(f"mirror: {done.message}")
+            except CommandRejectedError as exc:
+                click.echo(f"mirror: {exc}")
+        for node in await _node_ids(s):
+            reply = await _ask_agent(s, node, WeightsRequest(action="remove", remove=[ref], keep=sorted(used)))
+            if reply is None:
+                click.echo(f"node {node}: did not answer; `llmgw ctl weights --collect` later removes its copy")
+            elif reply.error:
+                click.echo(f"node {node}: {reply.error}")
+            else:
+                click.echo(f"node {node}: removed {', '.join(reply.removed) or 'nothing (held no copy)'}")
+        return 0
+
+    run(ctx, go)
+
+
+@ctl.command("weights")
+@click.option("--collect", is_flag=True, help="Delete, on every node, cached files no model in the catalog uses.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def weights(ctx: click.Context, collect: bool, as_json: bool) -> None:
+    """What each node holds in its weights cache (from its latest heartbeat); --collect removes unused files."""
+
+    async def go(s: Session) -> int:
+        nodes = await _node_ids(s)
+        rows: list[dict[str, Any]] = []
+        if collect:
+            keep = sorted(set((await _sources_in_use(s)).values()))
+            for node in nodes:
+                reply = await _ask_agent(s, node, WeightsRequest(action="collect", keep=keep))
+                if reply is None:
+                    rows.append({"node": node, "weights": None, "removed": [], "error": "did not answer"})
+                else:
+                    rows.append({"node": node, "weights": reply.held, "removed": reply.removed, "error": reply.error})
+        else:
+            for node in nodes:
+                hb = (await s.api("GET", f"/api/v1/nodes/{node}")).get("heartbeat") or {}
+                rows.append({"node": node, "weights": hb.get("weights"), "removed": [], "error": ""})
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+            return 0
+        if not rows:
+            click.echo("no nodes yet: start an agent (`llmgw agent --nats URL --node-id ID`)")
+            return 0
+        for r in rows:
+            if r["error"]:
+                click.echo(f"{r['node']}: {r['error']}")
+                continue
+            if collect:
+                click.echo(f"{r['node']}: removed {', '.join(r['removed']) or 'nothing'}")
+            held = r["weights"]
+            if held is None:
+                click.echo(f"{r['node']}: no heartbeat yet")
+            else:
+                click.echo(f"{r['node']}: holds {', '.join(held) or 'nothing'}")
+        return 0
+
+    run(ctx, go)
 
 
 @model.command("scale")

@@ -8,6 +8,8 @@ CLI read them as such.
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 from llmgw.events.registry import EventType
@@ -56,7 +58,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """A model as an operator declares it (CAT-1)."""
 
     name: str
-    source: str  # a local path for now; the mirror's MODEL/VERSION later
+    source: str  # a local path on the nodes, or ``mirror:MODEL/VERSION/FILE`` (fetched by the agents)
     aliases: list[str] = []
     description: str = ""
     route: str = "chat"
@@ -67,6 +69,24 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     capacity_class: str | None = None
     owner: str | None = None
     profiles: list[Profile] = []
+
+
+MIRROR_SCHEME = "mirror:"
+_MIRROR_PART = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
+
+
+def mirror_ref(source: str) -> str | None:
+    """``MODEL/VERSION/FILE`` of a ``mirror:`` source; None for a local path.
+
+    Raises ValueError for a ``mirror:`` source that is not three plain names (no ``..``, no empty parts).
+    """
+    if not source.startswith(MIRROR_SCHEME):
+        return None
+    ref = source[len(MIRROR_SCHEME) :]
+    parts = ref.split("/")
+    if len(parts) != 3 or not all(_MIRROR_PART.match(p) and p not in (".", "..") for p in parts):
+        raise ValueError(f"source {source!r} is not mirror:MODEL/VERSION/FILE (as `llmgw mirror list` shows the files)")
+    return ref
 
 
 def spec_hash(spec: ModelSpec) -> str:
@@ -156,6 +176,7 @@ class StartModel(msgspec.Struct, frozen=True, kw_only=True, tag="start", forbid_
 
 class RemoveModel(msgspec.Struct, frozen=True, kw_only=True, tag="remove", forbid_unknown_fields=True):
     name: str
+    purge: bool = False  # the CLI then deletes its mirror files and the nodes' copies (CAT-4)
 
 
 class RetryModel(msgspec.Struct, frozen=True, kw_only=True, tag="retry", forbid_unknown_fields=True):

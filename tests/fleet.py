@@ -35,7 +35,9 @@ FAST = SchedulerConfig(lost_after_s=3.0, backoff_base_s=0.2, backoff_cap_s=2.0, 
 
 
 class AgentProc:
-    def __init__(self, nats_url: str, node_id: str, base: Path, port_lo: int) -> None:
+    def __init__(
+        self, nats_url: str, node_id: str, base: Path, port_lo: int, extra_args: list[str] | None = None
+    ) -> None:
         self.node_id = node_id
         self.dir = base / node_id
         self.argv = [
@@ -51,6 +53,7 @@ class AgentProc:
             f"{port_lo}-{port_lo + 49}",
             "--heartbeat",
             "0.3",
+            *(extra_args or []),
         ]
         self.proc: subprocess.Popen | None = None
 
@@ -105,7 +108,13 @@ class Fleet:
         services: tuple[str, ...] = ("catalog", "fleet", "scheduler", "projections", "api"),
         router: RouterConfig | None = None,
         scheduler: SchedulerConfig = FAST,
+        **config_fields: Any,
     ) -> Fleet:
+        """``config_fields``: more ServerConfig fields (the mirror's ``mirror_dir``, ``hub_endpoint``, …)."""
+        if "mirror" in services:
+            config_fields.setdefault("mirror_dir", str(self.base / "mirror"))
+            config_fields.setdefault("mirror_port", free_port())
+        self.mirror_url = f"http://127.0.0.1:{config_fields['mirror_port']}" if "mirror" in services else ""
         config = ServerConfig(
             nats_url=self.nats_url,
             db_dsn=f"sqlite:///{self.base / 'projections.db'}",
@@ -114,6 +123,7 @@ class Fleet:
             admin_port=self.admin_port,
             scheduler=scheduler,
             router=router or RouterConfig(),
+            **config_fields,
         )
         ready = asyncio.Event()
         self.handles: dict[str, Any] = {}
@@ -121,9 +131,9 @@ class Fleet:
         await asyncio.wait_for(ready.wait(), 30)
         return self
 
-    def agent(self, node_id: str) -> AgentProc:
+    def agent(self, node_id: str, extra_args: list[str] | None = None) -> AgentProc:
         port_lo = 21000 + 50 * len(self.agents) + (os.getpid() % 40) * 200
-        a = AgentProc(self.nats_url, node_id, self.base, port_lo).start()
+        a = AgentProc(self.nats_url, node_id, self.base, port_lo, extra_args).start()
         self.agents[node_id] = a
         return a
 
@@ -142,7 +152,7 @@ class Fleet:
     async def add_model(
         self,
         name: str,
-        source: Path,
+        source: Path | str,
         *,
         min_: int = 1,
         max_: int | None = None,

@@ -78,6 +78,10 @@ def validate_spec(spec: M.ModelSpec) -> None:
         )
     if not spec.source:
         raise Rejected(f"model {spec.name} needs a source (a GGUF path, or a mirror path)", "invalid_spec")
+    try:
+        M.mirror_ref(spec.source)
+    except ValueError as exc:
+        raise Rejected(f"model {spec.name}: {exc}", "invalid_spec") from exc
     if spec.route not in M.ROUTES:
         raise Rejected(f"model {spec.name}: route {spec.route!r} is not one of {', '.join(M.ROUTES)}", "invalid_spec")
     if spec.capacity_class is not None and spec.capacity_class not in M.CLASSES:
@@ -211,13 +215,13 @@ def decide(catalog: Catalog, command: M.CatalogCommand) -> tuple[str, list[msgsp
                 raise Rejected(f"model {name} is not stopped", "unchanged")
             lo, hi = entry.saved or (entry.spec.scaling.min, entry.spec.scaling.upper)
             return name, [M.ModelStarted(min=lo, max=hi)], f"model {name} started (min {lo}, max {hi})"
-        case M.RemoveModel(name=name):
+        case M.RemoveModel(name=name, purge=purge):
             entry = _entry(catalog, name)
             _not_declared(entry, "remove")
             users = sorted(n for n, e in catalog.models.items() if name in e.spec.fallbacks)
             if users:
                 raise Rejected(f"model {name} is a fallback of {', '.join(users)}; change those first", "in_use")
-            return name, [M.ModelRemoved()], f"model {name} removed"
+            return name, [M.ModelRemoved(purge=purge)], f"model {name} removed"
         case M.RetryModel(name=name):
             entry = _entry(catalog, name)
             if entry.parked is None:

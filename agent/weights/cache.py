@@ -1,0 +1,242 @@
+"""The node's weights cache (SPEC FLEET-8): files fetched from the mirror, verified, kept for reuse.
+
+A model whose source is ``mirror:MODEL/VERSION/FILE`` is fetched from the mirror's file server
+(``GET /files/MODEL/VERSION/FILE`` with the cluster's mirror token) into
+``AGENT_DATA/weights/MODEL/VERSION/FILE``: bytes go to ``FILE.partial`` first, a transfer cut off
+is resumed with ``Range``, and the whole file is hashed and compared with the sha256 the mirror
+verified (``X-Llmgw-Sha256``) before it is renamed into place. A file whose bytes do not match —
+downloaded or already cached — is deleted and never given to an engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import structlog
+
+log = structlog.get_logger("llmgw.agent.weights")
+
+PARTIAL = ".partial"
+CHUNK = 1024 * 1024
+TRIES = 5
+
+
+class WeightsError(Exception):
+    """A mirror file could not be made available on this node; the message is the reason."""
+
+
+class Verified(msgspec.Struct, frozen=True, kw_only=True):
+    """A cached file this process hashed: reused without hashing again while size and mtime stay."""
+
+    sha256: str
+    size: int
+    mtime_ns: int
+
+
+def _hash_file(path: Path, h: hashlib._Hash | None = None) -> hashlib._Hash:
+    h = h or hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class WeightsCache:
+    """``root/MODEL/VERSION/FILE``, filled from the mirror at ``mirror_url`` with the bearer ``token()``."""
+
+    def __init__(self, root: Path, mirror_url: str | None, token: Callable[[], str], timeout_s: float = 60.0) -> None:
+        self.root = root
+        self.mirror_url = (mirror_url or "").rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+        self._verified: dict[str, Verified] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- what is here ------------------------------------------------------------------------
+
+    def path_of(self, ref: str) -> Path:
+        model, version, name = ref.split("/")
+        return self.root / model / version / name
+
+    def held(self) -> list[str]:
+        """Every whole file in the cache, as ``MODEL/VERSION/FILE`` (partial files are not held)."""
+        out = []
+        with contextlib.suppress(OSError):
+            for p in self.root.glob("*/*/*"):
+                if p.is_file() and not p.name.endswith(PARTIAL):
+                    out.append(str(p.relative_to(self.root)))
+        return sorted(out)
+
+    def _all_files(self) -> list[tuple[str, Path]]:
+        """(ref, path) of every file, partial ones under the ref they will become."""
+        out = []
+        with contextlib.suppress(OSError):
+            for p in self.root.glob("*/*/*"):
+                if p.is_file():
+                    rel = str(p.relative_to(self.root))
+                    out.append((rel.removesuffix(PARTIAL), p))
+        return out
+
+    # -- removing ----------------------------------------------------------------------------
+
+    def remove(self, refs: Iterable[str], keep: Iterable[str] = ()) -> list[str]:
+        """Delete the named files (and their partial files) unless kept; what was deleted."""
+        wanted = set(refs) - set(keep)
+        return self._delete([(ref, p) for ref, p in self._all_files() if ref in wanted])
+
+    def collect(self, keep: Iterable[str]) -> list[str]:
+        """Delete every file (and partial file) not in ``keep``; what was deleted."""
+        kept = set(keep)
+        return self._delete([(ref, p) for ref, p in self._all_files() if ref not in kept])
+
+    def _delete(self, items: list[tuple[str, Path]]) -> list[str]:
+        removed = []
+        for ref, p in sorted(items, key=lambda x: str(x[1])):
+            lock = self._locks.get(ref)
+            if lock is not None and lock.locked():
+                continue  # being fetched right now: a start needs it
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(str(p.relative_to(self.root)))
+                self._verified.pop(ref, None)
+            for parent in (p.parent, p.parent.parent):
+                with contextlib.suppress(OSError):
+                    parent.rmdir()  # only when empty
+        if removed:
+            log.info("weights removed", files=removed)
+        return removed
+
+    # -- fetching ----------------------------------------------------------------------------
+
+    async def ensure(self, ref: str) -> Path:
+        """The verified local copy of ``ref``, fetched from the mirror when needed.
+
+        Raises :class:`WeightsError` with a reason a person can act on.
+        """
+        lock = self._locks.setdefault(ref, asyncio.Lock())
+        async with lock:
+            return await self._ensure(ref)
+
+    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token()}", "Accept-Encoding": "identity", **(extra or {})}
+
+    async def _ensure(self, ref: str) -> Path:
+        path = self.path_of(ref)
+        if not self.mirror_url:
+            raise WeightsError(
+                f"source mirror:{ref} needs the mirror, and this agent has no mirror URL: "
+                "start it with `llmgw agent --mirror URL`"
+            )
+        url = f"{self.mirror_url}/files/{ref}"
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            expected = await self._expected(http, url, ref)
+            if path.exists():
+                got = await self._sha_of(path, ref)
+                if got == expected:
+                    return path
+                path.unlink(missing_ok=True)
+                self._verified.pop(ref, None)
+                log.warning("cached weights corrupted; deleted", ref=ref, sha256=got, expected=expected)
+                raise WeightsError(
+                    f"the cached copy of mirror:{ref} has sha256 {got}, and the mirror verified {expected}: "
+                    "it was deleted and not used; the next start fetches it again"
+                )
+            await self._download(http, url, ref, expected)
+        return path
+
+    async def _expected(self, http: aiohttp.ClientSession, url: str, ref: str) -> str:
+        try:
+            async with http.head(url, headers=self._headers()) as resp:
+                if resp.status == 404:
+                    raise WeightsError(f"the mirror does not hold {ref} (`llmgw mirror list` shows what it holds)")
+                if resp.status in (401, 403):
+                    raise WeightsError(f"the mirror refused this node's token ({resp.status}) for {ref}")
+                if resp.status != 200:
+                    raise WeightsError(f"the mirror answered {resp.status} for {ref}")
+                sha = resp.headers.get("X-Llmgw-Sha256", "").lower()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise WeightsError(f"the mirror at {self.mirror_url} did not answer for {ref}: {exc}") from exc
+        if not sha:
+            raise WeightsError(f"the mirror sent no checksum for {ref}; it cannot be verified, so it is not used")
+        return sha
+
+    async def _sha_of(self, path: Path, ref: str) -> str:
+        st = path.stat()
+        seen = self._verified.get(ref)
+        if seen is not None and seen.size == st.st_size and seen.mtime_ns == st.st_mtime_ns:
+            return seen.sha256
+        sha = (await asyncio.to_thread(_hash_file, path)).hexdigest()
+        self._remember(ref, path, sha)
+        return sha
+
+    def _remember(self, ref: str, path: Path, sha: str) -> None:
+        st = path.stat()
+        self._verified[ref] = Verified(sha256=sha, size=st.st_size, mtime_ns=st.st_mtime_ns)
+
+    async def _download(self, http: aiohttp.ClientSession, url: str, ref: str, expected: str) -> None:
+        path = self.path_of(ref)
+        partial = path.with_name(path.name + PARTIAL)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        h = hashlib.sha256()
+        if partial.exists():
+            h = await asyncio.to_thread(_hash_file, partial, h)
+        have = partial.stat().st_size if partial.exists() else 0
+        resumed_from = have
+        stalls = 0
+        while True:
+            before = have
+            try:
+                headers = self._headers({"Range": f"bytes={have}-"} if have else None)
+                async with http.get(url, headers=headers) as resp:
+                    if resp.status == 416:  # the partial is as long as the file, or longer
+                        break
+                    if resp.status not in (200, 206):
+                        raise WeightsError(f"the mirror answered {resp.status} for {ref}")
+                    mode = "ab"
+                    if resp.status == 200 and have:
+                        have, h, mode = 0, hashlib.sha256(), "wb"  # the whole file again
+                    with partial.open(mode) as f:
+                        async for chunk in resp.content.iter_chunked(CHUNK):
+                            f.write(chunk)
+                            h.update(chunk)
+                            have += len(chunk)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    break
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                stalls = 0 if have > before else stalls + 1
+                if stalls >= TRIES:
+                    raise WeightsError(
+                        f"fetching {ref} from the mirror failed {TRIES} times in a row ({exc}); "
+                        f"{have} bytes are kept and the next start resumes"
+                    ) from exc
+                log.warning("weights download cut off; resuming", ref=ref, have=have, error=str(exc))
+                await asyncio.sleep(0.2 * 2**stalls)
+        got = h.hexdigest()
+        if got != expected:
+            partial.unlink(missing_ok=True)
+            raise WeightsError(
+                f"mirror:{ref} arrived with sha256 {got}, and the mirror verified {expected}: "
+                "it was deleted and not used; the next start fetches it again"
+            )
+        partial.replace(path)
+        _fsync_dir(path.parent)
+        self._remember(ref, path, got)
+        log.info("weights fetched", ref=ref, bytes=have, resumed_from=resumed_from)
