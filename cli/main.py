@@ -17,6 +17,7 @@ import click
 from llmgw.cli import (
     access_cmd,  # noqa: F401 - registers `ctl key|limit|price|budget`
     fleet_cmd,  # noqa: F401 - registers `ctl model|nodes|…`
+    jobs_cmd,  # noqa: F401 - registers `ctl model serve` and `ctl job`
     logs,
     usage_cmd,  # noqa: F401 - registers `ctl usage|request`
 )
@@ -209,7 +210,14 @@ def up(
             if keeper is not None:
                 keeper.cancel()
 
-    local_agent = None if no_agent else LocalAgent(natsd.url, data_dir, socket.gethostname())
+    mirror_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    local_agent = (
+        None
+        if no_agent
+        else LocalAgent(
+            natsd.url, data_dir, socket.gethostname(), mirror_url=f"http://{mirror_host}:{config.mirror_port}"
+        )
+    )
     try:
         asyncio.run(supervise())
     finally:

@@ -36,6 +36,7 @@ from llmgw.services.accountant.service import RETENTION_DAYS, AccountantService
 from llmgw.services.api.app import AdminApi
 from llmgw.services.catalog.service import CatalogService
 from llmgw.services.fleet.service import FleetService
+from llmgw.services.jobs.service import JobsConfig, JobsService
 from llmgw.services.mirror.hub import DEFAULT_HUB
 from llmgw.services.mirror.service import MirrorConfig, MirrorService
 from llmgw.services.router.app import Router, RouterConfig
@@ -56,6 +57,7 @@ ALL_SERVICES = (
     "router",
     "accountant",
     "mirror",
+    "jobs",
 )
 
 
@@ -79,6 +81,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     mirror_max_bytes: int | None = None  # the most the mirror directory may hold
     hub_endpoint: str = DEFAULT_HUB  # the Hugging Face–compatible hub (HF_ENDPOINT)
     hub_token: str | None = None  # a hub token (HF_TOKEN), for gated or private repositories
+    # jobs (`ctl model serve`): "mirror" gives agents mirror:MODEL/VERSION/FILE; "local" the mirror's own path
+    jobs_source: str = "mirror"
 
 
 def projections() -> list:
@@ -137,6 +141,7 @@ async def serve(
     processors = []
     routers: list[Router] = []
     mirrors: list[MirrorService] = []
+    jobs_services: list[JobsService] = []
     try:
         if "projections" in config.services:
             await runner.start()
@@ -202,6 +207,23 @@ async def serve(
             handles["mirror"] = mirror
             tasks.append(asyncio.create_task(mirror.run(), name="mirror-commands"))
             sites.append(await _site(mirror.app(), config.host, config.mirror_port))
+        if "jobs" in config.services:
+            jobs = JobsService(
+                store,
+                JobsConfig(
+                    hub=config.hub_endpoint,
+                    token=config.hub_token,
+                    source=config.jobs_source,
+                    # headers are read from the mirror's directory when it runs here, else over HTTP
+                    mirror_dir=config.mirror_dir if "mirror" in config.services else None,
+                    mirror_url=f"http://{config.host}:{config.mirror_port}",
+                ),
+            )
+            jobs_services.append(jobs)
+            await jobs.start()
+            processors.append(jobs)
+            handles["jobs"] = jobs
+            tasks.append(asyncio.create_task(jobs.run(), name="jobs-commands"))
         log.info("services started", services=list(config.services), port=config.port, admin_port=config.admin_port)
         if on_ready:
             on_ready()
@@ -217,6 +239,8 @@ async def serve(
             await site.cleanup()
         for router in routers:
             await router.stop()
+        for j in jobs_services:
+            await j.close()
         for m in mirrors:
             await m.close()
         for t in tasks:
