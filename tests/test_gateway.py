@@ -329,6 +329,7 @@ async def test_a_client_that_disconnects_mid_stream_is_recorded_as_499(gw: Fleet
         "model": "tiny",
         "messages": [{"role": "user", "content": "tell me a long story"}],
         "max_tokens": 400,
+        "ignore_eos": True,  # llama.cpp: generate all 400 unless stopped, so a short count proves the stop
         "stream": True,
     }
     async with aiohttp.ClientSession() as s:
@@ -336,8 +337,6 @@ async def test_a_client_that_disconnects_mid_stream_is_recorded_as_499(gw: Fleet
         assert r.status == 200
         await r.content.readline()
         await r.content.readline()
-        [replica] = await gw.ready("tiny")
-        assert await _slots_busy(replica, await gw.key(replica["id"]))  # the engine is generating
         r.close()  # the client goes away mid-stream
 
     async def record() -> UsageRecord | None:
@@ -351,6 +350,7 @@ async def test_a_client_that_disconnects_mid_stream_is_recorded_as_499(gw: Fleet
     rec = await wait_until(record, what="the usage record of the disconnected request")
     assert rec.status == 499
     assert 0 < rec.tokens_out < 400
+    [replica] = await gw.ready("tiny")
     key = await gw.key(replica["id"])
 
     async def engine_idle() -> bool:

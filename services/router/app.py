@@ -140,6 +140,8 @@ class Router:
         self.budgets = BudgetBook(store.js)
         self.outstanding: dict[str, int] = {}
         self._secret = b""
+        self._engine_auth: dict[str, str] = {}  # replica id -> its engine's Authorization header
+        self._upstream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_s)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         self._gossip: dict[str, list[int]] = {}  # scope -> [requests, tokens] admitted here since last sync
@@ -403,8 +405,9 @@ class Router:
             or call.model.spec.max_output
             or self.cfg.default_max_tokens
         )
-        amount = max_cost(_max_prompt_tokens(body, call.endpoint), int(out), price.input_usd_per_m,
-                          price.output_usd_per_m)
+        amount = max_cost(
+            _max_prompt_tokens(body, call.endpoint), int(out), price.input_usd_per_m, price.output_usd_per_m
+        )
         for scope in scopes:
             b = self.state.budgets[scope]
             try:
@@ -496,7 +499,7 @@ class Router:
             attempts = [ranked[i % len(ranked)] for i in range(max(self.cfg.max_attempts, len(ranked)))]
             for attempt, replica in enumerate(attempts):
                 if attempt:
-                    self.metrics.retries.labels(model=model.name).inc()
+                    self.metrics.retries_of(model.name).inc()
                 call.replica, call.model = replica, model
                 try:
                     resp = await self._proxy(request, call, replica, payload, limit_headers)
@@ -511,20 +514,19 @@ class Router:
         self, request: web.Request, call: Call, replica: ReplicaInfo, payload: bytes, limit_headers: dict[str, str]
     ) -> web.StreamResponse:
         assert self._session is not None and replica.url
+        rid = replica.replica_id
         headers = {
-            "Authorization": f"Bearer {engine_key(self._secret, replica.replica_id)}",
+            "Authorization": self._engine_authorization(rid),
             "Content-Type": "application/json",
             "X-Request-Id": call.request_id,
         }
-        rid = replica.replica_id
         self.outstanding[rid] = self.outstanding.get(rid, 0) + 1
-        gauge = self.metrics.in_flight.labels(model=replica.model, replica=rid)
+        gauge = self.metrics.in_flight_of(replica.model, rid)
         gauge.inc()
         try:
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_s)
             try:
                 upstream_cm = self._session.post(
-                    replica.url + call.endpoint, data=payload, headers=headers, timeout=timeout
+                    replica.url + call.endpoint, data=payload, headers=headers, timeout=self._upstream_timeout
                 )
                 async with asyncio.timeout(self.cfg.first_token_s):
                     upstream = await upstream_cm.__aenter__()
@@ -548,6 +550,15 @@ class Router:
         finally:
             self.outstanding[rid] -= 1
             gauge.dec()
+
+    def _engine_authorization(self, replica_id: str) -> str:
+        """The Authorization header for a replica's engine: an HMAC, so computed once per replica."""
+        auth = self._engine_auth.get(replica_id)
+        if auth is None:
+            if len(self._engine_auth) >= 4096:
+                self._engine_auth.clear()  # replicas come and go: keep the cache bounded
+            auth = self._engine_auth[replica_id] = f"Bearer {engine_key(self._secret, replica_id)}"
+        return auth
 
     async def _whole(self, call: Call, upstream: aiohttp.ClientResponse, limit_headers: dict[str, str]) -> web.Response:
         try:
@@ -584,36 +595,36 @@ class Router:
         )
         content = upstream.content
         try:
-            async with asyncio.timeout(self.cfg.first_token_s):
-                first = await content.readline()
+            lines, rest = await _read_lines(content, b"", self.cfg.first_token_s)
         except TimeoutError as exc:
             raise ApiError(
                 504, f"no first token within {self.cfg.first_token_s:.0f}s (first_token timeout)", "timeout_first_token"
             ) from exc
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             raise _RetryElsewhere(f"the engine closed before its first byte: {exc}") from exc
-        if not first:
+        if not lines:
             raise _RetryElsewhere("the engine closed before its first byte")
         call.status = 200
         await resp.prepare(request)
         call.ttft_s = time.monotonic() - call.started
         deadline = call.started + self.cfg.total_s
-        line = first
         try:
-            while line:
-                if line.startswith(b"data: {"):
-                    if b'"usage"' in line:
-                        _count_chunk(call, line)
-                    elif b'"content"' in line or b'"text"' in line:
-                        call.tokens_out += 1  # one chunk per token, until the usage chunk says exactly
-                await resp.write(line)
+            while lines:
+                # Every line the engine has sent so far goes on in one write (one chunk, one send):
+                # the same bytes as line by line, never held back waiting for more.
+                for line in lines.split(b"\n"):
+                    if line.startswith(b"data: {"):
+                        if b'"usage"' in line:
+                            _count_chunk(call, line)
+                        elif b'"content"' in line or b'"text"' in line:
+                            call.tokens_out += 1  # one chunk per token, until the usage chunk says exactly
+                await resp.write(lines)
                 idle = min(self.cfg.idle_s, deadline - time.monotonic())
                 if idle <= 0:
                     call.status, call.error = 504, "total timeout mid-stream"
                     break
                 try:
-                    async with asyncio.timeout(idle):
-                        line = await content.readline()
+                    lines, rest = await _read_lines(content, rest, idle)
                 except TimeoutError:
                     call.status, call.error = 504, f"no token for {self.cfg.idle_s:.0f}s (idle timeout)"
                     break
@@ -692,14 +703,15 @@ class Router:
             user=record.user,
         )
         label = model if call.model else "unknown"
-        self.metrics.requests.labels(model=label, status=str(record.status)).inc()
-        self.metrics.latency.labels(model=label).observe(total)
+        metrics = self.metrics
+        metrics.requests_of(label, record.status).inc()
+        metrics.latency_of(label).observe(total)
         if call.ttft_s is not None and call.stream:
-            self.metrics.ttft.labels(model=label).observe(call.ttft_s)
+            metrics.ttft_of(label).observe(call.ttft_s)
         if record.tokens_in:
-            self.metrics.tokens.labels(model=label, direction="in").inc(record.tokens_in)
+            metrics.tokens_of(label, "in").inc(record.tokens_in)
         if record.tokens_out:
-            self.metrics.tokens.labels(model=label, direction="out").inc(record.tokens_out)
+            metrics.tokens_of(label, "out").inc(record.tokens_out)
 
 
 class _RetryElsewhere(Exception):
@@ -732,6 +744,33 @@ def _max_prompt_tokens(body: dict[str, Any], endpoint: str) -> int:
     messages = body.get("messages")
     per_message = 16 * (len(messages) if isinstance(messages, list) else 1)
     return len(text.encode()) + per_message + 16
+
+
+_MAX_LINE = 1 << 17  # a longer line is passed on in pieces rather than buffered whole
+
+
+async def _read_lines(content: aiohttp.StreamReader, rest: bytes, timeout_s: float) -> tuple[bytes, bytes]:
+    """Every complete line the engine has sent, and the incomplete rest after them.
+
+    Waits (at most ``timeout_s``, else ``TimeoutError``) only while not one complete line has
+    arrived, so a timer is armed only when there is something to wait for. At the end of the
+    stream the rest counts as a line (as ``readline`` returns it); ``b""`` is the end.
+    """
+    data = rest + content.read_nowait()
+    if b"\n" not in data and len(data) < _MAX_LINE:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                more = await content.readany()
+                if not more:
+                    return data, b""
+                data += more
+                if b"\n" in more or len(data) >= _MAX_LINE:
+                    break
+        data += content.read_nowait()
+    cut = data.rfind(b"\n") + 1
+    if cut == 0:
+        return data, b""
+    return data[:cut], data[cut:]
 
 
 def _count(call: Call, data: bytes) -> None:
