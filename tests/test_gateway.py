@@ -349,7 +349,9 @@ async def test_a_client_that_disconnects_mid_stream_is_recorded_as_499(gw: Fleet
 
     rec = await wait_until(record, what="the usage record of the disconnected request")
     assert rec.status == 499
-    assert 0 < rec.tokens_out < 400
+    # The tokens it got: the tiny engine is fast enough to finish all 400 before the close reaches
+    # it, so the count only says the record holds what was streamed, not that the engine was cut short.
+    assert 0 < rec.tokens_out <= 400
     [replica] = await gw.ready("tiny")
     key = await gw.key(replica["id"])
 

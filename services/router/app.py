@@ -143,6 +143,7 @@ class Router:
         self._engine_auth: dict[str, str] = {}  # replica id -> its engine's Authorization header
         self._upstream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_s)
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         self._gossip: dict[str, list[int]] = {}  # scope -> [requests, tokens] admitted here since last sync
         self._demand_sent: dict[str, float] = {}
@@ -156,6 +157,12 @@ class Router:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             auto_decompress=False,
+        )
+        # Retries go out on new connections: a pooled keep-alive connection the engine had closed
+        # (llama.cpp closes one after each streamed answer) fails before any byte is sent, and with
+        # one replica every retry could otherwise draw another such connection.
+        self._fresh = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True), auto_decompress=False
         )
         self.usage.start()
         target = await self.store.stream_last_seq()
@@ -178,6 +185,8 @@ class Router:
             await self.usage.flush()
         if self._session:
             await self._session.close()
+        if self._fresh:
+            await self._fresh.close()
 
     async def _follow(self, target: int) -> None:
         if target == 0:
@@ -502,7 +511,7 @@ class Router:
                     self.metrics.retries_of(model.name).inc()
                 call.replica, call.model = replica, model
                 try:
-                    resp = await self._proxy(request, call, replica, payload, limit_headers)
+                    resp = await self._proxy(request, call, replica, payload, limit_headers, fresh=attempt > 0)
                 except _RetryElsewhere as exc:
                     last = ApiError(502, f"replica {replica.replica_id} of {model.name} failed: {exc}", "engine_error")
                     continue
@@ -511,7 +520,13 @@ class Router:
         raise last or ApiError(502, "no replica could answer", "engine_error")
 
     async def _proxy(
-        self, request: web.Request, call: Call, replica: ReplicaInfo, payload: bytes, limit_headers: dict[str, str]
+        self,
+        request: web.Request,
+        call: Call,
+        replica: ReplicaInfo,
+        payload: bytes,
+        limit_headers: dict[str, str],
+        fresh: bool = False,
     ) -> web.StreamResponse:
         assert self._session is not None and replica.url
         rid = replica.replica_id
@@ -525,7 +540,8 @@ class Router:
         gauge.inc()
         try:
             try:
-                upstream_cm = self._session.post(
+                session = self._fresh if fresh and self._fresh else self._session
+                upstream_cm = session.post(
                     replica.url + call.endpoint, data=payload, headers=headers, timeout=self._upstream_timeout
                 )
                 async with asyncio.timeout(self.cfg.first_token_s):
