@@ -102,7 +102,10 @@ class _Puller:
                 break
             try:
                 # Past the request's life with no answer, it was lost (e.g. a reconnect): ask again.
-                await asyncio.wait_for(self.arrived.wait(), REQUEST_S + 5.0)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that lands as
+                # a message arrives, and the reader's caller would then wait forever.
+                async with asyncio.timeout(REQUEST_S + 5.0):
+                    await self.arrived.wait()
             except TimeoutError:
                 self.open = False
         n = min(self.batch, len(self.buffer))

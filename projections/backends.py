@@ -473,8 +473,11 @@ class PostgresBackend(Backend):
 
     async def close(self) -> None:
         if self._pool is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._pool.close(), timeout=10)
+            try:
+                async with asyncio.timeout(10):  # not wait_for: on 3.11 it can swallow a cancel
+                    await self._pool.close()
+            except Exception:
+                self._pool.terminate()  # connections still busy after 10 s: cut them
             self._pool = None
 
 

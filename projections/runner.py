@@ -146,8 +146,13 @@ class ProjectionRunner:
         for t in tasks:
             t.cancel()
         for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+            while not t.done():
+                # A cancel can be swallowed — Python 3.11's asyncio.wait_for returns normally when the
+                # cancel and its inner wait's completion land in the same loop turn — so ask again.
+                await asyncio.wait({t}, timeout=1.0)
+                t.cancel()
+            if not t.cancelled() and t.exception() is not None:
+                log.error("projection task ended with an error", task=t.get_name(), error=str(t.exception()))
         self._lag_task = None
         for slot in self._slots.values():
             slot.task = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -500,8 +499,9 @@ async def test_wait_until_reports_a_stopped_projection_only_after_its_restart_ca
 # -- throughput ----------------------------------------------------------------------------------
 
 
-async def test_a_simple_upsert_projection_applies_at_least_20000_events_per_second(backend: Backend) -> None:
-    """Applying (decoded events → rows + checkpoint, one transaction per batch of 1,000), without the bus."""
+async def test_batches_applied_again_from_a_reset_checkpoint_give_exact_counts(backend: Backend) -> None:
+    """Applying (decoded events → rows + checkpoint, one transaction per batch of 1,000), without the bus.
+    Speed is measured by `llmgw bench backbone`, never asserted here."""
     projection = Counters()
     async with backend.transaction() as tx:
         await create_tables(tx, projection)
@@ -517,19 +517,14 @@ async def test_a_simple_upsert_projection_applies_at_least_20000_events_per_seco
         for seq in range(1, n + 1)
     ]
     await ensure_checkpoints(backend)
-    best = 0.0
-    for _ in range(3):  # best of three: the rate of the code, not of whatever else the machine runs
+    for _ in range(3):  # three times over: each pass starts from a reset table and checkpoint
         async with backend.transaction() as tx:
             await tx.execute("DELETE FROM counters_counts")
             await set_checkpoint(tx, "counters", 0, 1)
-        started = time.perf_counter()
         for i in range(0, n, 1000):
 
             async def claim(tx: Transaction, i: int = i) -> None:
                 assert await claim_checkpoint(tx, "counters", i, i + 1000, 1)
 
             await commit_batch(backend, projection, events[i : i + 1000], before=claim)
-        best = max(best, n / (time.perf_counter() - started))
-    print(f"{backend.kind}: {best:,.0f} events/s applied")
-    assert await counts(backend) == {f"k{i}": n // 500 for i in range(500)}
-    assert best >= 20_000, f"{best:,.0f} events/s"
+        assert await counts(backend) == {f"k{i}": n // 500 for i in range(500)}
