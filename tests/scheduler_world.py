@@ -38,6 +38,7 @@ from llmgw.services.scheduler.reconcile import (
     RegisterNode,
     Stop,
     Waiting,
+    event_of,
     reconcile,
 )
 from llmgw.services.scheduler.state import ClusterState, capacity_of
@@ -148,39 +149,13 @@ class World:
         """Fold decisions back as the events the shell would append; the new replica ids."""
         new: list[str] = []
         for d in decisions:
-            match d:
-                case RegisterNode():
-                    cls = N.NodeCapacityChanged if d.changed else N.NodeRegistered
-                    self.emit(N.AGGREGATE, d.node_id, cls(node_id=d.node_id, capacity=d.capacity))
-                case MarkLost():
-                    self.emit(N.AGGREGATE, d.node_id, N.NodeLost(node_id=d.node_id, last_seen=self.when(), silent_s=0))
-                case MarkReturned():
-                    self.emit(N.AGGREGATE, d.node_id, N.NodeReturned(node_id=d.node_id))
-                case Fail():
-                    payload = R.ReplicaFailed(replica_id=d.replica_id, node_id=d.node_id, reason=d.reason)
-                    self.emit(R.AGGREGATE, d.replica_id, payload)
-                case Stop():
-                    payload = R.ReplicaStopRequested(replica_id=d.replica_id, reason=d.reason, grace_s=d.grace_s)
-                    self.emit(R.AGGREGATE, d.replica_id, payload)
-                case Park():
-                    self.emit(M.AGGREGATE, d.model, M.ModelParked(reason=d.reason, failures=d.failures))
-                case Place():
-                    m = self.state.models[d.model]
-                    rid = self.next_replica_id(d.model)
-                    payload = R.ReplicaPlaced(
-                        replica_id=rid,
-                        model=d.model,
-                        node_id=d.node_id,
-                        source=m.spec.source,
-                        profile=m.spec.profiles[0],
-                        spec_hash=m.spec_hash,
-                        cores=d.need.cores,
-                        memory_bytes=d.need.memory_bytes,
-                        gpus=d.gpus,
-                        why=d.why,
-                    )
-                    self.emit(R.AGGREGATE, rid, payload)
-                    new.append(rid)
+            rid = self.next_replica_id(d.model) if isinstance(d, Place) else ""
+            found = event_of(d, self.state, replica_id=rid, term=0, last_seen=self.when())
+            if found is None:
+                continue
+            self.emit(*found)
+            if rid:
+                new.append(rid)
         return new
 
     def step(self, cfg: Config = CFG) -> list[Decision]:

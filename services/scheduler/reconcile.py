@@ -13,9 +13,13 @@ shell appends them as events. Order of work in a pass, and why:
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import msgspec
 
+from llmgw.events import models as M
 from llmgw.events import nodes as N
+from llmgw.events import replicas as R
 from llmgw.services.scheduler.placement import Candidate, Need, Verdict, need_of, place, reserve, summarise
 from llmgw.services.scheduler.state import ClusterState, ModelState, ReplicaState, capacity_of
 
@@ -363,3 +367,56 @@ def _model(
         why = f"{len(staying) + i} of {lower} wanted; best of {sum(1 for v in verdicts if v.fits)} fitting nodes"
         out.append(Place(model=m.name, node_id=choice.node_id, gpus=choice.gpus, need=need, why=why))
     return out
+
+
+# -- decisions as events -------------------------------------------------------------------------
+
+
+def event_of(
+    d: Decision, state: ClusterState, *, replica_id: str, term: int, last_seen: datetime
+) -> tuple[str, str, msgspec.Struct] | None:
+    """(aggregate, id, payload) the shell appends for a decision; None for those it does not write
+    as such (Waiting; Blocked, which the shell rate-limits). Pure, so tests fold exactly what the
+    service would write. ``replica_id`` names a new replica; ``last_seen`` dates a lost node."""
+    match d:
+        case RegisterNode():
+            cls = N.NodeCapacityChanged if d.changed else N.NodeRegistered
+            return N.AGGREGATE, d.node_id, cls(node_id=d.node_id, capacity=d.capacity)
+        case MarkLost():
+            return N.AGGREGATE, d.node_id, N.NodeLost(node_id=d.node_id, last_seen=last_seen, silent_s=d.silent_s)
+        case MarkReturned():
+            return N.AGGREGATE, d.node_id, N.NodeReturned(node_id=d.node_id)
+        case Fail():
+            return (
+                R.AGGREGATE,
+                d.replica_id,
+                R.ReplicaFailed(replica_id=d.replica_id, node_id=d.node_id, reason=d.reason),
+            )
+        case Stop():
+            return (
+                R.AGGREGATE,
+                d.replica_id,
+                R.ReplicaStopRequested(replica_id=d.replica_id, reason=d.reason, grace_s=d.grace_s),
+            )
+        case Park():
+            return M.AGGREGATE, d.model, M.ModelParked(reason=d.reason, failures=d.failures)
+        case Place():
+            m = state.models[d.model]
+            return (
+                R.AGGREGATE,
+                replica_id,
+                R.ReplicaPlaced(
+                    replica_id=replica_id,
+                    model=d.model,
+                    node_id=d.node_id,
+                    source=m.spec.source,
+                    profile=m.spec.profiles[0],
+                    spec_hash=m.spec_hash,
+                    cores=d.need.cores,
+                    memory_bytes=d.need.memory_bytes,
+                    gpus=d.gpus,
+                    term=term,
+                    why=d.why,
+                ),
+            )
+    return None

@@ -21,7 +21,6 @@ from nats.js.api import KeyValueConfig, StorageType
 
 from llmgw.events import models as M
 from llmgw.events import nodes as N
-from llmgw.events import replicas as R
 from llmgw.events import scheduler as SCH
 from llmgw.events import subjects as S
 from llmgw.events.envelope import RecordedEvent, utc_now
@@ -34,14 +33,11 @@ from llmgw.services.scheduler.reconcile import (
     Clock,
     Config,
     Decision,
-    Fail,
     MarkLost,
-    MarkReturned,
     Park,
     Place,
-    RegisterNode,
-    Stop,
     Waiting,
+    event_of,
     reconcile,
 )
 from llmgw.services.scheduler.state import ClusterState
@@ -246,64 +242,30 @@ class SchedulerService:
             out.append((event_subject(aggregate, agg_id), NewEvent(payload=payload, actor=self.actor)))
 
         for d in decisions:
+            if isinstance(d, Blocked):
+                last = self._blocked.get(d.model)
+                if last is None or last[0] != d.reason or clock.monotonic - last[1] >= BLOCKED_REPEAT_S:
+                    self._blocked[d.model] = (d.reason, clock.monotonic)
+                    add(M.AGGREGATE, d.model, SCH.PlacementBlocked(model=d.model, reason=d.reason, wanted=d.wanted))
+                    log.warning("no placement", model=d.model, reason=d.reason, wanted=d.wanted)
+                continue
+            rid = f"{d.model}-{new_id()[-12:]}" if isinstance(d, Place) else ""
+            seen = None
+            if isinstance(d, MarkLost):
+                n = self.state.nodes[d.node_id]
+                seen = n.heartbeat.at if n.heartbeat else None
+            found = event_of(d, self.state, replica_id=rid, term=self.term, last_seen=seen or utc_now())
+            if found is None:
+                continue
+            add(*found)
             match d:
-                case RegisterNode():
-                    cls = N.NodeCapacityChanged if d.changed else N.NodeRegistered
-                    add(N.AGGREGATE, d.node_id, cls(node_id=d.node_id, capacity=d.capacity))
                 case MarkLost():
-                    n = self.state.nodes[d.node_id]
-                    last = n.heartbeat.at if n.heartbeat else None
-                    add(
-                        N.AGGREGATE,
-                        d.node_id,
-                        N.NodeLost(node_id=d.node_id, last_seen=last or utc_now(), silent_s=d.silent_s),
-                    )
                     log.warning("node lost", node=d.node_id, silent_s=d.silent_s)
-                case MarkReturned():
-                    add(N.AGGREGATE, d.node_id, N.NodeReturned(node_id=d.node_id))
-                case Fail():
-                    add(
-                        R.AGGREGATE,
-                        d.replica_id,
-                        R.ReplicaFailed(replica_id=d.replica_id, node_id=d.node_id, reason=d.reason),
-                    )
-                case Stop():
-                    add(
-                        R.AGGREGATE,
-                        d.replica_id,
-                        R.ReplicaStopRequested(replica_id=d.replica_id, reason=d.reason, grace_s=d.grace_s),
-                    )
                 case Park():
-                    add(M.AGGREGATE, d.model, M.ModelParked(reason=d.reason, failures=d.failures))
                     log.warning("model parked", model=d.model, reason=d.reason)
                 case Place():
-                    m = self.state.models[d.model]
-                    rid = f"{d.model}-{new_id()[-12:]}"
-                    add(
-                        R.AGGREGATE,
-                        rid,
-                        R.ReplicaPlaced(
-                            replica_id=rid,
-                            model=d.model,
-                            node_id=d.node_id,
-                            source=m.spec.source,
-                            profile=m.spec.profiles[0],
-                            spec_hash=m.spec_hash,
-                            cores=d.need.cores,
-                            memory_bytes=d.need.memory_bytes,
-                            gpus=d.gpus,
-                            term=self.term,
-                            why=d.why,
-                        ),
-                    )
                     self._blocked.pop(d.model, None)
                     log.info("replica placed", model=d.model, node=d.node_id, replica=rid, why=d.why)
-                case Blocked():
-                    last = self._blocked.get(d.model)
-                    if last is None or last[0] != d.reason or clock.monotonic - last[1] >= BLOCKED_REPEAT_S:
-                        self._blocked[d.model] = (d.reason, clock.monotonic)
-                        add(M.AGGREGATE, d.model, SCH.PlacementBlocked(model=d.model, reason=d.reason, wanted=d.wanted))
-                        log.warning("no placement", model=d.model, reason=d.reason, wanted=d.wanted)
         return out
 
     async def _follow_demand(self) -> None:
