@@ -63,7 +63,7 @@ class JobsConfig(msgspec.Struct, frozen=True, kw_only=True):
     unplaceable_s: float = 60.0  # a model unplaceable (or not ready after being blocked) this long fails the job
     wait_ready_s: float = 3600.0  # the most a replica may take to become ready
     fetch_s: float = 24 * 3600.0  # the most a fetch may take
-    poll_s: float = 0.5  # how often the log is read while waiting
+    poll_s: float = 0.2  # how often the log is read while waiting (0.5 s cost serve ~0.75 s; see benchmarks)
     smoke_tokens: int = 16
     smoke_timeout_s: float = 120.0
 
