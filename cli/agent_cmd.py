@@ -20,6 +20,7 @@ import msgspec
 import yaml
 
 from llmgw.agent.service import Agent, AgentConfig, LogRing
+from llmgw.agent.weights.cache import mirror_list
 from llmgw.cli import logs
 from llmgw.events import models as M
 from llmgw.events.catalog import default_registry
@@ -80,9 +81,11 @@ def load_agent_config(path: str | None) -> dict[str, Any]:
 @click.option("--heartbeat", "heartbeat_s", type=float, help="Seconds between heartbeats (default 5).")
 @click.option(
     "--mirror",
-    "mirror_url",
+    "mirror_urls",
     envvar="LLMGW_MIRROR_URL",
-    help="The mirror's file server URL, for models whose source is mirror:MODEL/VERSION/FILE.",
+    multiple=True,
+    help="The mirror's file server URL, for models whose source is mirror:MODEL/VERSION/FILE. Several "
+    "(repeated, or comma-separated): tried in order, the next when one does not answer or lacks the file.",
 )
 @click.option("--log-level", default="info", show_default=True)
 def agent(
@@ -94,7 +97,7 @@ def agent(
     port_range: str | None,
     threads: int | None,
     heartbeat_s: float | None,
-    mirror_url: str | None,
+    mirror_urls: tuple[str, ...],
     log_level: str,
 ) -> None:
     """Run the node agent: report this machine, run the engines placed on it."""
@@ -119,7 +122,7 @@ def agent(
         llamacpp_threads=threads or (conf.get("llamacpp") or {}).get("threads"),
         startup_timeout_s=float(conf.get("startup_timeout_s", 120.0)),
         llama_server_binary=conf.get("llama_server"),
-        mirror_url=mirror_url or conf.get("mirror"),
+        mirror_url=",".join(mirror_list(list(mirror_urls) or conf.get("mirror"))) or None,
     )
     ddir.mkdir(parents=True, exist_ok=True)
 

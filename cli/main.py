@@ -240,6 +240,12 @@ def up(
 @click.option("--replicas", default=1, show_default=True, help="Stream replicas (3 in a JetStream cluster).")
 @click.option("--catalog", "catalog_file", help="Models declared in a YAML file (edited there, not at runtime).")
 @click.option("--mirror-dir", help="Where the mirror keeps models (default: DATA_DIR/mirror).")
+@click.option(
+    "--mirror-peer-of",
+    help="Run the mirror as a peer (MIR-4) of the primary whose file server is at this URL: it copies what the "
+    "primary verified, takes no commands.",
+)
+@click.option("--mirror-peer-name", default="peer", show_default=True, help="The peer's name in its own events.")
 @click.option("--log-level", default="info", show_default=True)
 @_mirror_options
 def server(
@@ -252,6 +258,8 @@ def server(
     replicas: int,
     catalog_file: str | None,
     mirror_dir: str | None,
+    mirror_peer_of: str | None,
+    mirror_peer_name: str,
     log_level: str,
     mirror_port: int | None,
     mirror_max_gb: float | None,
@@ -271,6 +279,8 @@ def server(
         mirror_dir=mirror_dir or str(default_data_dir() / "mirror"),
         mirror_port=mirror_port or admin_port + 2,
         mirror_max_bytes=int(mirror_max_gb * 1e9) if mirror_max_gb else None,
+        mirror_peer_of=mirror_peer_of,
+        mirror_peer_name=mirror_peer_name,
         hub_endpoint=hf_endpoint,
         hub_token=_hub_token(),
     )

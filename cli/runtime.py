@@ -79,6 +79,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     mirror_dir: str | None = None  # where the mirror keeps MODEL/VERSION/FILE; needed when it runs here
     mirror_port: int = 8083  # its file server
     mirror_max_bytes: int | None = None  # the most the mirror directory may hold
+    mirror_peer_of: str | None = None  # run the mirror as a peer of this primary file server (MIR-4)
+    mirror_peer_name: str = "peer"
     hub_endpoint: str = DEFAULT_HUB  # the Hugging Face–compatible hub (HF_ENDPOINT)
     hub_token: str | None = None  # a hub token (HF_TOKEN), for gated or private repositories
     # jobs (`ctl model serve`): "mirror" gives agents mirror:MODEL/VERSION/FILE; "local" the mirror's own path
@@ -199,6 +201,8 @@ async def serve(
                     hub=config.hub_endpoint,
                     token=config.hub_token,
                     max_bytes=config.mirror_max_bytes,
+                    peer_of=config.mirror_peer_of,
+                    peer_name=config.mirror_peer_name,
                 ),
             )
             mirrors.append(mirror)

@@ -76,6 +76,36 @@ class MirrorRemoved(msgspec.Struct, frozen=True, kw_only=True):
     version: str | None = None
 
 
+class PeerFileCopied(msgspec.Struct, frozen=True, kw_only=True):
+    """A peer mirror (MIR-4) copied one file from its primary and its sha256 matched the primary's."""
+
+    model: str
+    version: str
+    file: str
+    size: int
+    sha256: str
+    source: str  # the primary's file server
+    resumed_from: int = 0
+
+
+class PeerCopyFailed(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    version: str
+    file: str
+    reason: str
+    code: str = "failed"  # checksum, network, refused, disk_full
+
+
+class PeerFileDeleted(msgspec.Struct, frozen=True, kw_only=True):
+    """A peer deleted its copy: the primary's ``removed`` tombstone names it."""
+
+    model: str
+    version: str
+    file: str
+
+
+PEER_AGGREGATE = "mirror_peer"  # llmgw.evt.mirror_peer.<peer name>: outside mirror.>, so no mirror reads it as a fetch
+
 EVENTS = (
     EventType(
         "mirror.fetch_started",
@@ -92,6 +122,21 @@ EVENTS = (
     EventType("mirror.fetch_completed", 1, FetchCompleted, "Every file of a fetch is verified and served."),
     EventType("mirror.fetch_failed", 1, FetchFailed, "A fetch stopped, with a reason a person can act on."),
     EventType("mirror.removed", 1, MirrorRemoved, "A model, or one of its versions, was deleted from the mirror."),
+    EventType(
+        "mirror_peer.file_copied",
+        1,
+        PeerFileCopied,
+        "A peer mirror copied a file from its primary; the bytes' sha256 matched the one the primary verified.",
+    ),
+    EventType(
+        "mirror_peer.copy_failed",
+        1,
+        PeerCopyFailed,
+        "A peer mirror could not copy a file (a checksum mismatch is deleted, never served).",
+    ),
+    EventType(
+        "mirror_peer.file_deleted", 1, PeerFileDeleted, "A peer mirror deleted its copy after a `mirror.removed`."
+    ),
 )
 
 

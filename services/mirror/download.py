@@ -92,9 +92,11 @@ class DiskGuard:
         self._used = used + n
 
 
-def _hash_prefix(path: Path, length: int, size: int) -> tuple[Any, Any]:
+def _hash_prefix(path: Path, length: int, size: int, need_blob: bool = True) -> tuple[Any, Any]:
     sha = hashlib.sha256()
-    blob = hashlib.sha1(b"blob %d\0" % size)  # git's object id of the whole file, header first
+    # git's object id of the whole file, header first: only for files the hub published no sha256 for
+    # (hashing twice halved the fetch rate, docs/benchmarks.md "Mirror and serve").
+    blob = hashlib.sha1(b"blob %d\0" % size) if need_blob else None
     if length:
         with open(path, "rb") as fh:
             left = length
@@ -103,7 +105,8 @@ def _hash_prefix(path: Path, length: int, size: int) -> tuple[Any, Any]:
                 if not block:
                     break
                 sha.update(block)
-                blob.update(block)
+                if blob is not None:
+                    blob.update(block)
                 left -= len(block)
     return sha, blob
 
@@ -111,7 +114,8 @@ def _hash_prefix(path: Path, length: int, size: int) -> tuple[Any, Any]:
 def _write(fh: IO[bytes], data: bytes, sha: Any, blob: Any) -> None:
     fh.write(data)
     sha.update(data)
-    blob.update(data)
+    if blob is not None:
+        blob.update(data)
 
 
 def _sync(fh: IO[bytes]) -> None:
@@ -144,20 +148,22 @@ class _Download:
         self.downloaded = 0
         self.sha: Any = None
         self.blob: Any = None
+        self._need_blob = f.sha256 is None
+        self._inflight: tuple[asyncio.Future, int] | None = None  # the write+hash running in a thread
 
     async def open_partial(self) -> int:
         have = self.part.stat().st_size if self.part.exists() else 0
         if have > self.f.size:
             self.part.unlink()  # longer than the file can be: not a prefix of it
             have = 0
-        self.sha, self.blob = await asyncio.to_thread(_hash_prefix, self.part, have, self.f.size)
+        self.sha, self.blob = await asyncio.to_thread(_hash_prefix, self.part, have, self.f.size, self._need_blob)
         self.have = have
         return have
 
     def restart(self) -> None:
         self.part.unlink(missing_ok=True)
         self.have = 0
-        self.sha, self.blob = _hash_prefix(self.part, 0, self.f.size)
+        self.sha, self.blob = _hash_prefix(self.part, 0, self.f.size, self._need_blob)
 
     async def _response(self) -> aiohttp.ClientResponse:
         url = self.url
@@ -218,11 +224,21 @@ class _Download:
         if self.have < self.f.size:
             raise _Transient(f"the connection ended at byte {self.have} of {self.f.size}")
 
-    async def _flush(self, fh: IO[bytes], buf: bytearray) -> None:
-        data = bytes(buf)
-        buf.clear()
+    async def _flush(self, fh: IO[bytes], chunks: list[bytes]) -> None:
+        """Hand the received bytes to a worker thread (write + hash) and return at once, so the next
+        MiB is received while this one is written: one write in flight, in order, so the hashes see
+        the bytes in file order."""
+        data = b"".join(chunks)
+        chunks.clear()
         self.guard.claim(len(data))
-        write = asyncio.ensure_future(asyncio.to_thread(_write, fh, data, self.sha, self.blob))
+        await self._settle()
+        self._inflight = (asyncio.ensure_future(asyncio.to_thread(_write, fh, data, self.sha, self.blob)), len(data))
+
+    async def _settle(self) -> None:
+        """Wait for the write in flight, then count its bytes as held."""
+        if self._inflight is None:
+            return
+        write, n = self._inflight
         try:
             await asyncio.shield(write)
         except asyncio.CancelledError:
@@ -230,39 +246,58 @@ class _Download:
             # prefix the next start resumes from.
             with contextlib.suppress(Exception):
                 await write
+            self._inflight = None
+            self.have += n
+            self.downloaded += n
             raise
-        self.have += len(data)
-        self.downloaded += len(data)
+        self._inflight = None
+        self.have += n
+        self.downloaded += n
         await self.progress(self.have)
 
+    def _queued(self) -> int:
+        return self.have + (self._inflight[1] if self._inflight else 0)
+
     async def _stream(self, resp: aiohttp.ClientResponse) -> None:
-        buf = bytearray()
+        chunks: list[bytes] = []
+        size = 0
         fh = await asyncio.to_thread(open, self.part, "ab")
         try:
             async for chunk in resp.content.iter_chunked(256 * 1024):
-                if self.have + len(buf) + len(chunk) > self.f.size:
+                if self._queued() + size + len(chunk) > self.f.size:
                     raise DownloadError(
                         f"{self.f.name} is longer than the {self.f.size} bytes the hub published", "checksum"
                     )
-                buf += chunk
-                if len(buf) >= self.chunk_bytes:
-                    await self._flush(fh, buf)
-            if buf:
-                await self._flush(fh, buf)
+                chunks.append(chunk)
+                size += len(chunk)
+                if size >= self.chunk_bytes:
+                    await self._flush(fh, chunks)
+                    size = 0
+            if chunks:
+                await self._flush(fh, chunks)
+            await self._settle()
             if self.have == self.f.size:
                 await asyncio.to_thread(_sync, fh)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            if buf:
-                await self._flush(fh, buf)  # bytes that arrived are good bytes: keep them for the resume
+            if chunks:
+                await self._flush(fh, chunks)  # bytes that arrived are good bytes: keep them for the resume
+            await self._settle()
             raise _Transient(f"{type(exc).__name__}: {exc}") from exc
         except asyncio.CancelledError:
             # Stopped mid-file: keep what arrived, so the next start resumes from it.
-            if buf:
+            with contextlib.suppress(BaseException):
+                await self._settle()
+            if chunks:
                 with contextlib.suppress(OSError):
-                    self.guard.claim(len(buf))
-                    _write(fh, bytes(buf), self.sha, self.blob)
+                    data = b"".join(chunks)
+                    self.guard.claim(len(data))
+                    _write(fh, data, self.sha, self.blob)
             raise
         finally:
+            if self._inflight is not None:  # an error above left a write running: never close under it
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(self._inflight[0])
+                self._inflight = None
             fh.close()
 
 
@@ -305,7 +340,7 @@ async def download(
     return Digests(
         size=d.have,
         sha256=d.sha.hexdigest(),
-        blob_id=d.blob.hexdigest(),
+        blob_id=d.blob.hexdigest() if d.blob is not None else "",
         resumed_from=resumed_from,
         downloaded=d.downloaded,
     )

@@ -11,11 +11,20 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from llmgw.services.mirror.rules import valid_name
-from llmgw.services.mirror.state import MirrorState
+from llmgw.services.mirror.state import FileState
+
+
+class Holdings(Protocol):
+    """What a file server hands out: a mirror's own fold, or a peer's view of its copies (MIR-4)."""
+
+    def verified(self, model: str, version: str, name: str) -> FileState | None: ...
+
+    def rows(self) -> list[dict[str, Any]]: ...
 
 
 def _denied() -> web.Response:
@@ -26,7 +35,7 @@ def _denied() -> web.Response:
     )
 
 
-def file_server(state: MirrorState, root: Path, token: Callable[[], str | None]) -> web.Application:
+def file_server(state: Holdings, root: Path, token: Callable[[], str | None]) -> web.Application:
     """The app; ``state`` is the service's live fold, ``token`` the bearer token it accepts."""
 
     def allowed(request: web.Request) -> bool:

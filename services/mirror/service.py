@@ -29,6 +29,7 @@ from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.mirror.download import DiskGuard, DownloadError, download
 from llmgw.services.mirror.files import file_server
 from llmgw.services.mirror.hub import DEFAULT_HUB, HubClient, HubError
+from llmgw.services.mirror.peer import PeerMirror
 from llmgw.services.mirror.rules import check_model, check_repo, digest_mismatch, human, plan_fetch, should_report
 from llmgw.services.mirror.state import FETCHING, MirrorState, VersionState
 
@@ -49,6 +50,8 @@ class MirrorConfig(msgspec.Struct, frozen=True, kw_only=True):
     progress_interval_s: float = 1.0
     progress_step: float = 0.05
     hub_timeout_s: float = 20.0
+    peer_of: str | None = None  # a primary's file server: this mirror only copies from it (MIR-4)
+    peer_name: str = "peer"  # the peer's own aggregate, llmgw.evt.mirror_peer.<peer_name>
 
 
 class MirrorService:
@@ -64,6 +67,8 @@ class MirrorService:
         self._session: aiohttp.ClientSession | None = None
         self._follower: asyncio.Task | None = None
         self._processor: CommandProcessor | None = None
+        self.peer: PeerMirror | None = None
+        self._stopped = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -74,6 +79,22 @@ class MirrorService:
         # No total timeout: a file can take hours. A stalled connection is caught by the read timeout.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        if self.config.peer_of:
+            # A peer takes no commands and writes no mirror.* events: it copies what the primary holds.
+            self.peer = PeerMirror(
+                self.store,
+                self.root,
+                self.config.peer_of,
+                self.config.peer_name,
+                lambda: self.token,
+                self.guard,
+                chunk_bytes=self.config.chunk_bytes,
+                retries=self.config.retries,
+                backoff_s=self.config.retry_backoff_s,
+            )
+            self.state = self.peer.state
+            await self.peer.start(self._session)
+            return
         await self.catch_up()
         await asyncio.to_thread(self._sweep_removed)
         for v in self.state.fetching():
@@ -87,14 +108,21 @@ class MirrorService:
         return self._processor
 
     async def run(self) -> None:
+        if self.config.peer_of:
+            await self._stopped.wait()
+            return
         await self.processor().run()
 
     def stop(self) -> None:
-        self.processor().stop()
+        self._stopped.set()
+        if not self.config.peer_of:
+            self.processor().stop()
 
     async def close(self) -> None:
         """Stop downloads (their partial files stay for the next start) and the follower."""
         self.stop()
+        if self.peer is not None:
+            await self.peer.close()
         tasks = [*self.tasks.values(), *([self._follower] if self._follower else [])]
         for t in tasks:
             t.cancel()
@@ -105,7 +133,8 @@ class MirrorService:
             await self._session.close()
 
     def app(self) -> web.Application:
-        return file_server(self.state, self.root, lambda: self.token)
+        view = self.peer.view if self.peer is not None else self.state
+        return file_server(view, self.root, lambda: self.token)
 
     # -- the log -----------------------------------------------------------------------------
 
