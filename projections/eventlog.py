@@ -31,6 +31,13 @@ class EventLogProjection(Projection):
         # Every event, known type or not: the index is of the log itself.
         env = event.envelope
         await tx.execute(
-            _INSERT, env.id, event.seq, env.type, event.subject, env.actor, env.at.isoformat(),
-            env.causation, env.correlation,
+            _INSERT,
+            env.id,
+            event.seq,
+            env.type,
+            event.subject,
+            env.actor,
+            env.at.isoformat(),
+            env.causation,
+            env.correlation,
         )
