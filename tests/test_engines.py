@@ -35,7 +35,7 @@ from llmgw.agent.engines.commands import (
 )
 from llmgw.agent.engines.health import EngineExited, EngineStartTimeout, probe, wait_healthy
 from tests.gguf_tiny import corrupt_gguf, write_tiny_gguf
-from tests.support import free_port
+from tests.support import free_port, wait_until
 
 KEY = "llmgw-test-engine-key-3f9c1a7e"
 WIDTH = 64
@@ -520,6 +520,9 @@ def test_a_taken_port_is_reported_as_such(tiny_model: Path, tmp_path: Path) -> N
 async def test_sigterm_stops_the_engine_cleanly(tiny_model: Path, tmp_path: Path) -> None:
     proc = await _start(tiny_model, tmp_path).wait_healthy()
     try:
+        # /health answers as soon as llama.cpp has loaded; the clean-stop handler is installed just
+        # after, and the process says "ready" then (before it, a stop ends it at once, by design).
+        await wait_until(lambda: "ready on" in proc.log_tail(), what="the engine to say it is ready")
         os.killpg(proc.proc.pid, signal.SIGTERM)
         assert proc.proc.wait(30) == 0, proc.log_tail()
         assert "stopped" in proc.log_tail()
