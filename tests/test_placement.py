@@ -27,7 +27,7 @@ from llmgw.services.scheduler.placement import (
     scores,
     summarise,
 )
-from llmgw.services.scheduler.reconcile import Place
+from llmgw.services.scheduler.reconcile import Place, candidates
 from llmgw.services.scheduler.state import ClusterState
 from tests.scheduler_world import (
     CPU_2C_8G,
@@ -49,6 +49,7 @@ from tests.scheduler_world import (
     on_node,
     ready,
     shaped,
+    spec,
     stopped,
 )
 
@@ -707,3 +708,13 @@ def test_reserve_adds_one_replicas_reservation(gpu_h100x8: Shape) -> None:
     assert (after.reserved_cores, after.reserved_memory_bytes, after.reserved_gpus) == (8, 64 * GiB, [0, 1, 2])
     assert (after.model_replicas, after.replicas) == (1, 1)
     assert reserve(c, need, [1, 2], model_replica=False).model_replicas == 0
+
+
+def test_a_node_holding_a_mirror_source_s_file_holds_the_model_whatever_its_catalog_name() -> None:
+    w = World().add(shaped("n0", CPU_16C_64G), shaped("n1", CPU_16C_64G, weights=["qwen-src/abc123/q4.gguf"]))
+    source = "mirror:qwen-src/abc123/q4.gguf"
+    w.add(on_model("chat", M.ModelAdded(spec=msgspec.structs.replace(spec("chat"), source=source))))
+    cands = candidates(w.state, "chat")
+    assert cands["n1"].has_weights and not cands["n0"].has_weights
+    [place] = [d for d in w.run() if isinstance(d, Place)]
+    assert place.node_id == "n1"

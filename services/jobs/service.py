@@ -59,7 +59,7 @@ class JobsConfig(msgspec.Struct, frozen=True, kw_only=True):
     token: str | None = None  # HF_TOKEN
     source: str = "mirror"  # "mirror": sources are mirror:MODEL/VERSION/FILE; "local": the mirror's own path
     mirror_dir: str | None = None  # the mirror's directory when it is on this machine (headers read there)
-    mirror_url: str | None = None  # else its file server, for the header over Range requests
+    mirror_url: str | None = None  # else its file server(s), comma-separated, for the header over Range requests
     unplaceable_s: float = 60.0  # a model unplaceable (or not ready after being blocked) this long fails the job
     wait_ready_s: float = 3600.0  # the most a replica may take to become ready
     fetch_s: float = 24 * 3600.0  # the most a fetch may take
@@ -268,9 +268,16 @@ class JobsService:
         if not self.config.mirror_url:
             raise StepFailed("the jobs service knows neither the mirror's directory nor its address")
         token = mirror_token(await engine_key_secret(self.store.js))
-        url = f"{self.config.mirror_url.rstrip('/')}/files/{d['model']}/{d['version']}/{name}"
+        # Several mirrors (comma-separated): the first that answers (MIR-4: fail over to a mirror that answers).
+        errors = []
         async with aiohttp.ClientSession() as session:
-            return await read_header_url(session, url, headers={"Authorization": f"Bearer {token}"})
+            for base in [u.strip() for u in self.config.mirror_url.split(",") if u.strip()]:
+                url = f"{base.rstrip('/')}/files/{d['model']}/{d['version']}/{name}"
+                try:
+                    return await read_header_url(session, url, headers={"Authorization": f"Bearer {token}"})
+                except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                    errors.append(f"{base}: {exc}")
+        raise StepFailed("no mirror answered for the GGUF header: " + "; ".join(errors))
 
     async def _add(self, job: JobState, req: J.JobStarted, d: dict[str, Any]) -> StepResult:
         model = d["model"]

@@ -20,6 +20,7 @@ import msgspec
 from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events import replicas as R
+from llmgw.events.models import mirror_ref
 from llmgw.services.scheduler.placement import Candidate, Need, Verdict, need_of, place, reserve, summarise
 from llmgw.services.scheduler.state import ClusterState, ModelState, ReplicaState, capacity_of
 
@@ -180,7 +181,18 @@ def _for_model(
             counts[r.node_id] = counts.get(r.node_id, 0) + 1
     for node_id, k in counts.items():
         out[node_id] = msgspec.structs.replace(out[node_id], model_replicas=k)
-    for node_id in weights.get(model, ()):
+    holders = set(weights.get(model, ()))
+    m = state.models.get(model)
+    if m is not None:
+        # A model served from the mirror is held under its source's MODEL/VERSION/FILE, whatever the
+        # catalog calls it.
+        try:
+            ref = mirror_ref(m.spec.source)
+        except ValueError:
+            ref = None
+        if ref:
+            holders |= weights.get(ref, set())
+    for node_id in holders:
         if node_id in out:
             out[node_id] = msgspec.structs.replace(out[node_id], has_weights=True)
     return out
