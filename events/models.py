@@ -135,6 +135,54 @@ class ModelRetried(msgspec.Struct, frozen=True, kw_only=True):
     """Unparked by `ctl retry`: placement is tried again at once."""
 
 
+class ModelStatus(msgspec.Struct, kw_only=True):
+    """A model as every reader of the catalog folds it: the scheduler, the routers and the catalog
+    service add what only they need around this, so the lifecycle is decided in one place."""
+
+    spec: ModelSpec
+    declared: bool = False
+    min: int = 1
+    max: int = 1
+    stopped: bool = False
+    saved: tuple[int, int] | None = None  # the scaling a stop keeps for the start
+    parked: str | None = None
+
+
+MODEL_EVENTS = (
+    ModelAdded,
+    ModelChanged,
+    ModelScaled,
+    ModelStopped,
+    ModelStarted,
+    ModelRemoved,
+    ModelParked,
+    ModelRetried,
+)
+
+
+def fold_model(status: ModelStatus | None, payload: msgspec.Struct) -> ModelStatus | None:
+    """The model after one of its events (None: not in the catalog). Pure."""
+    if isinstance(payload, ModelAdded):
+        s = payload.spec
+        return ModelStatus(spec=s, declared=payload.declared, min=s.scaling.min, max=s.scaling.upper)
+    if status is None or isinstance(payload, ModelRemoved):
+        return None
+    match payload:
+        case ModelChanged():
+            return msgspec.structs.replace(status, spec=payload.spec, parked=None)  # a new definition unparks
+        case ModelScaled():
+            return msgspec.structs.replace(status, min=payload.min, max=payload.max)
+        case ModelStopped():
+            return msgspec.structs.replace(status, stopped=True, saved=(payload.saved_min, payload.saved_max))
+        case ModelStarted():
+            return msgspec.structs.replace(status, stopped=False, min=payload.min, max=payload.max)
+        case ModelParked():
+            return msgspec.structs.replace(status, parked=payload.reason)
+        case ModelRetried():
+            return msgspec.structs.replace(status, parked=None)
+    return status
+
+
 EVENTS = (
     EventType("model.added", 1, ModelAdded, "A model joined the catalog, with its whole definition."),
     EventType("model.changed", 1, ModelChanged, "A model's definition changed (resources, profiles, …)."),

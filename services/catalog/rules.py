@@ -19,14 +19,38 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
 class CatalogEntry(msgspec.Struct, kw_only=True):
-    spec: M.ModelSpec
-    declared: bool = False
-    min: int = 1
-    max: int = 1
-    stopped: bool = False
-    saved: tuple[int, int] | None = None
-    parked: str | None = None
-    seq: int = 0  # last sequence on the model's subject
+    """The shared fold of a model (``M.fold_model``) and the sequence its next append expects."""
+
+    status: M.ModelStatus
+    seq: int = 0  # last sequence on the model's subject (any event there, e.g. scheduler.unplaceable)
+
+    @property
+    def spec(self) -> M.ModelSpec:
+        return self.status.spec
+
+    @property
+    def declared(self) -> bool:
+        return self.status.declared
+
+    @property
+    def min(self) -> int:
+        return self.status.min
+
+    @property
+    def max(self) -> int:
+        return self.status.max
+
+    @property
+    def stopped(self) -> bool:
+        return self.status.stopped
+
+    @property
+    def saved(self) -> tuple[int, int] | None:
+        return self.status.saved
+
+    @property
+    def parked(self) -> str | None:
+        return self.status.parked
 
 
 class Catalog:
@@ -41,31 +65,14 @@ class Catalog:
             self.applied_commands[event.envelope.causation] = event.seq
         p = event.payload
         entry = self.models.get(name)
-        match p:
-            case M.ModelAdded():
-                self.models[name] = CatalogEntry(
-                    spec=p.spec, declared=p.declared, min=p.spec.scaling.min, max=p.spec.scaling.upper, seq=event.seq
-                )
-                return
-            case M.ModelRemoved():
+        if isinstance(p, M.MODEL_EVENTS):
+            status = M.fold_model(entry.status if entry else None, p)
+            if status is None:
                 self.models.pop(name, None)
                 return
-        if entry is None:
-            return
-        entry.seq = event.seq
-        match p:
-            case M.ModelChanged():
-                entry.spec, entry.parked = p.spec, None
-            case M.ModelScaled():
-                entry.min, entry.max = p.min, p.max
-            case M.ModelStopped():
-                entry.stopped, entry.saved = True, (p.saved_min, p.saved_max)
-            case M.ModelStarted():
-                entry.stopped, entry.min, entry.max = False, p.min, p.max
-            case M.ModelParked():
-                entry.parked = p.reason
-            case M.ModelRetried():
-                entry.parked = None
+            entry = self.models[name] = CatalogEntry(status=status)
+        if entry is not None:
+            entry.seq = event.seq
 
 
 def validate_spec(spec: M.ModelSpec) -> None:

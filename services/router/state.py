@@ -34,17 +34,35 @@ class KeyInfo(msgspec.Struct, kw_only=True):
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):
+    """The catalog's view of a model (the shared fold) plus what only the router tracks."""
+
     name: str
-    spec: M.ModelSpec
-    min: int = 1
-    max: int = 1
-    stopped: bool = False
-    parked: str | None = None
+    status: M.ModelStatus
     unplaceable: str | None = None
 
     @property
+    def spec(self) -> M.ModelSpec:
+        return self.status.spec
+
+    @property
+    def min(self) -> int:
+        return self.status.min
+
+    @property
+    def max(self) -> int:
+        return self.status.max
+
+    @property
+    def stopped(self) -> bool:
+        return self.status.stopped
+
+    @property
+    def parked(self) -> str | None:
+        return self.status.parked
+
+    @property
     def on_demand(self) -> bool:
-        return self.min == 0
+        return self.status.min == 0
 
 
 class ReplicaInfo(msgspec.Struct, kw_only=True):
@@ -149,38 +167,26 @@ class RouterState:
                 self.parents[p.team_id] = ("team", p.org_id)
             case T.ProjectCreated():
                 self.parents[p.project_id] = ("project", p.team_id)
-            case M.ModelAdded() | M.ModelChanged():
-                old = self.models.get(p.spec.name)
-                m = ModelInfo(name=p.spec.name, spec=p.spec, min=p.spec.scaling.min, max=p.spec.scaling.upper)
-                if old is not None and isinstance(p, M.ModelChanged):
-                    m.min, m.max, m.stopped = old.min, old.max, old.stopped
-                self.models[m.name] = m
-                self._reindex_aliases()
-            case M.ModelScaled():
-                m = self._model_of(e)
-                if m:
-                    m.min, m.max = p.min, p.max
-            case M.ModelStopped():
-                m = self._model_of(e)
-                if m:
-                    m.stopped = True
-            case M.ModelStarted():
-                m = self._model_of(e)
-                if m:
-                    m.stopped, m.min, m.max = False, p.min, p.max
-            case M.ModelRemoved():
-                m = self._model_of(e)
-                if m:
-                    del self.models[m.name]
+            case (
+                M.ModelAdded()
+                | M.ModelChanged()
+                | M.ModelScaled()
+                | M.ModelStopped()
+                | M.ModelStarted()
+                | M.ModelRemoved()
+                | M.ModelParked()
+                | M.ModelRetried()
+            ):
+                name = aggregate_of(e.subject)[1]
+                old = self.models.get(name)
+                status = M.fold_model(old.status if old else None, p)
+                if status is None:
+                    self.models.pop(name, None)
+                else:
+                    keep = old.unplaceable if old is not None and not isinstance(p, M.ModelAdded) else None
+                    self.models[name] = ModelInfo(name=name, status=status, unplaceable=keep)
+                if isinstance(p, M.ModelAdded | M.ModelChanged | M.ModelRemoved):
                     self._reindex_aliases()
-            case M.ModelParked():
-                m = self._model_of(e)
-                if m:
-                    m.parked = p.reason
-            case M.ModelRetried():
-                m = self._model_of(e)
-                if m:
-                    m.parked = None
             case SCH.PlacementBlocked():
                 m = self.models.get(p.model)
                 if m:
@@ -209,9 +215,6 @@ class RouterState:
                         del self.replicas[r.replica_id]
                     if not self.ready_by_model.get(r.model):
                         self.ready_event(r.model).clear()
-
-    def _model_of(self, e: RecordedEvent) -> ModelInfo | None:
-        return self.models.get(aggregate_of(e.subject)[1])
 
     def _reindex_aliases(self) -> None:
         self.aliases = {a: m.name for m in self.models.values() for a in m.spec.aliases}

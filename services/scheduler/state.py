@@ -15,6 +15,7 @@ from llmgw.events import nodes as N
 from llmgw.events import replicas as R
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.models import spec_hash
+from llmgw.events.subjects import aggregate_of
 
 GiB = 1024**3
 
@@ -47,17 +48,38 @@ class NodeState(msgspec.Struct, kw_only=True):
 
 
 class ModelState(msgspec.Struct, kw_only=True):
+    """The catalog's view of a model (the shared fold, ``M.fold_model``) plus the scheduler's own."""
+
     name: str
-    spec: M.ModelSpec
-    declared: bool = False
-    min: int = 1
-    max: int = 1
-    stopped: bool = False
-    parked: str | None = None
+    status: M.ModelStatus
     failures: int = 0  # consecutive start failures since the last ready replica or edit
     last_error: str = ""
     last_failure_at: float | None = None  # event time, seconds since the epoch
     spec_hash: str = ""
+
+    @property
+    def spec(self) -> M.ModelSpec:
+        return self.status.spec
+
+    @property
+    def declared(self) -> bool:
+        return self.status.declared
+
+    @property
+    def min(self) -> int:
+        return self.status.min
+
+    @property
+    def max(self) -> int:
+        return self.status.max
+
+    @property
+    def stopped(self) -> bool:
+        return self.status.stopped
+
+    @property
+    def parked(self) -> str | None:
+        return self.status.parked
 
 
 class ReplicaState(msgspec.Struct, kw_only=True):
@@ -106,44 +128,17 @@ class ClusterState:
         p = event.payload
         at = event.envelope.at.timestamp()
         match p:
-            case M.ModelAdded():
-                self.models[p.spec.name] = ModelState(
-                    name=p.spec.name,
-                    spec=p.spec,
-                    declared=p.declared,
-                    min=p.spec.scaling.min,
-                    max=p.spec.scaling.upper,
-                    spec_hash=spec_hash(p.spec),
-                )
-            case M.ModelChanged():
-                m = self.models.get(p.spec.name)
-                if m:
-                    m.spec, m.spec_hash = p.spec, spec_hash(p.spec)
-                    m.parked, m.failures, m.last_failure_at = None, 0, None  # a new definition unparks
-            case M.ModelScaled():
-                m = self._model_of(event)
-                if m:
-                    m.min, m.max = p.min, p.max
-            case M.ModelStopped():
-                m = self._model_of(event)
-                if m:
-                    m.stopped = True
-            case M.ModelStarted():
-                m = self._model_of(event)
-                if m:
-                    m.stopped, m.min, m.max = False, p.min, p.max
-            case M.ModelRemoved():
-                m = self._model_of(event)
-                if m:
-                    del self.models[m.name]
-            case M.ModelParked():
-                m = self._model_of(event)
-                if m:
-                    m.parked, m.last_error = p.reason, p.reason
-            case M.ModelRetried():
-                m = self._model_of(event)
-                if m:
-                    m.parked, m.failures, m.last_failure_at = None, 0, None
+            case (
+                M.ModelAdded()
+                | M.ModelChanged()
+                | M.ModelScaled()
+                | M.ModelStopped()
+                | M.ModelStarted()
+                | M.ModelRemoved()
+                | M.ModelParked()
+                | M.ModelRetried()
+            ):
+                self._apply_model(event)
             case N.NodeRegistered() | N.NodeCapacityChanged():
                 n = self.node(p.node_id)
                 n.capacity, n.registered = p.capacity, True
@@ -224,11 +219,26 @@ class ClusterState:
                 if not group:
                     del index[key]
 
-    def _model_of(self, event: RecordedEvent) -> ModelState | None:
-        from llmgw.events.subjects import aggregate_of
-
-        _, name = aggregate_of(event.subject)
-        return self.models.get(name)
+    def _apply_model(self, event: RecordedEvent) -> None:
+        p = event.payload
+        name = aggregate_of(event.subject)[1]
+        old = self.models.get(name)
+        status = M.fold_model(old.status if old else None, p)
+        if status is None:
+            self.models.pop(name, None)
+            return
+        if old is None or isinstance(p, M.ModelAdded):
+            self.models[name] = ModelState(name=name, status=status, spec_hash=spec_hash(status.spec))
+            return
+        old.status = status
+        match p:
+            case M.ModelChanged():
+                old.spec_hash = spec_hash(p.spec)
+                old.failures, old.last_failure_at = 0, None  # a new definition starts counting again
+            case M.ModelParked():
+                old.last_error = p.reason
+            case M.ModelRetried():
+                old.failures, old.last_failure_at = 0, None
 
     def node(self, node_id: str) -> NodeState:
         n = self.nodes.get(node_id)
