@@ -144,17 +144,20 @@ async def serve(
     routers: list[Router] = []
     mirrors: list[MirrorService] = []
     jobs_services: list[JobsService] = []
+
+    def background(name: str, service: Any) -> Any:
+        """Run a service's loop as a task; it is stopped (``stop()``) with the others."""
+        processors.append(service)
+        tasks.append(asyncio.create_task(service.run(), name=name))
+        return service
+
     try:
         if "projections" in config.services:
             await runner.start()
         if "tenancy" in config.services:
-            processor = TenancyService(store).processor()
-            processors.append(processor)
-            tasks.append(asyncio.create_task(processor.run(), name="tenancy-commands"))
+            background("tenancy-commands", TenancyService(store).processor())
         if "access" in config.services:
-            processor = AccessService(store).processor()
-            processors.append(processor)
-            tasks.append(asyncio.create_task(processor.run(), name="access-commands"))
+            background("access-commands", AccessService(store).processor())
         if "catalog" in config.services:
             catalog = CatalogService(store)
             try:
@@ -163,25 +166,16 @@ async def serve(
                 raise SystemExit(f"error: the catalog file is not valid: {exc.reason}") from exc
             if config.demo_model is not None and config.demo_marker:
                 await catalog.add_once(config.demo_model, Path(config.demo_marker))
-            processor = catalog.processor()
-            processors.append(processor)
-            tasks.append(asyncio.create_task(processor.run(), name="catalog-commands"))
+            background("catalog-commands", catalog.processor())
         if "fleet" in config.services:
-            processor = FleetService(store).processor()
-            processors.append(processor)
-            tasks.append(asyncio.create_task(processor.run(), name="fleet-commands"))
+            background("fleet-commands", FleetService(store).processor())
         if "scheduler" in config.services:
-            scheduler = SchedulerService(store, config=config.scheduler)
-            processors.append(scheduler)
-            handles["scheduler"] = scheduler
-            tasks.append(asyncio.create_task(scheduler.run(), name="scheduler"))
+            handles["scheduler"] = background("scheduler", SchedulerService(store, config=config.scheduler))
         if config.bootstrap_dir is not None:
             await _bootstrap_access(store, Path(config.bootstrap_dir), config.services)
         if "accountant" in config.services:
             accountant = AccountantService(backend, retention_days=config.usage_retention_days)
-            processors.append(accountant)
-            handles["accountant"] = accountant
-            tasks.append(asyncio.create_task(accountant.run(), name="accountant"))
+            handles["accountant"] = background("accountant", accountant)
         if "api" in config.services:
             api = AdminApi(store, backend, runner, registry)
             sites.append(await _site(api.app(), config.host, config.admin_port))
@@ -207,9 +201,7 @@ async def serve(
             )
             mirrors.append(mirror)
             await mirror.start()
-            processors.append(mirror)
-            handles["mirror"] = mirror
-            tasks.append(asyncio.create_task(mirror.run(), name="mirror-commands"))
+            handles["mirror"] = background("mirror-commands", mirror)
             sites.append(await _site(mirror.app(), config.host, config.mirror_port))
         if "jobs" in config.services:
             jobs = JobsService(
@@ -225,9 +217,7 @@ async def serve(
             )
             jobs_services.append(jobs)
             await jobs.start()
-            processors.append(jobs)
-            handles["jobs"] = jobs
-            tasks.append(asyncio.create_task(jobs.run(), name="jobs-commands"))
+            handles["jobs"] = background("jobs-commands", jobs)
         log.info("services started", services=list(config.services), port=config.port, admin_port=config.admin_port)
         if on_ready:
             on_ready()
