@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -244,6 +245,8 @@ async def test_two_routers_share_one_limit(store: EventStore, nats: NatsServer, 
         await f1.add_model("tiny", tiny)
         await f1.wait_ready("tiny", 1)
         await router_caught_up(f1, 0)
+        await f2.router_caught_up()
+        scope = f"project:{tenant.project}"
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         statuses = []
         async with aiohttp.ClientSession() as s:
@@ -255,11 +258,21 @@ async def test_two_routers_share_one_limit(store: EventStore, nats: NatsServer, 
                     headers={"Authorization": f"Bearer {key}"},
                 ) as r:
                     statuses.append(r.status)
-                await asyncio.sleep(FAST_ROUTER.gossip_s * 3)  # sequential requests: let gossip land between
+                # Sequential requests: the next goes out once both routers count every admission so far.
+                admitted = statuses.count(200)
+                await wait_until(
+                    lambda n=admitted: all(_used(f, scope) == n for f in (f1, f2)), what="both routers to agree"
+                )
         assert statuses.count(200) == 6 and statuses.count(429) == 4
     finally:
         await f2.stop()
         await f1.stop()
+
+
+def _used(fleet: Fleet, scope: str) -> int:
+    """Requests the fleet's router counts against ``scope`` in the last minute (its own and gossiped)."""
+    window = fleet.handles["router"].limiter.requests.get(scope)
+    return window.used(time.time()) if window else 0
 
 
 async def test_a_budget_is_never_overshot_by_concurrent_streaming_requests(gw: Fleet, tiny: Path) -> None:
