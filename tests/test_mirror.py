@@ -122,7 +122,8 @@ async def rig(store: EventStore, hub: FakeHub, tmp_path: Path) -> AsyncIterator[
 
 
 def files_under(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    # os.walk, not rglob: a directory the service removes while we look is skipped, not an error.
+    return sorted(str((Path(d) / f).relative_to(root)) for d, _, names in os.walk(root) for f in names)
 
 
 # -- the fake hub is what huggingface_hub expects --------------------------------------------
