@@ -95,10 +95,14 @@ async def test_a_removal_is_not_copied_back(pair: tuple[Rig, Rig], hub: FakeHub,
     await primary.remove("tiny")
     assert files_under(primary.root) == []
     await peer.start()  # catches up from the log: the tombstone wins over the earlier copy
-    await wait_until(lambda: files_under(peer.root) == [], deadline_s=15, what="the peer to delete its copy")
+    types = ["mirror_peer.file_copied", "mirror_peer.file_deleted"]
+
+    async def deletion_recorded() -> bool:
+        return [e.type for e in await peer_events(store)] == types
+
+    await wait_until(deletion_recorded, deadline_s=15, what="the peer to record deleting its copy")
+    assert files_under(peer.root) == []
     assert (await get(peer, f"/files/{ref}"))[0] == 404
-    types = [e.type for e in await peer_events(store)]
-    assert types == ["mirror_peer.file_copied", "mirror_peer.file_deleted"]
 
     # A later restart does not bring it back, and nothing new is recorded.
     await peer.stop()
