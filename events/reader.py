@@ -13,6 +13,11 @@ is filled and fewer than a batch are waiting: the next batch crosses the network
 current one is applied, and at most two batches are ever held. When caught up, the open request
 delivers each new event the moment it is written (read-your-writes stays quick). nats-py's own
 ``fetch`` is not used: it waits per message and for a batch to fill, which halves the read rate.
+
+A consumer can vanish under a reader: its consumers live in memory, so a restarted nats-server has
+none, and an operator may delete one. The server then never answers the reader's request, so each
+request asks for idle heartbeats; a reader that hears nothing for a few of them checks its
+consumer, and when it is gone makes a new one from the last event it delivered and reads on.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
+import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NotFoundError
 
 from llmgw.events.codec import EventDecodeError, decode_event
 from llmgw.events.envelope import RecordedEvent
@@ -35,16 +41,25 @@ from llmgw.events.store import EventStore, Quarantined, StoreError
 JS_API = "$JS.API"  # the store's JetStream context uses the default API prefix (no domain)
 REQUEST_S = 30.0  # a pull request's life on the server; renewed when it ends
 INACTIVE_S = 600.0  # the server deletes a consumer nobody pulled from for this long (a crashed reader)
+HEARTBEAT_S = 5.0  # an open request is idle-heartbeated this often; silence for SILENCE_S means it was lost
+SILENCE_S = HEARTBEAT_S * 3
 _encode = msgspec.json.Encoder().encode
+log = structlog.get_logger("llmgw.events.reader")
 
 # bytes → event (``Projection.decode``): the envelope codec on the event log, another on another stream.
 Decoder = Callable[[EventRegistry, bytes, str, int], RecordedEvent]
+
+
+class _ConsumerGone(Exception):
+    """The reader's consumer no longer exists (deleted, or the server restarted): make it again."""
 
 
 class _Puller:
     """A pull consumer's deliveries, with one request for one batch kept open ahead of the reader."""
 
     def __init__(self, store: EventStore, consumer: str, batch: int) -> None:
+        self.store = store
+        self.consumer = consumer
         self.nc = store.nc
         self.next_subject = f"{JS_API}.CONSUMER.MSG.NEXT.{store.stream}.{consumer}"
         self.inbox = self.nc.new_inbox()
@@ -56,7 +71,9 @@ class _Puller:
         self.error: Exception | None = None
         self.closed = False
         self.sub: Any = None
-        self.request = _encode({"batch": batch, "expires": int(REQUEST_S * 1e9)})
+        self.request = _encode(
+            {"batch": batch, "expires": int(REQUEST_S * 1e9), "idle_heartbeat": int(HEARTBEAT_S * 1e9)}
+        )
 
     async def start(self) -> None:
         # Never more than two batches in flight or waiting; the limit only guards against a bug.
@@ -83,9 +100,11 @@ class _Puller:
             if self.received >= self.batch:
                 self.open = False
         elif status == "100":
-            return  # an idle heartbeat
+            pass  # an idle heartbeat: the request is alive (the waiter's clock starts again)
         elif status in ("404", "408") or (status == "409" and "deleted" not in _description(msg).lower()):
             self.open = False  # the request ended (expired, or the server shed it): ask again
+        elif status == "409" or status == "503":  # "Consumer Deleted", or nobody serves its subject
+            self.error = _ConsumerGone(f"{status} {_description(msg)}")
         else:
             self.error = StoreError(f"JetStream ended the log reader: {status} {_description(msg)}")
         self.arrived.set()
@@ -101,17 +120,26 @@ class _Puller:
             if self.buffer:
                 break
             try:
-                # Past the request's life with no answer, it was lost (e.g. a reconnect): ask again.
+                # Silence past a few heartbeats: the request was lost (a reconnect, a server restart).
                 # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that lands as
                 # a message arrives, and the reader's caller would then wait forever.
-                async with asyncio.timeout(REQUEST_S + 5.0):
+                async with asyncio.timeout(SILENCE_S):
                     await self.arrived.wait()
             except TimeoutError:
+                await self._check_consumer()
                 self.open = False
         n = min(self.batch, len(self.buffer))
         out = [self.buffer.popleft() for _ in range(n)]
         await self._ask()
         return out
+
+    async def _check_consumer(self) -> None:
+        try:
+            await self.store.js.consumer_info(self.store.stream, self.consumer)
+        except NotFoundError as exc:
+            raise _ConsumerGone("the consumer no longer exists") from exc
+        except Exception:
+            return  # the server is unreachable for now: asking again is all there is to do
 
 
 def _position(reply: str) -> tuple[int, int]:
@@ -150,6 +178,51 @@ async def read_log(
     """
     if until is not None and until <= after:
         return
+    position = after  # the last event delivered: a lost consumer is made again from the next one
+    while True:
+        info = await _consumer(store, subject, position)
+        if not follow and info.num_pending == 0:
+            with contextlib.suppress(Exception):
+                await store.js.delete_consumer(store.stream, info.name)
+            return
+        puller = _Puller(store, info.name, batch_size)
+        try:
+            await puller.start()
+            while True:
+                try:
+                    msgs = await puller.take()
+                except _ConsumerGone as exc:
+                    log.warning(
+                        "the log reader's consumer is gone; reading on from where it was",
+                        subject=subject,
+                        after=position,
+                        reason=str(exc),
+                    )
+                    break
+                batch: list[RecordedEvent | Quarantined] = []
+                done = False
+                for msg in msgs:
+                    seq, pending = _position(msg.reply)
+                    if until is not None and seq > until:
+                        done = True
+                        break
+                    batch.append(await _decode(store, msg.subject, msg.data, seq, decode))
+                    position = seq
+                    # Nothing was left after this one when it was sent: caught up.
+                    if (until is not None and seq >= until) or (not follow and pending == 0):
+                        done = True
+                        break
+                if batch:
+                    yield batch
+                if done:
+                    return
+        finally:
+            await puller.close()
+            with contextlib.suppress(Exception):
+                await store.js.delete_consumer(store.stream, info.name)
+
+
+async def _consumer(store: EventStore, subject: str, after: int) -> Any:
     config = ConsumerConfig(
         deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
         opt_start_seq=after + 1,
@@ -160,38 +233,9 @@ async def read_log(
         num_replicas=1,
     )
     try:
-        info = await store.js.add_consumer(store.stream, config)
+        return await store.js.add_consumer(store.stream, config)
     except APIError as exc:
         raise StoreError(f"cannot read {subject} from {store.stream}: {exc.description} ({exc.err_code})") from exc
-    if not follow and info.num_pending == 0:
-        with contextlib.suppress(Exception):
-            await store.js.delete_consumer(store.stream, info.name)
-        return
-    puller = _Puller(store, info.name, batch_size)
-    try:
-        await puller.start()
-        while True:
-            msgs = await puller.take()
-            batch: list[RecordedEvent | Quarantined] = []
-            done = False
-            for msg in msgs:
-                seq, pending = _position(msg.reply)
-                if until is not None and seq > until:
-                    done = True
-                    break
-                batch.append(await _decode(store, msg.subject, msg.data, seq, decode))
-                # Nothing was left after this one when it was sent: caught up.
-                if (until is not None and seq >= until) or (not follow and pending == 0):
-                    done = True
-                    break
-            if batch:
-                yield batch
-            if done:
-                return
-    finally:
-        await puller.close()
-        with contextlib.suppress(Exception):
-            await store.js.delete_consumer(store.stream, info.name)
 
 
 async def _decode(

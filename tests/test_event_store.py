@@ -111,3 +111,48 @@ async def test_a_poison_message_is_quarantined_and_reading_goes_on(store: EventS
     [i async for b in store.subscribe(subject, follow=False) for i in b]
     info = await store.js.stream_info(S.STREAM_QUARANTINE)
     assert info.state.messages == 1
+
+
+# -- following with a deadline (events/follow.py) ------------------------------------------------
+
+
+async def test_a_follower_hears_each_subject_from_its_position_and_new_events_as_they_are_written(
+    store: EventStore,
+) -> None:
+    from llmgw.events.follow import LogFollower
+
+    a, b = event_subject("tenancy", "fa"), event_subject("tenancy", "fb")
+    first = await store.append(a, [org(1)])
+    await store.append(b, [org(2)])
+    async with LogFollower(store, {a: first.last_seq, b: 0}) as follower:
+        got = await follower.next(10)
+        assert got is not None and got.payload.org_id == "o2", "a's event at its position is not repeated"
+        assert await follower.next(0.05) is None, "nothing more was written: the wait ends empty-handed"
+        await store.append(a, [org(3)])
+        later = await follower.next(10)
+        assert later is not None and later.payload.org_id == "o3" and later.subject == a
+
+
+async def test_a_follower_whose_consumer_vanishes_reads_on_from_where_it_was(
+    store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted nats-server keeps no reader consumers (they live in memory), and an operator
+    may delete one: the server then never answers the reader, which must notice and read on."""
+    from llmgw.events import reader
+    from llmgw.events.follow import LogFollower
+    from tests.support import wait_until
+
+    monkeypatch.setattr(reader, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(reader, "SILENCE_S", 0.6)
+    subject = event_subject("tenancy", "fc")
+    await store.append(subject, [org(1)])
+    async with LogFollower(store, {subject: 0}) as follower:
+        first = await follower.next(10)
+        assert first is not None and first.payload.org_id == "o1"
+        consumers = await wait_until(lambda: store.js.consumers_info(store.stream), what="the follower's consumer")
+        for c in consumers:
+            await store.js.delete_consumer(store.stream, c.name)
+        await store.append(subject, [org(2)])
+        second = await follower.next(30)
+        assert second is not None and second.payload.org_id == "o2", "the event after the loss arrives"
+        assert await follower.next(0.3) is None, "and nothing is delivered twice"

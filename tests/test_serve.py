@@ -49,9 +49,7 @@ class Rig:
         self.mirror = MirrorService(store, MirrorConfig(dir=self.mirror_dir, hub=hub.url, retry_backoff_s=0.01))
         # No test here waits for the unplaceable limit; a long one keeps a slow machine from failing
         # a job that is only waiting for its agent to start.
-        self.config = JobsConfig(
-            hub=hub.url, source="local", mirror_dir=self.mirror_dir, poll_s=0.05, unplaceable_s=600.0
-        )
+        self.config = JobsConfig(hub=hub.url, source="local", mirror_dir=self.mirror_dir, unplaceable_s=600.0)
         self.jobs: JobsService | None = None
         self.tasks: list[asyncio.Task] = []
         self.client = CommandClient(store)

@@ -39,6 +39,7 @@ from llmgw.events.commands import (
     CommandRejectedError,
 )
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.follow import LogFollower
 from llmgw.events.ids import new_id
 from llmgw.events.secrets import engine_key, engine_key_secret, mirror_token
 from llmgw.events.store import AppendConflict, EventStore, NewEvent
@@ -63,7 +64,6 @@ class JobsConfig(msgspec.Struct, frozen=True, kw_only=True):
     unplaceable_s: float = 60.0  # a model unplaceable (or not ready after being blocked) this long fails the job
     wait_ready_s: float = 3600.0  # the most a replica may take to become ready
     fetch_s: float = 24 * 3600.0  # the most a fetch may take
-    poll_s: float = 0.2  # how often the log is read while waiting (0.5 s cost serve ~0.75 s; see benchmarks)
     smoke_tokens: int = 16
     smoke_timeout_s: float = 120.0
 
@@ -242,23 +242,27 @@ class JobsService:
         version = out.result["version"]
         subject = event_subject(MI.AGGREGATE, model)
         deadline = time.monotonic() + self.config.fetch_s
-        after = 0
+        # The version's latest start or end so far (a fetch done before an interruption, or already
+        # held, has ended), then what follows: one read and one follower, never a poll.
         status: msgspec.Struct | None = None
-        while time.monotonic() < deadline:
-            for e in await self.store.read(subject, after=after):
-                after = e.seq
-                p = e.payload
-                if isinstance(p, MI.FetchStarted | MI.FetchCompleted | MI.FetchFailed) and p.version == version:
-                    status = p
-            if isinstance(status, MI.FetchCompleted):
-                return StepResult(
-                    message=f"{model}/{version}: {status.files} file(s), {rules._size(status.bytes)} verified",
-                    data={"version": version},
-                )
-            if isinstance(status, MI.FetchFailed):
-                raise StepFailed(f"the mirror could not fetch {req.repo}: {status.reason}")
-            await asyncio.sleep(self.config.poll_s)
-        raise StepFailed(f"the mirror did not finish fetching {model}/{version} within {self.config.fetch_s:.0f}s")
+        after = 0
+        for e in await self.store.read(subject):
+            after, status = e.seq, _fetch_status(e, version) or status
+        async with LogFollower(self.store, {subject: after}) as events:
+            while True:
+                if isinstance(status, MI.FetchCompleted):
+                    return StepResult(
+                        message=f"{model}/{version}: {status.files} file(s), {rules._size(status.bytes)} verified",
+                        data={"version": version},
+                    )
+                if isinstance(status, MI.FetchFailed):
+                    raise StepFailed(f"the mirror could not fetch {req.repo}: {status.reason}")
+                e = await events.next(deadline - time.monotonic())
+                if e is None:
+                    raise StepFailed(
+                        f"the mirror did not finish fetching {model}/{version} within {self.config.fetch_s:.0f}s"
+                    )
+                status = _fetch_status(e, version) or status
 
     async def _header(self, d: dict[str, Any]) -> GGUFHeader:
         name = d["first"].rsplit("/", 1)[-1]
@@ -309,26 +313,34 @@ class JobsService:
     async def _wait_ready(self, req: J.JobStarted, d: dict[str, Any]) -> StepResult:
         if req.on_demand:
             return StepResult(message="on demand: a replica starts with the first request", data={})
-        model, after_model, after_rep = d["model"], d["added_seq"] - 1, d["added_seq"] - 1
+        model, after = d["model"], d["added_seq"] - 1
         w = rules.Watch()
         start = time.monotonic()
-        while time.monotonic() - start < self.config.wait_ready_s:
-            for e in await self.store.read(event_subject(M.AGGREGATE, model), after=after_model):
-                after_model = e.seq
-                _watch_model(w, e)
-            for e in await self.store.read(f"{EVENTS_ROOT}.{R.AGGREGATE}.>", after=after_rep):
-                after_rep = e.seq
-                _watch_replica(w, model, e)
-            v = rules.verdict(w, time.monotonic(), self.config.unplaceable_s)
-            if v is not None:
-                kind, what = v
-                if kind == "failed":
-                    raise StepFailed(what)
-                return StepResult(
-                    message=f"replica {what} is ready at {w.ready[what]}", data={"replica": what, "url": w.ready[what]}
-                )
-            await asyncio.sleep(self.config.poll_s)
-        raise StepFailed(f"no replica of {model} was ready within {self.config.wait_ready_s:.0f}s")
+        subjects = {event_subject(M.AGGREGATE, model): after, f"{EVENTS_ROOT}.{R.AGGREGATE}.>": after}
+        async with LogFollower(self.store, subjects) as events:
+            while True:
+                now = time.monotonic()
+                v = rules.verdict(w, now, self.config.unplaceable_s)
+                if v is not None:
+                    kind, what = v
+                    if kind == "failed":
+                        raise StepFailed(what)
+                    return StepResult(
+                        message=f"replica {what} is ready at {w.ready[what]}",
+                        data={"replica": what, "url": w.ready[what]},
+                    )
+                if now - start >= self.config.wait_ready_s:
+                    raise StepFailed(f"no replica of {model} was ready within {self.config.wait_ready_s:.0f}s")
+                # Wake for the next event, or when being blocked would become too long, or at the end.
+                wake = start + self.config.wait_ready_s
+                if w.blocked_since is not None:
+                    wake = min(wake, w.blocked_since + self.config.unplaceable_s)
+                e = await events.next(wake - now)
+                if e is not None:
+                    if e.subject.startswith(f"{EVENTS_ROOT}.{R.AGGREGATE}."):
+                        _watch_replica(w, model, e)
+                    else:
+                        _watch_model(w, e)
 
     async def _smoke(self, req: J.JobStarted, d: dict[str, Any]) -> StepResult:
         if req.on_demand:
@@ -369,6 +381,14 @@ _STARTING = {
     "wait_ready": "waiting for a ready replica",
     "smoke": "sending one short chat request to the replica",
 }
+
+
+def _fetch_status(e: RecordedEvent, version: str) -> msgspec.Struct | None:
+    """The event when it starts or ends a fetch of ``version``."""
+    p = e.payload
+    if isinstance(p, MI.FetchStarted | MI.FetchCompleted | MI.FetchFailed) and p.version == version:
+        return p
+    return None
 
 
 def _watch_model(w: rules.Watch, e: RecordedEvent) -> None:
