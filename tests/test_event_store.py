@@ -6,11 +6,15 @@ import asyncio
 
 import pytest
 
+from llmgw.events import reader
 from llmgw.events import subjects as S
+from llmgw.events.catalog import default_registry
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.follow import LogFollower
 from llmgw.events.store import AppendConflict, EventStore, NewEvent, Quarantined
 from llmgw.events.subjects import event_subject
 from llmgw.events.tenancy import OrgCreated, OrgRenamed
+from tests.support import NatsServer, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -119,7 +123,6 @@ async def test_a_poison_message_is_quarantined_and_reading_goes_on(store: EventS
 async def test_a_follower_hears_each_subject_from_its_position_and_new_events_as_they_are_written(
     store: EventStore,
 ) -> None:
-    from llmgw.events.follow import LogFollower
 
     a, b = event_subject("tenancy", "fa"), event_subject("tenancy", "fb")
     first = await store.append(a, [org(1)])
@@ -138,9 +141,6 @@ async def test_a_follower_whose_consumer_vanishes_reads_on_from_where_it_was(
 ) -> None:
     """A restarted nats-server keeps no reader consumers (they live in memory), and an operator
     may delete one: the server then never answers the reader, which must notice and read on."""
-    from llmgw.events import reader
-    from llmgw.events.follow import LogFollower
-    from tests.support import wait_until
 
     monkeypatch.setattr(reader, "HEARTBEAT_S", 0.2)
     monkeypatch.setattr(reader, "SILENCE_S", 0.6)
@@ -156,3 +156,38 @@ async def test_a_follower_whose_consumer_vanishes_reads_on_from_where_it_was(
         second = await follower.next(30)
         assert second is not None and second.payload.org_id == "o2", "the event after the loss arrives"
         assert await follower.next(0.3) is None, "and nothing is delivered twice"
+
+
+async def test_a_follower_reads_on_after_the_nats_server_restarts(
+    nats: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+
+    monkeypatch.setattr(reader, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(reader, "SILENCE_S", 0.6)
+    store = await EventStore.connect(nats.url, default_registry())
+    try:
+        await store.ensure_streams()
+        subject = event_subject("tenancy", "fr")
+        await store.append(subject, [org(1)])
+        async with LogFollower(store, {subject: 0}) as follower:
+            assert (await follower.next(10)) is not None
+            nats.stop()  # its reader consumers lived in memory: the restarted server has none
+            nats.start()
+            await wait_until(lambda: store.nc.is_connected, deadline_s=30, what="the client to reconnect")
+            event = org(2)  # one event, tried until an append goes through: stored once however many tries
+            await wait_until(
+                lambda: _appended(store, subject, event), deadline_s=30, what="an append after the restart"
+            )
+            second = await follower.next(30)
+            assert second is not None and second.payload.org_id == "o2", "the event written after the restart arrives"
+            assert await follower.next(0.3) is None
+    finally:
+        await store.close()
+
+
+async def _appended(store: EventStore, subject: str, event: NewEvent) -> bool:
+    try:
+        await store.append(subject, [event])
+    except Exception:
+        return False
+    return True
