@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -187,3 +188,41 @@ async def test_the_weights_cache_fails_over_to_a_mirror_that_answers(tmp_path: P
     finally:
         for r in runners:
             await r.cleanup()
+
+
+async def test_a_node_whose_disk_fills_gets_a_clear_reason_and_keeps_no_partial_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmgw.agent.weights import cache as cache_module
+
+    data = blob(3 * 1024 * 1024, seed=9)  # several MiB: the disk fills after the first
+    sha = hashlib.sha256(data).hexdigest()
+
+    async def one(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=data, headers={"X-Llmgw-Sha256": sha})
+
+    app = web.Application()
+    app.router.add_route("*", "/files/{tail:.*}", one)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    written: list[int] = []
+    real_write = cache_module._write_and_hash
+
+    def write_until_full(f: object, chunk: bytes, h: object) -> int:
+        if written:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(len(chunk))
+        return real_write(f, chunk, h)
+
+    monkeypatch.setattr(cache_module, "_write_and_hash", write_until_full)
+    try:
+        cache = WeightsCache(tmp_path / "w", f"http://127.0.0.1:{port}", lambda: "t")
+        with pytest.raises(WeightsError) as err:
+            await cache.ensure("tiny/v1/big.gguf")
+        assert "disk is full" in str(err.value) and "ctl weights --collect" in str(err.value)
+        assert written, "the first MiB was written before the disk filled"
+        assert [p.name for p in (tmp_path / "w").rglob("*") if p.is_file()] == [], "no partial file is kept"
+    finally:
+        await runner.cleanup()

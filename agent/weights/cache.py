@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -205,7 +207,19 @@ class WeightsCache:
                 f"the cached copy of mirror:{ref} has sha256 {got}, and the mirror verified {expected}: "
                 "it was deleted and not used; the next start fetches it again"
             )
-        await self._download(http, url, ref, expected)
+        try:
+            await self._download(http, url, ref, expected)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            # A partial file on a full disk only keeps it full: give the space back.
+            path.with_name(path.name + PARTIAL).unlink(missing_ok=True)
+            free = shutil.disk_usage(self.root).free
+            raise WeightsError(
+                f"this node's disk is full: mirror:{ref} does not fit in its weights cache {self.root} "
+                f"({free} bytes free); the partial file was deleted. Free space, or remove weights no "
+                "model uses with `llmgw ctl weights --collect`"
+            ) from exc
         return path
 
     async def _expected(self, http: aiohttp.ClientSession, url: str, ref: str) -> str:
