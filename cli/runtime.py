@@ -176,9 +176,9 @@ async def serve(
         if "accountant" in config.services:
             accountant = AccountantService(backend, retention_days=config.usage_retention_days)
             handles["accountant"] = background("accountant", accountant)
-        if "api" in config.services:
-            api = AdminApi(store, backend, runner, registry)
-            sites.append(await _site(api.app(), config.host, config.admin_port))
+        # Every process serves health and metrics on its admin port; the API itself runs with "api".
+        api = AdminApi(store, backend, runner, registry)
+        sites.append(await _site(api.app(full="api" in config.services), config.host, config.admin_port))
         if "router" in config.services:
             router = Router(store, config.router, registry=registry)
             await router.start()

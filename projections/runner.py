@@ -234,7 +234,10 @@ class ProjectionRunner:
         raise ProjectionFailed(name, slot.error or ProjectionError(f"projection {name} failed"))
 
     async def refresh_lag(self) -> None:
-        """Ask the log for each subject's last sequence and update the lag gauges."""
+        """Ask the log for each subject's last sequence and update the lag gauges (while running:
+        a process that runs no projections reports no lag)."""
+        if not self._started:
+            return
         for slot in self._slots.values():
             try:
                 slot.head = max(slot.head, await slot.store.last_seq(slot.projection.subject))

@@ -264,6 +264,16 @@ async def test_two_routers_share_one_limit(store: EventStore, nats: NatsServer, 
                     lambda n=admitted: all(_used(f, scope) == n for f in (f1, f2)), what="both routers to agree"
                 )
         assert statuses.count(200) == 6 and statuses.count(429) == 4
+        # The router-only process is scraped like any other: its own counts on its admin port,
+        # and no admin API there (that runs with the `api` service).
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{f2.admin_port}/metrics") as r:
+                text = await r.text()
+            assert r.status == 200
+            assert 'llmgw_gateway_requests_total{model="tiny",status="200"} 3.0' in text
+            assert 'llmgw_gateway_requests_total{model="tiny",status="429"} 2.0' in text
+            async with s.get(f"http://127.0.0.1:{f2.admin_port}/api/v1/models") as r:
+                assert r.status == 404
     finally:
         await f2.stop()
         await f1.stop()

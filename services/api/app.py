@@ -150,10 +150,14 @@ class AdminApi:
         self.runner = runner
         self.registry = registry
 
-    def app(self) -> web.Application:
+    def app(self, *, full: bool = True) -> web.Application:
+        """The admin API; with ``full=False`` only ``/healthz`` and ``/metrics``, which every process
+        serves on its admin port (a router-only or mirror-only process is scraped like the others)."""
         app = web.Application(middlewares=[self._errors])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics)
+        if not full:
+            return app
         app.router.add_get("/api/v1/tree", self.tree)
         app.router.add_get("/api/v1/events/{id}", self.event)
         app.router.add_get("/api/v1/nodes", self.nodes)
