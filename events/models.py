@@ -148,6 +148,42 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     parked: str | None = None
 
 
+class ModelStatusView:
+    """Read-through properties for a struct that holds a ``status: ModelStatus`` and adds its own
+    fields around it (the scheduler's, the routers' and the catalog service's model records)."""
+
+    __slots__ = ()
+    status: ModelStatus
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.status.spec
+
+    @property
+    def declared(self) -> bool:
+        return self.status.declared
+
+    @property
+    def min(self) -> int:
+        return self.status.min
+
+    @property
+    def max(self) -> int:
+        return self.status.max
+
+    @property
+    def stopped(self) -> bool:
+        return self.status.stopped
+
+    @property
+    def saved(self) -> tuple[int, int] | None:
+        return self.status.saved
+
+    @property
+    def parked(self) -> str | None:
+        return self.status.parked
+
+
 MODEL_EVENTS = (
     ModelAdded,
     ModelChanged,

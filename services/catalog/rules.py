@@ -18,39 +18,11 @@ from llmgw.events.envelope import RecordedEvent
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
-class CatalogEntry(msgspec.Struct, kw_only=True):
+class CatalogEntry(msgspec.Struct, M.ModelStatusView, kw_only=True):
     """The shared fold of a model (``M.fold_model``) and the sequence its next append expects."""
 
     status: M.ModelStatus
     seq: int = 0  # last sequence on the model's subject (any event there, e.g. scheduler.unplaceable)
-
-    @property
-    def spec(self) -> M.ModelSpec:
-        return self.status.spec
-
-    @property
-    def declared(self) -> bool:
-        return self.status.declared
-
-    @property
-    def min(self) -> int:
-        return self.status.min
-
-    @property
-    def max(self) -> int:
-        return self.status.max
-
-    @property
-    def stopped(self) -> bool:
-        return self.status.stopped
-
-    @property
-    def saved(self) -> tuple[int, int] | None:
-        return self.status.saved
-
-    @property
-    def parked(self) -> str | None:
-        return self.status.parked
 
 
 class Catalog:

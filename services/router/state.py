@@ -33,32 +33,12 @@ class KeyInfo(msgspec.Struct, kw_only=True):
     expires_at: float | None = None  # epoch seconds
 
 
-class ModelInfo(msgspec.Struct, kw_only=True):
+class ModelInfo(msgspec.Struct, M.ModelStatusView, kw_only=True):
     """The catalog's view of a model (the shared fold) plus what only the router tracks."""
 
     name: str
     status: M.ModelStatus
     unplaceable: str | None = None
-
-    @property
-    def spec(self) -> M.ModelSpec:
-        return self.status.spec
-
-    @property
-    def min(self) -> int:
-        return self.status.min
-
-    @property
-    def max(self) -> int:
-        return self.status.max
-
-    @property
-    def stopped(self) -> bool:
-        return self.status.stopped
-
-    @property
-    def parked(self) -> str | None:
-        return self.status.parked
 
     @property
     def on_demand(self) -> bool:

@@ -47,7 +47,7 @@ class NodeState(msgspec.Struct, kw_only=True):
     heartbeat: N.NodeHeartbeat | None = None
 
 
-class ModelState(msgspec.Struct, kw_only=True):
+class ModelState(msgspec.Struct, M.ModelStatusView, kw_only=True):
     """The catalog's view of a model (the shared fold, ``M.fold_model``) plus the scheduler's own."""
 
     name: str
@@ -56,30 +56,6 @@ class ModelState(msgspec.Struct, kw_only=True):
     last_error: str = ""
     last_failure_at: float | None = None  # event time, seconds since the epoch
     spec_hash: str = ""
-
-    @property
-    def spec(self) -> M.ModelSpec:
-        return self.status.spec
-
-    @property
-    def declared(self) -> bool:
-        return self.status.declared
-
-    @property
-    def min(self) -> int:
-        return self.status.min
-
-    @property
-    def max(self) -> int:
-        return self.status.max
-
-    @property
-    def stopped(self) -> bool:
-        return self.status.stopped
-
-    @property
-    def parked(self) -> str | None:
-        return self.status.parked
 
 
 class ReplicaState(msgspec.Struct, kw_only=True):
