@@ -246,6 +246,14 @@ def up(
     "primary verified, takes no commands.",
 )
 @click.option("--mirror-peer-name", default="peer", show_default=True, help="The peer's name in its own events.")
+@click.option(
+    "--mirror-url",
+    "mirror_urls",
+    multiple=True,
+    help="The mirror file server(s) the jobs service reads GGUF headers from (repeated, or comma-separated): "
+    "tried in order, the next when one does not answer (default: this server's own mirror). Give the primary "
+    "and its peers.",
+)
 @click.option("--log-level", default="info", show_default=True)
 @_mirror_options
 def server(
@@ -260,6 +268,7 @@ def server(
     mirror_dir: str | None,
     mirror_peer_of: str | None,
     mirror_peer_name: str,
+    mirror_urls: tuple[str, ...],
     log_level: str,
     mirror_port: int | None,
     mirror_max_gb: float | None,
@@ -281,6 +290,7 @@ def server(
         mirror_max_bytes=int(mirror_max_gb * 1e9) if mirror_max_gb else None,
         mirror_peer_of=mirror_peer_of,
         mirror_peer_name=mirror_peer_name,
+        mirror_urls=",".join(mirror_urls) or None,
         hub_endpoint=hf_endpoint,
         hub_token=_hub_token(),
     )

@@ -81,6 +81,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     mirror_max_bytes: int | None = None  # the most the mirror directory may hold
     mirror_peer_of: str | None = None  # run the mirror as a peer of this primary file server (MIR-4)
     mirror_peer_name: str = "peer"
+    # the mirror file server(s) the jobs service reads GGUF headers from, comma-separated, the first
+    # that answers; None: this server's own mirror
+    mirror_urls: str | None = None
     hub_endpoint: str = DEFAULT_HUB  # the Hugging Face–compatible hub (HF_ENDPOINT)
     hub_token: str | None = None  # a hub token (HF_TOKEN), for gated or private repositories
     # jobs (`ctl model serve`): "mirror" gives agents mirror:MODEL/VERSION/FILE; "local" the mirror's own path
@@ -212,7 +215,7 @@ async def serve(
                     source=config.jobs_source,
                     # headers are read from the mirror's directory when it runs here, else over HTTP
                     mirror_dir=config.mirror_dir if "mirror" in config.services else None,
-                    mirror_url=f"http://{config.host}:{config.mirror_port}",
+                    mirror_url=config.mirror_urls or f"http://{config.host}:{config.mirror_port}",
                 ),
             )
             jobs_services.append(jobs)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
+from llmgw.cli.runtime import ServerConfig, serve
 from llmgw.events.store import EventStore
 from llmgw.services.jobs.rules import StepFailed
 from llmgw.services.jobs.service import JobsConfig, JobsService
 from tests.gguf_tiny import write_tiny_gguf
-from tests.support import free_port
+from tests.support import NatsServer, free_port
 
 
 async def _files(root: Path) -> tuple[web.AppRunner, int]:
@@ -37,4 +39,31 @@ async def test_a_header_is_read_from_the_first_mirror_that_answers(store: EventS
             await alone._header({"first": "tiny.gguf", "model": "tiny", "version": "v1"})
         assert "no mirror answered" in caught.value.message and down in caught.value.message
     finally:
+        await runner.cleanup()
+
+
+async def test_a_server_running_jobs_without_a_mirror_reads_from_the_mirrors_it_is_given(
+    nats: NatsServer, tmp_path: Path
+) -> None:
+    """`llmgw server --services jobs --mirror-url A --mirror-url B`: the mirror runs elsewhere."""
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    runner, port = await _files(tmp_path)
+    down = f"http://127.0.0.1:{free_port()}"
+    config = ServerConfig(
+        nats_url=nats.url,
+        db_dsn=f"sqlite:///{tmp_path / 'projections.db'}",
+        services=("jobs",),
+        port=free_port(),
+        admin_port=free_port(),
+        mirror_urls=f"{down},http://127.0.0.1:{port}",
+    )
+    stop, ready, handles = asyncio.Event(), asyncio.Event(), {}
+    task = asyncio.create_task(serve(config, stop, on_ready=ready.set, handles=handles))
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        header = await handles["jobs"]._header({"first": "tiny.gguf", "model": "tiny", "version": "v1"})
+        assert header.architecture == "llama"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
         await runner.cleanup()
