@@ -24,6 +24,7 @@ from llmgw.agent.engines.health import EngineStartError
 from llmgw.agent.plan import Desired, ReportFailed, ReportStopped, Start, StopEngine, plan
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig, tail
 from llmgw.agent.weights.cache import WeightsCache, WeightsError
+from llmgw.agent.weights.local import MAX_FILES, ModelDirs
 from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events import replicas as R
@@ -84,6 +85,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     advertise_host: str = "127.0.0.1"
     llama_server_binary: str | None = None
     mirror_url: str | None = None  # the mirror's file server, for `mirror:` sources (FLEET-8)
+    model_dirs: tuple[Path, ...] = ()  # where this node keeps weights outside its cache (FLEET-8)
 
 
 class LogRing:
@@ -130,6 +132,7 @@ class Agent:
         self._cpu_seen: dict[str, tuple[float, float]] = {}
         self.weights = WeightsCache(cfg.data_dir / "weights", cfg.mirror_url, lambda: mirror_token(self._secret))
         self.weights_in_use: dict[str, str] = {}  # replica id -> the mirror file its engine runs
+        self.model_dirs = ModelDirs(cfg.model_dirs)
 
     def key(self, rid: str) -> str:
         return engine_key(self._secret, rid)
@@ -372,11 +375,15 @@ class Agent:
             engines=discovery.engines(has_gpus=bool(gpus)),
             replicas=reports,
             sensors=self.sensors.read(),
-            weights=self.weights.held(),
+            weights=self.weights.held() + self.model_dirs.held(),
         )
 
     async def heartbeat(self) -> None:
         subject = f"{S.TELEMETRY_ROOT}.node.{encode_token(self.cfg.node_id)}"
+        if self.model_dirs.due():
+            found = await asyncio.to_thread(self.model_dirs.rescan)
+            if len(found) >= MAX_FILES:
+                log.warning("model directories hold more weight files than are reported", reported=len(found))
         await self.store.js.publish(subject, msgspec.json.encode(self.heartbeat_payload()))
 
     async def _heartbeats(self) -> None:

@@ -55,6 +55,7 @@ def load_agent_config(path: str | None) -> dict[str, Any]:
         "startup_timeout_s",
         "llama_server",
         "mirror",
+        "model_dirs",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -64,6 +65,9 @@ def load_agent_config(path: str | None) -> dict[str, Any]:
     labels = data.get("labels", {})
     if not isinstance(labels, dict) or not all(isinstance(v, str | int | float | bool) for v in labels.values()):
         raise click.BadParameter(f"agent config {path}: labels must map names to plain values, got {labels!r}")
+    dirs = data.get("model_dirs", [])
+    if not isinstance(dirs, list) or not all(isinstance(d, str) and d for d in dirs):
+        raise click.BadParameter(f"agent config {path}: model_dirs must be a list of directories, got {dirs!r}")
     threads = (data.get("llamacpp") or {}).get("threads")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise click.BadParameter(f"agent config {path}: llamacpp.threads must be a positive integer, got {threads!r}")
@@ -87,6 +91,13 @@ def load_agent_config(path: str | None) -> dict[str, Any]:
     help="The mirror's file server URL, for models whose source is mirror:MODEL/VERSION/FILE. Several "
     "(repeated, or comma-separated): tried in order, the next when one does not answer or lacks the file.",
 )
+@click.option(
+    "--model-dir",
+    "model_dirs",
+    multiple=True,
+    help="A directory this node keeps weights in (repeatable; a shared mount, a disk, a hand copy): the weight "
+    "files under it are reported, and placement prefers this node for models whose source is one of them.",
+)
 @click.option("--log-level", default="info", show_default=True)
 def agent(
     nats_url: str,
@@ -98,6 +109,7 @@ def agent(
     threads: int | None,
     heartbeat_s: float | None,
     mirror_urls: tuple[str, ...],
+    model_dirs: tuple[str, ...],
     log_level: str,
 ) -> None:
     """Run the node agent: report this machine, run the engines placed on it."""
@@ -123,6 +135,7 @@ def agent(
         startup_timeout_s=float(conf.get("startup_timeout_s", 120.0)),
         llama_server_binary=conf.get("llama_server"),
         mirror_url=",".join(mirror_list(list(mirror_urls) or conf.get("mirror"))) or None,
+        model_dirs=tuple(Path(d).expanduser() for d in (model_dirs or conf.get("model_dirs") or ())),
     )
     ddir.mkdir(parents=True, exist_ok=True)
 

@@ -62,6 +62,8 @@ class NodeHeartbeat(msgspec.Struct, frozen=True, kw_only=True):
     engines: list[str] = []
     replicas: list[ReplicaReport] = []
     sensors: dict[str, float] = {}
+    # MODEL/VERSION/FILE of each whole file in the weights cache, and the absolute path of each
+    # weight file under the node's model directories (FLEET-8)
     weights: list[str] = []
 
 

@@ -718,3 +718,14 @@ def test_a_node_holding_a_mirror_source_s_file_holds_the_model_whatever_its_cata
     assert cands["n1"].has_weights and not cands["n0"].has_weights
     [place] = [d for d in w.run() if isinstance(d, Place)]
     assert place.node_id == "n1"
+
+
+def test_a_node_whose_model_directory_holds_a_local_source_is_preferred() -> None:
+    held = ["/mnt/models/llama/llama-Q4_K_M.gguf", "/mnt/models/other.gguf"]
+    w = World().add(shaped("n0", CPU_16C_64G), shaped("n1", CPU_16C_64G, weights=held))
+    source = "/mnt/models/./llama/llama-Q4_K_M.gguf"  # as an operator may write it
+    w.add(on_model("chat", M.ModelAdded(spec=msgspec.structs.replace(spec("chat"), source=source))))
+    cands = candidates(w.state, "chat")
+    assert cands["n1"].has_weights and not cands["n0"].has_weights
+    [place] = [d for d in w.run() if isinstance(d, Place)]
+    assert place.node_id == "n1"

@@ -13,6 +13,7 @@ shell appends them as events. Order of work in a pass, and why:
 
 from __future__ import annotations
 
+import os
 from datetime import datetime
 
 import msgspec
@@ -192,6 +193,9 @@ def _for_model(
             ref = None
         if ref:
             holders |= weights.get(ref, set())
+        elif m.spec.source.startswith("/"):
+            # A local source: nodes report the weight files under their model directories by path.
+            holders |= weights.get(os.path.normpath(m.spec.source), set())
     for node_id in holders:
         if node_id in out:
             out[node_id] = msgspec.structs.replace(out[node_id], has_weights=True)
