@@ -173,7 +173,8 @@ async def serve(
         if "fleet" in config.services:
             background("fleet-commands", FleetService(store).processor())
         if "scheduler" in config.services:
-            handles["scheduler"] = background("scheduler", SchedulerService(store, config=config.scheduler))
+            scheduler = SchedulerService(store, config=config.scheduler, registry=registry)
+            handles["scheduler"] = background("scheduler", scheduler)
         if config.bootstrap_dir is not None:
             await _bootstrap_access(store, Path(config.bootstrap_dir), config.services)
         if "accountant" in config.services:

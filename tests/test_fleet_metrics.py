@@ -1,0 +1,150 @@
+"""The fleet as Prometheus series (SPEC OBS-1) and the alerts over them (OBS-2)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmgw.events import models as M
+from llmgw.events import nodes as N
+from llmgw.events.metrics import StoreMetrics
+from llmgw.events.store import EventStore
+from llmgw.projections.metrics import ProjectionMetrics
+from llmgw.services.router.metrics import RouterMetrics
+from llmgw.services.scheduler.metrics import SchedulerMetrics, fleet_figures
+from llmgw.services.scheduler.reconcile import Blocked
+from tests.fleet import Fleet
+from tests.gguf_tiny import write_tiny_gguf
+from tests.scheduler_world import CFG, CPU_16C_64G, T0, World, model, on_model, on_node, placed, ready, shaped
+from tests.support import NatsServer, wait_until
+
+ALERTS = Path(__file__).resolve().parent.parent / "ops" / "prometheus" / "alerts.yml"
+
+
+def test_each_model_s_figures_say_what_runs_what_should_and_what_is_wrong() -> None:
+    w = World().add(
+        shaped("n0", CPU_16C_64G),
+        shaped("n1", CPU_16C_64G),
+        model("chat", min=2),
+        model("idle", min=0),
+        model("off"),
+        model("broken"),
+        model("huge", mem=4096.0),
+        placed("chat-1", "chat", "n0"),
+        placed("chat-2", "chat", "n1"),
+        ready("chat-1"),
+        on_model("off", M.ModelStopped(saved_min=1, saved_max=1)),
+        on_model("broken", M.ModelParked(reason="engine exited with 1, 5 times", failures=5)),
+        on_node("n1", N.NodeLost(node_id="n1", last_seen=World().when(), silent_s=31.0)),
+    )
+    blocked = [d.model for d in w.run() if isinstance(d, Blocked)]
+    assert "huge" in blocked
+    figures = fleet_figures(w.state, T0 + w.t, CFG, blocked)
+    by_model = {f.model: f for f in figures.models}
+    assert (by_model["chat"].ready, by_model["chat"].desired) == (1, 2)
+    assert by_model["idle"].desired == 0, "on demand and never asked for: nothing should run"
+    assert by_model["off"].desired == 0, "stopped by an administrator"
+    assert by_model["broken"].parked and by_model["broken"].desired == 1 and by_model["broken"].ready == 0
+    assert by_model["huge"].unplaceable and not by_model["chat"].unplaceable
+    assert figures.nodes == {"ready": 1, "cordoned": 0, "lost": 1}
+
+
+def test_a_model_that_is_gone_leaves_no_series_and_a_standby_publishes_only_that_it_does_not_lead() -> None:
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics(registry, "sched-a")
+    w = World().add(shaped("n0", CPU_16C_64G), model("chat"), model("old"))
+    metrics.leading(True)
+    metrics.publish(fleet_figures(w.state, T0, CFG, []))
+    assert registry.get_sample_value("llmgw_model_replicas_desired", {"model": "old"}) == 1
+    assert registry.get_sample_value("llmgw_control_plane_leader", {"instance": "sched-a"}) == 1
+    w.add(on_model("old", M.ModelRemoved()))
+    metrics.publish(fleet_figures(w.state, T0, CFG, []))
+    assert registry.get_sample_value("llmgw_model_replicas_desired", {"model": "old"}) is None
+    assert registry.get_sample_value("llmgw_model_replicas_ready", {"model": "chat"}) == 0
+    metrics.leading(False)
+    assert registry.get_sample_value("llmgw_model_replicas_ready", {"model": "chat"}) is None
+    assert registry.get_sample_value("llmgw_nodes", {"state": "ready"}) is None
+    assert registry.get_sample_value("llmgw_control_plane_leader", {"instance": "sched-a"}) == 0
+
+
+def test_every_series_an_alert_reads_is_one_the_system_publishes() -> None:
+    registry = CollectorRegistry()
+    StoreMetrics(registry)
+    ProjectionMetrics(registry)
+    RouterMetrics(registry)
+    SchedulerMetrics(registry, "sched-a")
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    published = {f.name + end for f in registry.collect() for end in suffixes.get(f.type, ("",))}
+    rules = yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]
+    names = {r["alert"] for r in rules}
+    assert {"ModelHasNothingServing", "ModelParked", "ModelFailingToStart", "ModelCannotBePlaced"} <= names
+    assert {"ControlPlaneLeadership", "NodeLost", "ProjectionLagging"} <= names
+    for rule in rules:
+        used = set(re.findall(r"\bllmgw_[a-z_]+", rule["expr"]))
+        assert used, f"{rule['alert']} reads no llmgw series"
+        missing = used - published
+        assert not missing, f"alert {rule['alert']} reads {sorted(missing)}, which nothing publishes"
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+
+
+# -- scraped from a running control plane ----------------------------------------------------
+
+
+@pytest.fixture
+async def fleet(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
+    f = await Fleet(store, nats.url, tmp_path).start()
+    try:
+        yield f
+    finally:
+        await f.stop()
+
+
+async def scrape(fleet: Fleet) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{fleet.admin_port}/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_the_leading_scheduler_publishes_what_runs_what_should_and_what_cannot(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    fleet.agent("n1")
+    await fleet.add_model("tiny", tiny)
+    await fleet.add_model("huge", tiny, memory_gb=100_000.0)  # no node has that much memory
+    await fleet.wait_ready("tiny", 1)
+
+    def value(series: dict, name: str, **labels: str) -> float | None:
+        return series.get((name, tuple(sorted(labels.items()))))
+
+    async def published() -> dict | None:
+        series = await scrape(fleet)
+        wanted = (
+            value(series, "llmgw_model_replicas_ready", model="tiny") == 1
+            and value(series, "llmgw_model_unplaceable", model="huge") == 1
+            and value(series, "llmgw_nodes", state="ready") == 1
+        )
+        return series if wanted else None
+
+    series = await wait_until(published, deadline_s=30, what="the fleet's series on /metrics")
+    assert value(series, "llmgw_model_replicas_desired", model="tiny") == 1
+    assert value(series, "llmgw_model_unplaceable", model="tiny") == 0
+    assert value(series, "llmgw_model_replicas_ready", model="huge") == 0
+    assert value(series, "llmgw_model_replicas_desired", model="huge") == 1
+    assert value(series, "llmgw_model_parked", model="tiny") == 0
+    leaders = [v for (name, _), v in series.items() if name == "llmgw_control_plane_leader"]
+    assert leaders == [1.0]
