@@ -17,7 +17,7 @@ from llmgw.events import nodes as N
 from llmgw.events.metrics import StoreMetrics
 from llmgw.events.store import EventStore
 from llmgw.projections.metrics import ProjectionMetrics
-from llmgw.services.router.metrics import RouterMetrics
+from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, pool_loads
 from llmgw.services.scheduler.metrics import SchedulerMetrics, fleet_figures
 from llmgw.services.scheduler.reconcile import Blocked
 from tests.fleet import Fleet
@@ -79,13 +79,14 @@ def test_every_series_an_alert_reads_is_one_the_system_publishes() -> None:
     StoreMetrics(registry)
     ProjectionMetrics(registry)
     RouterMetrics(registry)
+    registry.register(PoolSaturation(lambda: [("chat", 0.5)]))
     SchedulerMetrics(registry, "sched-a")
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     published = {f.name + end for f in registry.collect() for end in suffixes.get(f.type, ("",))}
     rules = yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]
     names = {r["alert"] for r in rules}
     assert {"ModelHasNothingServing", "ModelParked", "ModelFailingToStart", "ModelCannotBePlaced"} <= names
-    assert {"ControlPlaneLeadership", "NodeLost", "ProjectionLagging"} <= names
+    assert {"ControlPlaneLeadership", "NodeLost", "ProjectionLagging", "PoolSaturated"} <= names
     for rule in rules:
         used = set(re.findall(r"\bllmgw_[a-z_]+", rule["expr"]))
         assert used, f"{rule['alert']} reads no llmgw series"
@@ -148,3 +149,14 @@ async def test_the_leading_scheduler_publishes_what_runs_what_should_and_what_ca
     assert value(series, "llmgw_model_parked", model="tiny") == 0
     leaders = [v for (name, _), v in series.items() if name == "llmgw_control_plane_leader"]
     assert leaders == [1.0]
+
+
+def test_pool_saturation_is_in_flight_over_the_slots_of_the_ready_replicas() -> None:
+    ready = {"chat": ["c1", "c2"], "code": ["k1"], "cold": []}
+    outstanding = {"c1": 4, "c2": 6, "k1": 1, "gone": 9}
+    assert pool_loads(ready, outstanding, slots=4) == [("chat", 1.25), ("code", 0.25)]
+    registry = CollectorRegistry()
+    registry.register(PoolSaturation(lambda: pool_loads(ready, outstanding, slots=4)))
+    assert registry.get_sample_value("llmgw_pool_saturation", {"model": "chat"}) == 1.25
+    outstanding["c1"] = 0  # computed when scraped: the next scrape sees the change
+    assert registry.get_sample_value("llmgw_pool_saturation", {"model": "chat"}) == 0.75

@@ -272,6 +272,7 @@ async def test_two_routers_share_one_limit(store: EventStore, nats: NatsServer, 
             assert r.status == 200
             assert 'llmgw_gateway_requests_total{model="tiny",status="200"} 3.0' in text
             assert 'llmgw_gateway_requests_total{model="tiny",status="429"} 2.0' in text
+            assert 'llmgw_pool_saturation{model="tiny"} 0.0' in text, "nothing in flight once all were answered"
             async with s.get(f"http://127.0.0.1:{f2.admin_port}/api/v1/models") as r:
                 assert r.status == 404
     finally:

@@ -36,7 +36,7 @@ from llmgw.events.store import EventStore
 from llmgw.events.usage import UsageRecord
 from llmgw.services.router.budgets import BudgetBook, BudgetExceeded, cost, max_cost
 from llmgw.services.router.limits import Level, Limiter
-from llmgw.services.router.metrics import RouterMetrics
+from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, pool_loads
 from llmgw.services.router.routing import Affinity, order, prefix_key
 from llmgw.services.router.state import KeyInfo, ModelInfo, ReplicaInfo, RouterState
 from llmgw.services.router.usage import UsagePublisher
@@ -136,6 +136,7 @@ class Router:
         self.limiter = Limiter()
         self.affinity = Affinity()
         self.metrics = RouterMetrics(registry)
+        self.metrics.registry.register(PoolSaturation(self._pool_loads))
         self.usage = UsagePublisher(store.js)
         self.budgets = BudgetBook(store.js)
         self.outstanding: dict[str, int] = {}
@@ -149,6 +150,10 @@ class Router:
         self._demand_sent: dict[str, float] = {}
         self._caught_up = asyncio.Event()
         self._rng = random.Random()
+
+    def _pool_loads(self) -> list[tuple[str, float]]:
+        ready = {m: [r.replica_id for r in self.state.ready(m)] for m in self.state.models}
+        return pool_loads(ready, self.outstanding, self.cfg.saturation)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

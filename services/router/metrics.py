@@ -8,9 +8,11 @@ anyway, so the caches hold nothing it would not; a child still appears on first 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -60,3 +62,37 @@ class RouterMetrics:
         self.tokens_of = Children(self.tokens)
         self.in_flight_of = Children(self.in_flight)
         self.retries_of = Children(self.retries)
+
+
+def pool_loads(
+    ready: Mapping[str, Iterable[str]], outstanding: Mapping[str, int], slots: int
+) -> list[tuple[str, float]]:
+    """(model, saturation) for each model with ready replicas: requests this router has in flight
+    to them over what they take at once (``slots`` each). Above 1, requests wait in the engines'
+    queues; summed over routers it is the pool's. Pure."""
+    out = []
+    for model, replicas in sorted(ready.items()):
+        ids = list(replicas)
+        if ids:
+            out.append((model, sum(outstanding.get(r, 0) for r in ids) / (len(ids) * max(slots, 1))))
+    return out
+
+
+class PoolSaturation:
+    """``llmgw_pool_saturation{model}``, computed when scraped: nothing on the request path."""
+
+    def __init__(self, loads: Callable[[], list[tuple[str, float]]]) -> None:
+        self.loads = loads
+
+    def describe(self) -> list[Any]:
+        return []  # the family is made at scrape time
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "llmgw_pool_saturation",
+            "Requests this router has in flight to a model's ready replicas over the slots they have",
+            labels=["model"],
+        )
+        for model, load in self.loads():
+            family.add_metric([model], load)
+        yield family
