@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
@@ -18,11 +19,11 @@ from llmgw.events.metrics import StoreMetrics
 from llmgw.events.store import EventStore
 from llmgw.projections.metrics import ProjectionMetrics
 from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, pool_loads
-from llmgw.services.scheduler.metrics import SchedulerMetrics, fleet_figures
+from llmgw.services.scheduler.metrics import NODE_SERIES, NodeCollector, SchedulerMetrics, fleet_figures, node_samples
 from llmgw.services.scheduler.reconcile import Blocked
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
-from tests.scheduler_world import CFG, CPU_16C_64G, T0, World, model, on_model, on_node, placed, ready, shaped
+from tests.scheduler_world import CFG, CPU_16C_64G, T0, World, model, node, on_model, on_node, placed, ready, shaped
 from tests.support import NatsServer, wait_until
 
 ALERTS = Path(__file__).resolve().parent.parent / "ops" / "prometheus" / "alerts.yml"
@@ -147,6 +148,7 @@ async def test_the_leading_scheduler_publishes_what_runs_what_should_and_what_ca
     assert value(series, "llmgw_model_replicas_ready", model="huge") == 0
     assert value(series, "llmgw_model_replicas_desired", model="huge") == 1
     assert value(series, "llmgw_model_parked", model="tiny") == 0
+    assert (value(series, "llmgw_node_memory_total_bytes", node="n1") or 0) > 0, "the node's own report"
     leaders = [v for (name, _), v in series.items() if name == "llmgw_control_plane_leader"]
     assert leaders == [1.0]
 
@@ -160,3 +162,36 @@ def test_pool_saturation_is_in_flight_over_the_slots_of_the_ready_replicas() -> 
     assert registry.get_sample_value("llmgw_pool_saturation", {"model": "chat"}) == 1.25
     outstanding["c1"] = 0  # computed when scraped: the next scrape sees the change
     assert registry.get_sample_value("llmgw_pool_saturation", {"model": "chat"}) == 0.75
+
+
+def test_each_node_s_latest_heartbeat_becomes_series_and_a_missing_sensor_stays_absent() -> None:
+    w = World().add(
+        shaped("cpu", CPU_16C_64G), node("gpu", 64, 512, gpus=2, gpu_mem_gb=80), shaped("gone", CPU_16C_64G)
+    )
+    hb = w.beats["gpu"]
+    hot = msgspec.structs.replace(hb.gpus[0], temperature_c=71.0, power_w=350.5, throttle=["hw_slowdown"])
+    w.state.observe(
+        msgspec.structs.replace(
+            hb, gpus=[hot, hb.gpus[1]], sensors={"temp.coretemp.package_id_0": 55.0, "power.package-0_w": 120.0}
+        ),
+        w.t,
+    )
+    w.add(on_node("gone", N.NodeLost(node_id="gone", last_seen=w.when(), silent_s=31.0)))
+    samples = {(name, labels): value for name, labels, value in node_samples(w.state)}
+    assert samples[("llmgw_node_memory_total_bytes", ("cpu",))] == 64 * 1024**3
+    assert samples[("llmgw_gpu_memory_total_bytes", ("gpu", "1"))] == 80 * 1024**3
+    assert samples[("llmgw_gpu_temperature_celsius", ("gpu", "0"))] == 71.0
+    assert samples[("llmgw_gpu_power_watts", ("gpu", "0"))] == 350.5
+    assert samples[("llmgw_gpu_throttled", ("gpu", "0", "hw_slowdown"))] == 1.0
+    assert samples[("llmgw_node_temperature_celsius", ("gpu", "coretemp.package_id_0"))] == 55.0
+    assert samples[("llmgw_node_power_watts", ("gpu", "package-0"))] == 120.0
+    assert ("llmgw_gpu_temperature_celsius", ("gpu", "1")) not in samples, "a GPU without the sensor has no series"
+    assert not [k for k in samples if k[1][0] == "gone"], "a lost node's last heartbeat is not reported as now"
+    assert {name for name, _ in samples} <= set(NODE_SERIES)
+
+    registry = CollectorRegistry()
+    leads = [False]
+    registry.register(NodeCollector(lambda: w.state, lambda: leads[0]))
+    assert registry.get_sample_value("llmgw_gpu_power_watts", {"node": "gpu", "gpu": "0"}) is None, "a standby"
+    leads[0] = True
+    assert registry.get_sample_value("llmgw_gpu_power_watts", {"node": "gpu", "gpu": "0"}) == 350.5

@@ -11,10 +11,11 @@ series of models that are gone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.services.scheduler.reconcile import Config, wanted_replicas
 from llmgw.services.scheduler.state import ClusterState
@@ -120,3 +121,82 @@ class SchedulerMetrics:
                 g.remove(model)
             except KeyError:
                 pass
+
+
+# -- each node's latest heartbeat -----------------------------------------------------------------
+
+# name -> (help, label names); the values come from :func:`node_samples`
+NODE_SERIES = {
+    "llmgw_node_memory_total_bytes": ("Memory of the node", ("node",)),
+    "llmgw_node_memory_available_bytes": ("Memory the node has available", ("node",)),
+    "llmgw_node_disk_free_bytes": ("Free disk under the agent's data directory", ("node",)),
+    "llmgw_node_temperature_celsius": ("A hwmon temperature sensor", ("node", "sensor")),
+    "llmgw_node_power_watts": ("Package power from RAPL", ("node", "zone")),
+    "llmgw_gpu_memory_total_bytes": ("GPU memory", ("node", "gpu")),
+    "llmgw_gpu_memory_used_bytes": ("GPU memory in use", ("node", "gpu")),
+    "llmgw_gpu_temperature_celsius": ("GPU temperature", ("node", "gpu")),
+    "llmgw_gpu_memory_temperature_celsius": ("GPU memory temperature", ("node", "gpu")),
+    "llmgw_gpu_power_watts": ("GPU power draw", ("node", "gpu")),
+    "llmgw_gpu_power_limit_watts": ("GPU power limit", ("node", "gpu")),
+    "llmgw_gpu_throttled": ("1 for each reason the GPU is throttled now", ("node", "gpu", "reason")),
+}
+MB = 1024 * 1024
+
+
+def node_samples(state: ClusterState) -> list[tuple[str, tuple[str, ...], float]]:
+    """(series, label values, value) from each registered, not lost node's latest heartbeat. A
+    sensor the node lacks is absent, never 0 (FLEET-3). Pure."""
+    out: list[tuple[str, tuple[str, ...], float]] = []
+    for node_id, n in sorted(state.nodes.items()):
+        hb = n.heartbeat
+        if hb is None or n.lost:
+            continue
+        for name, value in (
+            ("llmgw_node_memory_total_bytes", hb.memory_total_bytes),
+            ("llmgw_node_memory_available_bytes", hb.memory_available_bytes),
+            ("llmgw_node_disk_free_bytes", hb.disk_free_bytes),
+        ):
+            if value is not None:
+                out.append((name, (node_id,), float(value)))
+        for key, value in sorted(hb.sensors.items()):
+            kind, _, rest = key.partition(".")
+            if kind == "temp":
+                out.append(("llmgw_node_temperature_celsius", (node_id, rest), value))
+            elif kind == "power":
+                out.append(("llmgw_node_power_watts", (node_id, rest.removesuffix("_w")), value))
+        for g in hb.gpus:
+            gpu = str(g.index)
+            out.append(("llmgw_gpu_memory_total_bytes", (node_id, gpu), float(g.memory_total_mb * MB)))
+            for name, value in (
+                ("llmgw_gpu_memory_used_bytes", None if g.memory_used_mb is None else g.memory_used_mb * MB),
+                ("llmgw_gpu_temperature_celsius", g.temperature_c),
+                ("llmgw_gpu_memory_temperature_celsius", g.memory_temperature_c),
+                ("llmgw_gpu_power_watts", g.power_w),
+                ("llmgw_gpu_power_limit_watts", g.power_limit_w),
+            ):
+                if value is not None:
+                    out.append((name, (node_id, gpu), float(value)))
+            for reason in g.throttle:
+                out.append(("llmgw_gpu_throttled", (node_id, gpu, reason), 1.0))
+    return out
+
+
+class NodeCollector:
+    """The nodes' latest heartbeats as series, computed when scraped and only while ``leads()``."""
+
+    def __init__(self, state: Callable[[], ClusterState], leads: Callable[[], bool]) -> None:
+        self.state = state
+        self.leads = leads
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []  # the families are made at scrape time
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        if not self.leads():
+            return
+        families = {
+            name: GaugeMetricFamily(name, text, labels=list(labels)) for name, (text, labels) in NODE_SERIES.items()
+        }
+        for name, labels, value in node_samples(self.state()):
+            families[name].add_metric(list(labels), value)
+        yield from families.values()

@@ -29,7 +29,7 @@ from llmgw.events.ids import new_id
 from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
 from llmgw.events.subjects import event_subject
 from llmgw.services.scheduler.explain import explain
-from llmgw.services.scheduler.metrics import SchedulerMetrics, fleet_figures
+from llmgw.services.scheduler.metrics import NodeCollector, SchedulerMetrics, fleet_figures
 from llmgw.services.scheduler.reconcile import (
     Blocked,
     Clock,
@@ -73,7 +73,9 @@ class SchedulerService:
         self.tick_s = tick_s
         self.state = ClusterState()
         self.started = time.monotonic()
-        self.metrics = SchedulerMetrics(registry or CollectorRegistry(), self.instance)
+        registry = registry or CollectorRegistry()
+        self.metrics = SchedulerMetrics(registry, self.instance)
+        registry.register(NodeCollector(lambda: self.state, lambda: self.leader))
         self._published_at: float | None = None
         self._leader = False
         self.term = 0
