@@ -223,7 +223,8 @@ def model_remove(ctx: click.Context, name: str, purge: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def weights(ctx: click.Context, collect: bool, as_json: bool) -> None:
-    """What each node holds in its weights cache (from its latest heartbeat); --collect removes unused files."""
+    """What each node holds: its weights cache and model directories (latest heartbeat); --collect removes
+    cached files no model uses (never files in model directories)."""
 
     async def go(s: Session) -> int:
         nodes = await _node_ids(s)
