@@ -21,6 +21,7 @@ from llmgw.projections.metrics import ProjectionMetrics
 from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, pool_loads
 from llmgw.services.scheduler.metrics import NODE_SERIES, NodeCollector, SchedulerMetrics, fleet_figures, node_samples
 from llmgw.services.scheduler.reconcile import Blocked
+from llmgw.services.scheduler.state import ClusterState
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.scheduler_world import CFG, CPU_16C_64G, T0, World, model, node, on_model, on_node, placed, ready, shaped
@@ -75,15 +76,21 @@ def test_a_model_that_is_gone_leaves_no_series_and_a_standby_publishes_only_that
     assert registry.get_sample_value("llmgw_control_plane_leader", {"instance": "sched-a"}) == 0
 
 
-def test_every_series_an_alert_reads_is_one_the_system_publishes() -> None:
+def published_series() -> set[str]:
+    """Every series name the code publishes, from each process's metrics in one registry."""
     registry = CollectorRegistry()
     StoreMetrics(registry)
     ProjectionMetrics(registry)
     RouterMetrics(registry)
     registry.register(PoolSaturation(lambda: [("chat", 0.5)]))
     SchedulerMetrics(registry, "sched-a")
+    registry.register(NodeCollector(ClusterState, lambda: True))
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
-    published = {f.name + end for f in registry.collect() for end in suffixes.get(f.type, ("",))}
+    return {f.name + end for f in registry.collect() for end in suffixes.get(f.type, ("",))}
+
+
+def test_every_series_an_alert_reads_is_one_the_system_publishes() -> None:
+    published = published_series()
     rules = yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]
     names = {r["alert"] for r in rules}
     assert {"ModelHasNothingServing", "ModelParked", "ModelFailingToStart", "ModelCannotBePlaced"} <= names
