@@ -14,7 +14,11 @@ def all_event_types() -> list[EventType]:
 
 def default_registry() -> EventRegistry:
     """A registry of every current event type, with the upcasters older versions need."""
-    return EventRegistry(all_event_types())
+    registry = EventRegistry(all_event_types())
+    for module in MODULES:
+        for name, from_v, upcaster in getattr(module, "UPCASTERS", ()):
+            registry.add_upcaster(name, from_v, upcaster)
+    return registry
 
 
 def _type_name(t: object) -> str:

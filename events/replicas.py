@@ -7,6 +7,8 @@ the node writes what it observes: ``starting``, ``ready``, ``failed``, ``stopped
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from llmgw.events.models import Profile
@@ -54,6 +56,9 @@ class ReplicaFailed(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     exit_code: int | None = None
     log_tail: list[str] = []
+    # v2: the replica's node was lost (the scheduler says so); not the model's fault, so it does not
+    # count towards parking. v1 events said it only in the reason's wording (see UPCASTERS).
+    node_lost: bool = False
 
 
 class ReplicaStopRequested(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,10 +78,19 @@ EVENTS = (
     EventType("replica.starting", 1, ReplicaStarting, "The node's agent started the replica's engine."),
     EventType("replica.ready", 1, ReplicaReady, "The engine answers its health probe; the replica serves."),
     EventType(
-        "replica.failed", 1, ReplicaFailed, "The replica's engine exited or never became ready, or its node was lost."
+        "replica.failed", 2, ReplicaFailed, "The replica's engine exited or never became ready, or its node was lost."
     ),
     EventType(
         "replica.stop_requested", 1, ReplicaStopRequested, "The scheduler asked for the replica to drain and stop."
     ),
     EventType("replica.stopped", 1, ReplicaStopped, "The replica's engine was stopped."),
 )
+
+
+def _failed_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """v1 told a lost node only by the scheduler's wording, ``node N lost…``; v2 says it in ``node_lost``."""
+    return {**data, "node_lost": str(data.get("reason", "")).startswith("node ")}
+
+
+# (type, from version, upcaster): registered by events/catalog.py's default_registry
+UPCASTERS = (("replica.failed", 1, _failed_v1_to_v2),)

@@ -234,7 +234,7 @@ class FleetProjection(Projection):
                         at,
                         p.replica_id,
                     )
-                    if state in ("placed", "starting") and not p.reason.startswith("node "):
+                    if state in ("placed", "starting") and not p.node_lost:
                         await tx.execute(
                             "UPDATE {models} SET failures = failures + 1, last_error = ? WHERE name = ?",
                             p.reason,

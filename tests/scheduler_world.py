@@ -323,10 +323,11 @@ def ready(*replica_ids: str) -> Fact:
     return fact
 
 
-def failed(replica_id: str, reason: str = "engine exited with 1") -> Fact:
+def failed(replica_id: str, reason: str = "engine exited with 1", *, node_lost: bool = False) -> Fact:
     def fact(w: World) -> None:
         r = w.state.replicas[replica_id]
-        w.emit(R.AGGREGATE, replica_id, R.ReplicaFailed(replica_id=replica_id, node_id=r.node_id, reason=reason))
+        payload = R.ReplicaFailed(replica_id=replica_id, node_id=r.node_id, reason=reason, node_lost=node_lost)
+        w.emit(R.AGGREGATE, replica_id, payload)
 
     return fact
 

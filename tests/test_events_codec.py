@@ -14,6 +14,7 @@ from llmgw.events.codec import EventDecodeError, decode_event, encode_envelope
 from llmgw.events.envelope import Envelope, UnknownPayload, is_valid_actor, sanitize_actor
 from llmgw.events.ids import id_time_ms, new_id
 from llmgw.events.registry import EventRegistry, EventType
+from llmgw.events.replicas import ReplicaFailed
 from llmgw.events.subjects import aggregate_of, decode_token, encode_token, event_subject
 from llmgw.events.tenancy import OrgCreated, TeamCreated
 
@@ -110,6 +111,16 @@ def test_an_old_version_is_upcast_to_the_current_shape() -> None:
     registry.add_upcaster("org.labelled", 2, lambda d: {**d, "source": "upcast"})
     got = decode_event(registry, _env("org.labelled", 1, b'{"org":"o1","label":"Acme"}'), "s", 1)
     assert got.payload == Renamed(org_id="o1", display_name="Acme", source="upcast")
+
+
+@pytest.mark.parametrize(
+    ("reason", "node_lost"),
+    [("node n1 lost: no heartbeat for 31s", True), ("node n2 lost", True), ("engine exited with 1", False)],
+)
+def test_a_replica_failure_written_before_v2_says_whether_its_node_was_lost(reason: str, node_lost: bool) -> None:
+    data = msgspec.json.encode({"replica_id": "r1", "node_id": "n1", "reason": reason})
+    got = decode_event(default_registry(), _env("replica.failed", 1, data), "s", 1)
+    assert got.payload == ReplicaFailed(replica_id="r1", node_id="n1", reason=reason, node_lost=node_lost)
 
 
 def test_added_optional_fields_are_ignored_by_an_older_reader() -> None:

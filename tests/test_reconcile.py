@@ -58,11 +58,13 @@ def scaled(name: str, lo: int, hi: int) -> Fact:
     return on_model(name, M.ModelScaled(min=lo, max=hi))
 
 
-def failures(name: str, node_id: str, n: int, reason: str = "engine exited with 1", first: int = 1) -> list[Fact]:
+def failures(
+    name: str, node_id: str, n: int, reason: str = "engine exited with 1", first: int = 1, node_lost: bool = False
+) -> list[Fact]:
     """``n`` replicas of ``name`` placed on ``node_id`` that failed to start, all now."""
     out: list[Fact] = []
     for i in range(first, first + n):
-        out += [placed(f"f{i}", name, node_id), failed(f"f{i}", reason)]
+        out += [placed(f"f{i}", name, node_id), failed(f"f{i}", reason, node_lost=node_lost)]
     return out
 
 
@@ -338,8 +340,13 @@ PASSES: list[tuple[str, list[Fact], list[str]]] = [
     ),
     (
         "replicas failed because their node was lost do not count towards parking",
-        [node("a"), model("m"), *failures("m", "a", 6, reason="node a lost: no heartbeat for 31s")],
+        [node("a"), model("m"), *failures("m", "a", 6, reason="its machine vanished", node_lost=True)],
         ["place m on a"],
+    ),
+    (
+        "a start failure whose message begins with 'node' still counts towards parking",
+        [node("a"), model("m"), *failures("m", "a", 5, reason="node ran out of memory loading the weights")],
+        ["park m: 5 failed starts in a row; last: node ran out of memory loading the weights"],
     ),
     (
         "a changed definition clears the failed starts",

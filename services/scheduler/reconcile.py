@@ -84,6 +84,8 @@ class Stop(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Fail(msgspec.Struct, frozen=True, kw_only=True):
+    """A replica on a lost node (the only failures the scheduler records itself)."""
+
     replica_id: str
     node_id: str
     reason: str
@@ -406,7 +408,7 @@ def event_of(
             return (
                 R.AGGREGATE,
                 d.replica_id,
-                R.ReplicaFailed(replica_id=d.replica_id, node_id=d.node_id, reason=d.reason),
+                R.ReplicaFailed(replica_id=d.replica_id, node_id=d.node_id, reason=d.reason, node_lost=True),
             )
         case Stop():
             return (

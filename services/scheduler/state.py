@@ -166,7 +166,7 @@ class ClusterState:
                     r.state, r.reason, r.log_tail = "failed", p.reason, list(p.log_tail)
                     m = self.models.get(r.model)
                     # A lost node is not the model's fault: only start failures count towards parking.
-                    if m and was_starting and not p.reason.startswith("node "):
+                    if m and was_starting and not p.node_lost:
                         m.failures += 1
                         m.last_error = p.reason
                         m.last_failure_at = at
