@@ -421,6 +421,24 @@ PASSES: list[tuple[str, list[Fact], list[str]]] = [
         [node("a"), node("b", cpus=2), model("m", cores=4), placed("r1", "m", "a"), ready("r1"), drained("a")],
         ["blocked m (1 wanted): no node fits — a: draining | b: has 2 CPUs with 2 free, needs 4"],
     ),
+    (
+        "a drained node's replica is stopped at the end of the drain's grace even with no room elsewhere",
+        [
+            node("a"),
+            node("b", cpus=2),
+            model("m", cores=4),
+            placed("r1", "m", "a"),
+            ready("r1"),
+            drained("a", grace_s=120),
+            later(120),
+            beats("a", "b"),
+        ],
+        [
+            "blocked m (1 wanted): no node fits — a: draining | b: has 2 CPUs with 2 free, needs 4",
+            "stop r1: node a drained; no replacement was ready elsewhere within the drain's 120s, "
+            "so m is short until a node has room",
+        ],
+    ),
 ]
 
 

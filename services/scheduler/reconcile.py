@@ -81,6 +81,7 @@ class Stop(msgspec.Struct, frozen=True, kw_only=True):
     replica_id: str
     reason: str
     grace_s: float
+    short: bool = False  # the model holds fewer ready replicas than it should once this one stops
 
 
 class Fail(msgspec.Struct, frozen=True, kw_only=True):
@@ -328,12 +329,20 @@ def _model(
     moving = [r for r in live if r.node_id in p.draining_nodes]
     staying = [r for r in live if r.node_id not in p.draining_nodes]
     # A drain replaces first, then stops the old replica (FLEET-4): it waits for as many ready
-    # replicas elsewhere as the model holds now (`lower`, so an on-demand model in use waits too).
+    # replicas elsewhere as the model holds now (`lower`, so an on-demand model in use waits too),
+    # but no longer than the drain's grace: a node being emptied must empty, even when no other node
+    # has room (the model is then short, and says so, until one has).
     ready_staying = [r for r in staying if r.state == "ready"]
     for r in sorted(moving, key=lambda r: r.id):
+        n = state.nodes[r.node_id]
         if len(ready_staying) >= lower:
-            grace_s = state.nodes[r.node_id].drain_grace_s
-            out.append(Stop(replica_id=r.id, reason=f"node {r.node_id} drained", grace_s=grace_s))
+            out.append(Stop(replica_id=r.id, reason=f"node {r.node_id} drained", grace_s=n.drain_grace_s))
+        elif n.drain_requested_at is not None and clock.epoch - n.drain_requested_at >= n.drain_grace_s:
+            reason = (
+                f"node {r.node_id} drained; no replacement was ready elsewhere within the drain's "
+                f"{n.drain_grace_s:.0f}s, so {m.name} is short until a node has room"
+            )
+            out.append(Stop(replica_id=r.id, reason=reason, grace_s=cfg.stop_grace_s, short=True))
 
     if len(staying) > upper:
         # Scale down, placement's scores in reverse: not-yet-ready replicas first, then those on the

@@ -38,6 +38,7 @@ from llmgw.services.scheduler.reconcile import (
     MarkLost,
     Park,
     Place,
+    Stop,
     Waiting,
     event_of,
     reconcile,
@@ -295,6 +296,8 @@ class SchedulerService:
                 case Place():
                     self._blocked.pop(d.model, None)
                     log.info("replica placed", model=d.model, node=d.node_id, replica=rid, why=d.why)
+                case Stop(short=True):
+                    log.warning("replica stopped without a replacement", replica=d.replica_id, reason=d.reason)
         return out
 
     async def _follow_demand(self) -> None:

@@ -43,6 +43,7 @@ class NodeState(msgspec.Struct, kw_only=True):
     cordon_reason: str = ""
     draining: bool = False
     drain_grace_s: float = 300.0
+    drain_requested_at: float | None = None  # event time, seconds since the epoch
     last_seen: float | None = None  # monotonic seconds of the last heartbeat this process saw
     heartbeat: N.NodeHeartbeat | None = None
 
@@ -127,10 +128,12 @@ class ClusterState:
                 n.cordoned, n.cordon_reason = True, p.reason
             case N.NodeUncordoned():
                 n = self.node(p.node_id)
-                n.cordoned, n.draining, n.cordon_reason = False, False, ""
+                n.cordoned, n.draining, n.cordon_reason, n.drain_requested_at = False, False, "", None
             case N.NodeDrainRequested():
                 n = self.node(p.node_id)
                 n.cordoned, n.draining, n.drain_grace_s = True, True, p.grace_s
+                if n.drain_requested_at is None:  # a second drain of the same node does not restart the clock
+                    n.drain_requested_at = at
                 n.cordon_reason = n.cordon_reason or "draining"
             case R.ReplicaPlaced():
                 self._index(
