@@ -165,3 +165,48 @@ def catalog() -> None:
     from llmgw.events.catalog import render_markdown
 
     click.echo(render_markdown(), nl=False)
+
+
+@events.command("replay")
+@click.option(
+    "--until", required=True, help="The moment: an ISO time (UTC unless it names a zone), or 10m, 2h, 3d ago."
+)
+@click.option("--json", "as_json", is_flag=True, help="Everything, as the admin API returns it.")
+@click.pass_context
+def replay(ctx: click.Context, until: str, as_json: bool) -> None:
+    """The cluster as it was at a moment: nodes, models, replicas, the tree and keys, folded from the log."""
+    parse_since(until)  # a bad time is refused here, before the fold
+
+    async def go(s: Session) -> None:
+        c = await s.api("GET", "/api/v1/replay", params={"until": until}, timeout=3600)
+        if as_json:
+            click.echo(json.dumps(c, indent=2))
+            return
+        if not c["position"]:
+            click.echo(f"the log holds nothing from {c['until']} or before")
+            return
+        click.echo(
+            f"the cluster at {c['until']}: {c['events_folded']} events up to #{c['position']} ({c['last_event_at']})"
+        )
+        click.echo(f"\nnodes ({len(c['nodes'])})")
+        for n in c["nodes"]:
+            flags = ", ".join(
+                f for f in ("cordoned" if n["cordoned"] else "", "draining" if n["draining"] else "") if f
+            )
+            click.echo(
+                f"  {n['id']:<20} {n['state']:<8} {n['replicas']} replica(s)" + (f"  [{flags}]" if flags else "")
+            )
+        click.echo(f"\nmodels ({len(c['models'])})")
+        for m in c["models"]:
+            click.echo(f"  {m['name']:<24} {m['ready']}/{m['min_replicas']} ready  {m['status']}")
+        click.echo(f"\nreplicas ({len(c['replicas'])})")
+        for r in c["replicas"]:
+            click.echo(f"  {r['id']:<32} {r['model']:<20} on {r['node_id']:<16} {r['state']}")
+        click.echo(f"\norgs, teams and projects ({len(c['scopes'])})")
+        for sc in c["scopes"]:
+            click.echo(f"  {sc['kind']:<8} {sc['path']}")
+        click.echo(f"\nkeys ({len(c['keys'])})")
+        for k in c["keys"]:
+            click.echo(f"  {k['prefix']:<10} {k['project']:<28} {k['name']:<20} {k['state']}")
+
+    run(ctx, go)

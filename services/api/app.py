@@ -42,99 +42,12 @@ from llmgw.projections.usage import (
     spend,
     usage_totals,
 )
+from llmgw.services.api.replay import cluster_at
+from llmgw.services.api.views import ACCESS_COLUMNS, FLEET_COLUMNS, model_status
 
 log = structlog.get_logger("llmgw.services.api")
 
 READ_WAIT_S = 5.0
-
-
-FLEET_COLUMNS = {
-    "nodes": [
-        "id",
-        "address",
-        "cpus",
-        "memory_total_bytes",
-        "gpus",
-        "engines",
-        "labels",
-        "agent_version",
-        "state",
-        "cordoned",
-        "draining",
-        "cordon_reason",
-        "registered_at",
-        "updated_at",
-    ],
-    "models": [
-        "name",
-        "spec",
-        "declared",
-        "min_replicas",
-        "max_replicas",
-        "stopped",
-        "parked",
-        "failures",
-        "last_error",
-        "unplaceable",
-        "spec_hash",
-        "updated_at",
-    ],
-    "replicas": [
-        "id",
-        "model",
-        "node_id",
-        "state",
-        "spec_hash",
-        "pid",
-        "port",
-        "url",
-        "reason",
-        "placed_at",
-        "updated_at",
-    ],
-}
-
-
-# Never a key's secret or hash: the projection does not hold them, and the API would not show them.
-ACCESS_COLUMNS = {
-    "keys": [
-        "id",
-        "prefix",
-        "project_id",
-        "name",
-        "user_name",
-        "rpm",
-        "tpm",
-        "models",
-        "expires_at",
-        "revoked",
-        "revoked_at",
-        "revoked_by",
-        "revoke_reason",
-        "created_at",
-        "created_by",
-    ],
-    "limits": ["scope", "rpm", "tpm", "updated_at", "updated_by"],
-    "prices": ["model", "input_usd_per_m", "output_usd_per_m", "updated_at", "updated_by"],
-    "budgets": ["scope", "usd", "period", "updated_at", "updated_by"],
-}
-
-
-def model_status(m: dict[str, Any]) -> str:
-    """The one phrase `ctl models` shows: why a model is not serving, or how it is serving."""
-    if m["stopped"]:
-        return "stopped by an administrator"
-    if m["parked"]:
-        return f"parked: {m['parked']}"
-    if m["unplaceable"] and m["ready"] + m["starting"] < (m["min_replicas"] or 0):
-        return f"unplaceable: {m['unplaceable']}"
-    if (m["min_replicas"] or 0) == 0 and m["ready"] == 0:
-        return "on demand (no replica)"
-    if m["ready"] >= (m["min_replicas"] or 0):
-        return "serving" + (f" ({m['stale']} stale profile)" if m["stale"] else "")
-    if m["failures"]:
-        return f"failing to start ({m['failures']} in a row; last: {m['last_error']})"
-    return "starting"
 
 
 def error(status: int, message: str, code: str = "error") -> web.Response:
@@ -160,6 +73,7 @@ class AdminApi:
             return app
         app.router.add_get("/api/v1/tree", self.tree)
         app.router.add_get("/api/v1/events/{id}", self.event)
+        app.router.add_get("/api/v1/replay", self.replay)
         app.router.add_get("/api/v1/nodes", self.nodes)
         app.router.add_get("/api/v1/nodes/{id}", self.node)
         app.router.add_get("/api/v1/models", self.models)
@@ -196,6 +110,19 @@ class AdminApi:
     async def metrics(self, request: web.Request) -> web.Response:
         await self.runner.refresh_lag()
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def replay(self, request: web.Request) -> web.Response:
+        """The cluster as it was at ``?until=`` (an ISO time, or ``30m``/``2h``/``1d`` ago), from the log."""
+        until = request.query.get("until", "").strip()
+        if not until:
+            return error(400, "say when: ?until=2026-11-29T20:00:00Z, or a duration back such as 2h", "invalid")
+        try:
+            when = parse_since(until, utc_now())
+        except ValueError as exc:
+            return error(400, str(exc).replace("since", "until", 1), "invalid")
+        if when > utc_now():
+            return error(400, f"until {when.isoformat()} is in the future; the log holds the past only", "invalid")
+        return web.json_response(await cluster_at(self.store, when))
 
     async def _caught_up(self, projection: str, position: int) -> None:
         if not await self.runner.wait_until(projection, position, timeout=READ_WAIT_S):

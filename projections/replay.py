@@ -1,0 +1,70 @@
+"""The cluster as it was at a moment (SPEC EVT-2): read models folded from the log up to then.
+
+The same projections that keep the live tables fold the event log from its start up to the last
+event written at or before the moment, into a scratch database of their own; the live tables and
+their runners are not touched. The moment is found on the log by the time the server stamped on
+each message (a binary search over sequence numbers: the stream's times only grow), so a replay
+is exact whatever clocks the event writers had.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from datetime import datetime
+
+import nats.js.errors
+
+from llmgw.events import subjects as S
+from llmgw.events.store import EventStore
+from llmgw.projections.backends import Backend
+from llmgw.projections.base import Projection
+from llmgw.projections.fold import commit_batch, create_tables
+from llmgw.projections.reader import read_log
+
+
+async def position_at(store: EventStore, when: datetime) -> tuple[int, datetime | None]:
+    """The sequence of the last message on the event log stamped at or before ``when``, and its
+    time; ``(0, None)`` when the log holds nothing that old."""
+    info = await store.js.stream_info(store.stream)
+    lo, hi = info.state.first_seq, info.state.last_seq
+    if not info.state.messages or hi < lo:
+        return 0, None
+    found: tuple[int, datetime | None] = (0, None)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        seq, stamped = await _time_of(store, mid, hi)
+        if stamped is None:  # nothing from mid to hi (a gap at the end): look below
+            hi = mid - 1
+        elif stamped <= when:
+            found, lo = (seq, stamped), seq + 1
+        else:
+            hi = mid - 1
+    return found
+
+
+async def _time_of(store: EventStore, seq: int, hi: int) -> tuple[int, datetime | None]:
+    """The first message at or after ``seq`` (up to ``hi``) and its stamp; a deleted one is skipped."""
+    while seq <= hi:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            msg = await store.js.get_msg(store.stream, seq, direct=True)
+            return seq, msg.time
+        seq += 1
+    return seq, None
+
+
+async def replay_into(store: EventStore, backend: Backend, until: int, projections: Sequence[Projection]) -> int:
+    """Fold the events up to sequence ``until`` into ``backend`` (fresh tables); the events folded."""
+    folded = 0
+    for projection in projections:
+        if projection.stream != S.STREAM_EVENTS:
+            raise ValueError(f"{projection.name} reads {projection.stream}; a replay folds the event log only")
+        async with backend.transaction(projection) as tx:
+            await create_tables(tx, projection)
+        if until <= 0:
+            continue
+        batches = read_log(store, projection.subject, follow=False, until=until, decode=projection.decode)
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                folded += await commit_batch(backend, projection, batch)
+    return folded

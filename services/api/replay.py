@@ -1,0 +1,86 @@
+"""``GET /api/v1/replay?until=TIME`` (SPEC EVT-2): nodes, models, replicas, the tenancy tree and
+keys as they were at a moment, folded from the log into a scratch SQLite database that is
+deleted afterwards. The live projections are not touched.
+
+It folds the whole log up to that moment, so it costs what a rebuild of those three projections
+costs (docs/benchmarks.md: about 40 s per million events on SQLite); it is an audit tool, not a
+view to poll.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from llmgw.events.store import EventStore
+from llmgw.projections.access import AccessProjection, tenancy_paths
+from llmgw.projections.backends import Backend, open_backend
+from llmgw.projections.fleet import FleetProjection
+from llmgw.projections.replay import position_at, replay_into
+from llmgw.projections.tenancy import TenancyProjection
+from llmgw.services.api.views import ACCESS_COLUMNS, FLEET_COLUMNS, model_status
+
+ACTIVE = ("placed", "starting", "ready", "draining")
+
+
+async def cluster_at(store: EventStore, when: datetime) -> dict[str, Any]:
+    """The cluster at ``when``, as the admin API's live views show it now (heartbeat figures aside:
+    they are telemetry, not events)."""
+    position, stamped = await position_at(store, when)
+    with tempfile.TemporaryDirectory(prefix="llmgw-replay-") as tmp:
+        backend = await open_backend(f"sqlite:///{Path(tmp) / 'replay.db'}")
+        try:
+            folded = await replay_into(
+                store, backend, position, [TenancyProjection(), FleetProjection(), AccessProjection()]
+            )
+            return {
+                "until": when.isoformat(),
+                "position": position,
+                "last_event_at": stamped.isoformat() if stamped else None,
+                "events_folded": folded,
+                **await _views(backend, when),
+            }
+        finally:
+            await backend.close()
+
+
+async def _views(backend: Backend, when: datetime) -> dict[str, Any]:
+    async def rows(projection: str, table: str, columns: list[str], tail: str = "") -> list[dict[str, Any]]:
+        found = await backend.query(projection, f"SELECT {', '.join(columns)} FROM {{{table}}} {tail}")
+        return [dict(zip(columns, r, strict=True)) for r in found]
+
+    nodes = await rows("fleet", "nodes", FLEET_COLUMNS["nodes"], "ORDER BY id")
+    models = await rows("fleet", "models", FLEET_COLUMNS["models"], "ORDER BY name")
+    replicas = await rows("fleet", "replicas", FLEET_COLUMNS["replicas"], "ORDER BY model, placed_at")
+    active = [r for r in replicas if r["state"] in ACTIVE]
+    for n in nodes:
+        n["gpus"] = msgspec.json.decode(n["gpus"] or "[]")
+        n["labels"] = msgspec.json.decode(n["labels"] or "{}")
+        n["engines"] = [x for x in (n["engines"] or "").split(",") if x]
+        n["replicas"] = sum(1 for r in active if r["node_id"] == n["id"])
+    for m in models:
+        spec = msgspec.json.decode(m.pop("spec"))
+        mine = [r for r in active if r["model"] == m["name"]]
+        m["source"] = spec.get("source")
+        m["ready"] = sum(1 for r in mine if r["state"] == "ready")
+        m["starting"] = sum(1 for r in mine if r["state"] in ("placed", "starting"))
+        m["stale"] = sum(1 for r in mine if r["state"] == "ready" and r["spec_hash"] != m["spec_hash"])
+        m["nodes"] = sorted({r["node_id"] for r in mine})
+        m["status"] = model_status(m)
+    paths = await tenancy_paths(backend)
+    keys = await rows("access", "keys", ACCESS_COLUMNS["keys"], "ORDER BY created_at, id")
+    for k in keys:
+        found = paths.get(k["project_id"])
+        k["project"] = found[1] if found else f"{k['project_id']} (deleted)"
+        k["user"] = k.pop("user_name")
+        k["models"] = msgspec.json.decode(k["models"] or "[]")
+        k["revoked"] = bool(k["revoked"])
+        expired = k["expires_at"] is not None and datetime.fromisoformat(k["expires_at"]) <= when
+        k["state"] = "revoked" if k["revoked"] else "expired" if expired else "active"
+    by_path = sorted(paths.items(), key=lambda item: item[1][1])
+    scopes = [{"id": sid, "kind": kind, "path": path} for sid, (kind, path) in by_path]
+    return {"nodes": nodes, "models": models, "replicas": active, "scopes": scopes, "keys": keys}
