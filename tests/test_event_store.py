@@ -191,3 +191,19 @@ async def _appended(store: EventStore, subject: str, event: NewEvent) -> bool:
     except Exception:
         return False
     return True
+
+
+async def test_the_position_at_a_moment_is_the_last_event_stamped_at_or_before_it(store: EventStore) -> None:
+    from datetime import timedelta
+
+    from llmgw.projections.replay import position_at
+
+    seqs = [(await store.append(event_subject("tenancy", f"p{i}"), [org(i)])).last_seq for i in range(7)]
+    stamps = [(await store.js.get_msg(store.stream, s, direct=True)).time for s in seqs]
+    for seq, stamped in zip(seqs, stamps, strict=True):
+        assert await position_at(store, stamped) == (seq, stamped)
+    third = stamps[3]
+    if stamps[2] < third:  # two events may share a stamp; then "just before" is the one before both
+        assert (await position_at(store, third - timedelta(microseconds=1)))[0] == seqs[2]
+    assert await position_at(store, stamps[0] - timedelta(days=1)) == (0, None)
+    assert (await position_at(store, stamps[-1] + timedelta(days=1)))[0] == seqs[-1]
