@@ -8,6 +8,7 @@ import pytest
 
 from llmgw.events.catalog import default_registry
 from llmgw.events.store import EventStore
+from tests.fleet import Fleet
 from tests.support import NatsServer, Postgres, nats_server
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -26,6 +27,17 @@ async def store(nats: NatsServer) -> AsyncIterator[EventStore]:
     await es.ensure_streams()
     yield es
     await es.close()
+
+
+@pytest.fixture
+async def fleet(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
+    """Catalog, fleet, scheduler, projections and the admin API in this process; each test starts
+    its agents (``fleet.agent("n1")``), which are stopped with their engines afterwards."""
+    f = await Fleet(store, nats.url, tmp_path).start()
+    try:
+        yield f
+    finally:
+        await f.stop()
 
 
 @pytest.fixture(scope="session")

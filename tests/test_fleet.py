@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -22,13 +21,6 @@ from tests.gguf_tiny import corrupt_gguf, write_tiny_gguf
 from tests.support import NatsServer, wait_until
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240)]
-
-
-@pytest.fixture
-async def fleet(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
-    f = await Fleet(store, nats.url, tmp_path).start()
-    yield f
-    await f.stop()
 
 
 @pytest.fixture

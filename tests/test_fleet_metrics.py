@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -16,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events.metrics import StoreMetrics
-from llmgw.events.store import EventStore
 from llmgw.projections.metrics import ProjectionMetrics
 from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, pool_loads
 from llmgw.services.scheduler.metrics import NODE_SERIES, NodeCollector, SchedulerMetrics, fleet_figures, node_samples
@@ -25,7 +23,7 @@ from llmgw.services.scheduler.state import ClusterState
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.scheduler_world import CFG, CPU_16C_64G, T0, World, model, node, on_model, on_node, placed, ready, shaped
-from tests.support import NatsServer, wait_until
+from tests.support import wait_until
 
 ALERTS = Path(__file__).resolve().parent.parent / "ops" / "prometheus" / "alerts.yml"
 
@@ -104,15 +102,6 @@ def test_every_series_an_alert_reads_is_one_the_system_publishes() -> None:
 
 
 # -- scraped from a running control plane ----------------------------------------------------
-
-
-@pytest.fixture
-async def fleet(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
-    f = await Fleet(store, nats.url, tmp_path).start()
-    try:
-        yield f
-    finally:
-        await f.stop()
 
 
 async def scrape(fleet: Fleet) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

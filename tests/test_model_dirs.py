@@ -3,17 +3,15 @@ reported by path, and placement prefers the node that holds a model's local sour
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats.js.errors
 import pytest
 
 from llmgw.agent.weights.local import ModelDirs, list_weight_files
-from llmgw.events.store import EventStore
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
-from tests.support import NatsServer, wait_until
+from tests.support import wait_until
 from tests.test_fleet import _last_heartbeat
 
 
@@ -45,15 +43,6 @@ def test_model_directories_report_weight_files_by_absolute_path_and_nothing_else
     dirs.rescan()
     assert not dirs.due() and len(dirs.held()) == 2
     assert not ModelDirs([]).due(), "no model directories: nothing to walk"
-
-
-@pytest.fixture
-async def fleet(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
-    f = await Fleet(store, nats.url, tmp_path).start()
-    try:
-        yield f
-    finally:
-        await f.stop()
 
 
 @pytest.mark.timeout(180)

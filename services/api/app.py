@@ -7,7 +7,6 @@ its projection to reach the log's current position for the subjects it folds.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from typing import Any
 
 import msgspec
@@ -17,7 +16,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from llmgw.events import access as A
 from llmgw.events import nodes as N
 from llmgw.events import subjects as S
 from llmgw.events import tenancy as T
@@ -43,7 +41,7 @@ from llmgw.projections.usage import (
     usage_totals,
 )
 from llmgw.services.api.replay import cluster_at
-from llmgw.services.api.views import ACCESS_COLUMNS, FLEET_COLUMNS, model_status
+from llmgw.services.api.views import ACCESS_COLUMNS, FLEET_COLUMNS, shape_key, shape_model, shape_node
 
 log = structlog.get_logger("llmgw.services.api")
 
@@ -188,10 +186,7 @@ class AdminApi:
         rows = await self._fleet_rows("nodes", "ORDER BY id")
         replicas = await self._fleet_rows("replicas", "WHERE state IN ('placed','starting','ready','draining')")
         for n in rows:
-            n["gpus"] = msgspec.json.decode(n["gpus"] or "[]")
-            n["labels"] = msgspec.json.decode(n["labels"] or "{}")
-            n["engines"] = [x for x in (n["engines"] or "").split(",") if x]
-            n["replicas"] = sum(1 for r in replicas if r["node_id"] == n["id"])
+            shape_node(n, replicas)
             hb = await self._heartbeat(n["id"])
             n["memory_available_bytes"] = hb["memory_available_bytes"] if hb else None
             n["last_heartbeat"] = hb["at"] if hb else None
@@ -215,17 +210,7 @@ class AdminApi:
     async def models(self, request: web.Request) -> web.Response:
         models = await self._fleet_rows("models", "ORDER BY name")
         replicas = await self._fleet_rows("replicas", "WHERE state IN ('placed','starting','ready','draining')")
-        for m in models:
-            spec = msgspec.json.decode(m.pop("spec"))
-            mine = [r for r in replicas if r["model"] == m["name"]]
-            m["aliases"] = spec.get("aliases", [])
-            m["source"] = spec.get("source")
-            m["ready"] = sum(1 for r in mine if r["state"] == "ready")
-            m["starting"] = sum(1 for r in mine if r["state"] in ("placed", "starting"))
-            m["stale"] = sum(1 for r in mine if r["state"] == "ready" and r["spec_hash"] != m["spec_hash"])
-            m["nodes"] = sorted({r["node_id"] for r in mine})
-            m["status"] = model_status(m)
-        return web.json_response({"models": models})
+        return web.json_response({"models": [shape_model(m, replicas) for m in models]})
 
     async def replicas(self, request: web.Request) -> web.Response:
         model = request.query.get("model")
@@ -270,16 +255,7 @@ class AdminApi:
                 return error(404, f"there is no project {project!r}{listing}", "not_found")
             rows = [r for r in rows if r["project_id"] == found[0]]
         now = utc_now()
-        for r in rows:
-            kind_path = paths.get(r["project_id"])
-            r["project"] = kind_path[1] if kind_path else f"{r['project_id']} (deleted)"
-            r["user"] = r.pop("user_name")
-            r["models"] = msgspec.json.decode(r["models"] or "[]")
-            r["revoked"] = bool(r["revoked"])
-            expired = r["expires_at"] is not None and datetime.fromisoformat(r["expires_at"]) <= now
-            r["state"] = "revoked" if r["revoked"] else "expired" if expired else "active"
-            r["display"] = f"{A.KEY_PREFIX}-{r['prefix']}-…"
-        return web.json_response({"keys": rows})
+        return web.json_response({"keys": [shape_key(r, paths, now) for r in rows]})
 
     async def limits(self, request: web.Request) -> web.Response:
         rows, paths = await self._access_rows("limits")

@@ -14,17 +14,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from llmgw.events.store import EventStore
 from llmgw.projections.access import AccessProjection, tenancy_paths
 from llmgw.projections.backends import Backend, open_backend
 from llmgw.projections.fleet import FleetProjection
 from llmgw.projections.replay import position_at, replay_into
 from llmgw.projections.tenancy import TenancyProjection
-from llmgw.services.api.views import ACCESS_COLUMNS, FLEET_COLUMNS, model_status
-
-ACTIVE = ("placed", "starting", "ready", "draining")
+from llmgw.services.api.views import ACCESS_COLUMNS, ACTIVE_STATES, FLEET_COLUMNS, shape_key, shape_model, shape_node
 
 
 async def cluster_at(store: EventStore, when: datetime) -> dict[str, Any]:
@@ -56,31 +52,14 @@ async def _views(backend: Backend, when: datetime) -> dict[str, Any]:
     nodes = await rows("fleet", "nodes", FLEET_COLUMNS["nodes"], "ORDER BY id")
     models = await rows("fleet", "models", FLEET_COLUMNS["models"], "ORDER BY name")
     replicas = await rows("fleet", "replicas", FLEET_COLUMNS["replicas"], "ORDER BY model, placed_at")
-    active = [r for r in replicas if r["state"] in ACTIVE]
-    for n in nodes:
-        n["gpus"] = msgspec.json.decode(n["gpus"] or "[]")
-        n["labels"] = msgspec.json.decode(n["labels"] or "{}")
-        n["engines"] = [x for x in (n["engines"] or "").split(",") if x]
-        n["replicas"] = sum(1 for r in active if r["node_id"] == n["id"])
-    for m in models:
-        spec = msgspec.json.decode(m.pop("spec"))
-        mine = [r for r in active if r["model"] == m["name"]]
-        m["source"] = spec.get("source")
-        m["ready"] = sum(1 for r in mine if r["state"] == "ready")
-        m["starting"] = sum(1 for r in mine if r["state"] in ("placed", "starting"))
-        m["stale"] = sum(1 for r in mine if r["state"] == "ready" and r["spec_hash"] != m["spec_hash"])
-        m["nodes"] = sorted({r["node_id"] for r in mine})
-        m["status"] = model_status(m)
+    active = [r for r in replicas if r["state"] in ACTIVE_STATES]
+    nodes = [shape_node(n, active) for n in nodes]
+    models = [shape_model(m, active) for m in models]
     paths = await tenancy_paths(backend)
-    keys = await rows("access", "keys", ACCESS_COLUMNS["keys"], "ORDER BY created_at, id")
-    for k in keys:
-        found = paths.get(k["project_id"])
-        k["project"] = found[1] if found else f"{k['project_id']} (deleted)"
-        k["user"] = k.pop("user_name")
-        k["models"] = msgspec.json.decode(k["models"] or "[]")
-        k["revoked"] = bool(k["revoked"])
-        expired = k["expires_at"] is not None and datetime.fromisoformat(k["expires_at"]) <= when
-        k["state"] = "revoked" if k["revoked"] else "expired" if expired else "active"
+    keys = [
+        shape_key(k, paths, when)
+        for k in await rows("access", "keys", ACCESS_COLUMNS["keys"], "ORDER BY created_at, id")
+    ]
     by_path = sorted(paths.items(), key=lambda item: item[1][1])
     scopes = [{"id": sid, "kind": kind, "path": path} for sid, (kind, path) in by_path]
     return {"nodes": nodes, "models": models, "replicas": active, "scopes": scopes, "keys": keys}

@@ -6,7 +6,14 @@ moment reads exactly as it would have then.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
+
+import msgspec
+
+from llmgw.events import access as A
+
+ACTIVE_STATES = ("placed", "starting", "ready", "draining")
 
 FLEET_COLUMNS = {
     "nodes": [
@@ -95,3 +102,39 @@ def model_status(m: dict[str, Any]) -> str:
     if m["failures"]:
         return f"failing to start ({m['failures']} in a row; last: {m['last_error']})"
     return "starting"
+
+
+def shape_node(n: dict[str, Any], active: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ``nodes`` row as the API shows it, counting the ``active`` replicas on it."""
+    n["gpus"] = msgspec.json.decode(n["gpus"] or "[]")
+    n["labels"] = msgspec.json.decode(n["labels"] or "{}")
+    n["engines"] = [x for x in (n["engines"] or "").split(",") if x]
+    n["replicas"] = sum(1 for r in active if r["node_id"] == n["id"])
+    return n
+
+
+def shape_model(m: dict[str, Any], active: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ``models`` row as the API shows it: replica counts from ``active`` and the status phrase."""
+    spec = msgspec.json.decode(m.pop("spec"))
+    mine = [r for r in active if r["model"] == m["name"]]
+    m["aliases"] = spec.get("aliases", [])
+    m["source"] = spec.get("source")
+    m["ready"] = sum(1 for r in mine if r["state"] == "ready")
+    m["starting"] = sum(1 for r in mine if r["state"] in ("placed", "starting"))
+    m["stale"] = sum(1 for r in mine if r["state"] == "ready" and r["spec_hash"] != m["spec_hash"])
+    m["nodes"] = sorted({r["node_id"] for r in mine})
+    m["status"] = model_status(m)
+    return m
+
+
+def shape_key(k: dict[str, Any], paths: dict[str, tuple[str, str]], now: datetime) -> dict[str, Any]:
+    """A ``keys`` row as the API shows it (never a secret): its project's path and its state at ``now``."""
+    found = paths.get(k["project_id"])
+    k["project"] = found[1] if found else f"{k['project_id']} (deleted)"
+    k["user"] = k.pop("user_name")
+    k["models"] = msgspec.json.decode(k["models"] or "[]")
+    k["revoked"] = bool(k["revoked"])
+    expired = k["expires_at"] is not None and datetime.fromisoformat(k["expires_at"]) <= now
+    k["state"] = "revoked" if k["revoked"] else "expired" if expired else "active"
+    k["display"] = f"{A.KEY_PREFIX}-{k['prefix']}-…"
+    return k
