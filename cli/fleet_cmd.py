@@ -26,9 +26,8 @@ from llmgw.cli.ctl import ctl
 from llmgw.events import mirror as MI
 from llmgw.events import models as M
 from llmgw.events import nodes as N
+from llmgw.events import scheduler as SCH
 from llmgw.events.commands import CommandError, CommandRejectedError, Unreachable
-
-EXPLAIN_SUBJECT = "llmgw.rpc.scheduler.explain"  # served by every scheduler instance
 
 
 def load_model_file(path: str) -> list[M.ModelSpec]:
@@ -453,14 +452,7 @@ def explain(ctx: click.Context, name: str, as_json: bool) -> None:
     """Why MODEL runs where it does, or node by node what each lacks."""
 
     async def go(s: Session) -> int:
-        store = await s.store()
-        try:
-            msg = await store.nc.request(EXPLAIN_SUBJECT, name.encode(), timeout=5)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
-            raise Unreachable("no scheduler answered: is the scheduler service running?") from exc
-        body = json.loads(msg.data)
-        if body.get("error"):
-            raise CommandError(body["error"])
+        body = await _ask_scheduler(s, SCH.EXPLAIN_SUBJECT, name)
         if as_json:
             click.echo(json.dumps(body, indent=2))
             return 0
@@ -503,5 +495,42 @@ def logs(ctx: click.Context, node: str, replica: str | None, lines: int) -> None
             raise CommandError(reply.error)
         for line in reply.lines:
             click.echo(line)
+
+    run(ctx, go)
+
+
+async def _ask_scheduler(s: Session, subject: str, name: str) -> dict[str, Any]:
+    """A scheduler's answer about model ``name`` (any instance answers); its error as a CommandError."""
+    store = await s.store()
+    try:
+        msg = await store.nc.request(subject, name.encode(), timeout=10)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+        raise Unreachable("no scheduler answered: is the scheduler service running?") from exc
+    body = json.loads(msg.data)
+    if body.get("error"):
+        raise CommandError(body["error"])
+    return body
+
+
+@model.command("headroom")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def model_headroom(ctx: click.Context, name: str, as_json: bool) -> None:
+    """How many more replicas of NAME fit now, on which nodes, and why not more (SCHED-11)."""
+
+    async def go(s: Session) -> None:
+        body = await _ask_scheduler(s, SCH.HEADROOM_SUBJECT, name)
+        if as_json:
+            click.echo(json.dumps(body, indent=2))
+            return
+        more = f"at least {body['more']}" if body["at_least"] else str(body["more"])
+        click.echo(f"{name}: {body['current']} running; {more} more would fit now")
+        for node, count in body["where"].items():
+            click.echo(f"  {node:<20} {count}")
+        if body["why_not_more"]:
+            click.echo(f"not more: {body['why_not_more']}")
+        for note in body["notes"]:
+            click.echo(f"note: {note}")
 
     run(ctx, go)

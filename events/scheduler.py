@@ -9,6 +9,11 @@ from llmgw.events.registry import EventType
 AGGREGATE = "scheduler"
 LEADER_ID = "leader"
 
+# Request/reply subjects every scheduler instance serves (a queue group): the body is a model name,
+# the answer JSON (``{"error": …}`` for an unknown model).
+EXPLAIN_SUBJECT = "llmgw.rpc.scheduler.explain"  # SCHED-3
+HEADROOM_SUBJECT = "llmgw.rpc.scheduler.headroom"  # SCHED-11
+
 
 class LeaderElected(msgspec.Struct, frozen=True, kw_only=True):
     """A scheduler became leader. Its decisions are fenced by this event's sequence: once another

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -218,3 +219,28 @@ async def test_a_stale_leader_s_decisions_are_refused(store: EventStore, nats: N
         fence_subject=event_subject("scheduler", "leader"),
         fence_seq=new.fence_seq,
     )
+
+
+async def test_headroom_says_how_many_more_fit_through_the_api_and_the_cli(fleet: Fleet, tiny: Path) -> None:
+    fleet.agent("n1")
+    await fleet.add_model("tiny", tiny, cores=1, memory_gb=0.05)
+    await fleet.wait_ready("tiny", 1)
+    api = f"http://127.0.0.1:{fleet.admin_port}"
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{api}/api/v1/models/tiny/headroom") as r:
+            body = await r.json()
+        assert r.status == 200 and body["current"] == 1
+        cores = len(os.sched_getaffinity(0))  # the agent offers the CPUs it may run on; a replica holds one
+        assert body["more"] == sum(body["where"].values()) == cores - 1 and set(body["where"]) <= {"n1"}
+        assert body["more"] == 0 or body["where"] == {"n1": cores - 1}
+        assert "n1" in body["why_not_more"] and "CPU" in body["why_not_more"]
+        async with s.get(f"{api}/api/v1/models/nope/headroom") as r:
+            assert r.status == 404 and "no model named 'nope'" in (await r.json())["error"]["message"]
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "llmgw"), "--nats", fleet.nats_url, "--api", api,
+        "ctl", "model", "headroom", "tiny",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert f"tiny: 1 running; {cores - 1} more would fit now" in out.decode()

@@ -30,6 +30,7 @@ from llmgw.services.scheduler.placement import (
 from llmgw.services.scheduler.reconcile import Place, candidates
 from llmgw.services.scheduler.state import ClusterState
 from tests.scheduler_world import (
+    CFG,
     CPU_2C_8G,
     CPU_8C_32G,
     CPU_16C_64G,
@@ -47,6 +48,7 @@ from tests.scheduler_world import (
     model,
     on_model,
     on_node,
+    placed,
     ready,
     shaped,
     spec,
@@ -729,3 +731,26 @@ def test_a_node_whose_model_directory_holds_a_local_source_is_preferred() -> Non
     assert cands["n1"].has_weights and not cands["n0"].has_weights
     [place] = [d for d in w.run() if isinstance(d, Place)]
     assert place.node_id == "n1"
+
+
+def test_headroom_is_what_the_real_pass_would_place_and_says_why_not_more() -> None:
+    from llmgw.services.scheduler.headroom import headroom
+
+    w = World().add(
+        shaped("n0", CPU_16C_64G),
+        shaped("n1", CPU_16C_64G),
+        model("alpha", min=2, cores=8),  # short of its minimum, and before chat in the pass
+        model("chat", cores=4),
+        placed("chat-1", "chat", "n0"),
+        on_model("chat", M.ModelParked(reason="engine exited with 1, 5 times", failures=5)),
+    )
+    before = (w.state.models["chat"], dict(w.state.models))
+    room = headroom(w.state, "chat", w.clock(), CFG)
+    # 32 cores, 4 held by chat-1, 16 taken by alpha's two replicas first: 12 left, 3 more of 4 cores.
+    assert (room["current"], room["more"], room["at_least"]) == (1, 3, False)
+    assert sum(room["where"].values()) == 3
+    assert "needs 4" in room["why_not_more"]
+    assert room["notes"] and "parked" in room["notes"][0]
+    assert (w.state.models["chat"], dict(w.state.models)) == before, "the state is not changed"
+    assert headroom(w.state, "nope", w.clock(), CFG)["error"].startswith("no model named 'nope'")
+    assert headroom(w.state, "chat", w.clock(), CFG, cap=2)["at_least"] is True

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+import nats.errors
 import nats.js.errors
 import structlog
 from aiohttp import web
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from llmgw.events import nodes as N
+from llmgw.events import scheduler as SCH
 from llmgw.events import subjects as S
 from llmgw.events import tenancy as T
 from llmgw.events.envelope import utc_now
@@ -75,6 +77,7 @@ class AdminApi:
         app.router.add_get("/api/v1/nodes", self.nodes)
         app.router.add_get("/api/v1/nodes/{id}", self.node)
         app.router.add_get("/api/v1/models", self.models)
+        app.router.add_get("/api/v1/models/{name}/headroom", self.headroom)
         app.router.add_get("/api/v1/replicas", self.replicas)
         app.router.add_get("/api/v1/keys", self.keys)
         app.router.add_get("/api/v1/limits", self.limits)
@@ -211,6 +214,18 @@ class AdminApi:
         models = await self._fleet_rows("models", "ORDER BY name")
         replicas = await self._fleet_rows("replicas", "WHERE state IN ('placed','starting','ready','draining')")
         return web.json_response({"models": [shape_model(m, replicas) for m in models]})
+
+    async def headroom(self, request: web.Request) -> web.Response:
+        """How many more replicas of a model fit now (SCHED-11): asked of a scheduler over the bus."""
+        name = request.match_info["name"]
+        try:
+            msg = await self.store.nc.request(SCH.HEADROOM_SUBJECT, name.encode(), timeout=10)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            return error(503, "no scheduler answered: is the scheduler service running?", "unavailable")
+        body = msgspec.json.decode(msg.data)
+        if body.get("error"):
+            return error(404, body["error"], "not_found")
+        return web.json_response(body)
 
     async def replicas(self, request: web.Request) -> web.Response:
         model = request.query.get("model")

@@ -29,6 +29,7 @@ from llmgw.events.ids import new_id
 from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
 from llmgw.events.subjects import event_subject
 from llmgw.services.scheduler.explain import explain
+from llmgw.services.scheduler.headroom import headroom
 from llmgw.services.scheduler.metrics import NodeCollector, SchedulerMetrics, fleet_figures
 from llmgw.services.scheduler.reconcile import (
     Blocked,
@@ -49,7 +50,6 @@ log = structlog.get_logger("llmgw.services.scheduler")
 
 LEASE_BUCKET = "llmgw_leases"
 LEASE_KEY = "scheduler"
-EXPLAIN_SUBJECT = "llmgw.rpc.scheduler.explain"
 BLOCKED_REPEAT_S = 600.0
 PUBLISH_S = 1.0  # the fleet's Prometheus series are set at most this often
 FOLDED = ("model", "node", "replica")
@@ -324,14 +324,26 @@ class SchedulerService:
     # -- explain -----------------------------------------------------------------------------
 
     async def _serve_explain(self) -> None:
-        async def on_request(msg: object) -> None:
+        """Answer `ctl explain` and `ctl model headroom` from the folded state (any instance can)."""
+
+        async def on_explain(msg: object) -> None:
             name = msg.data.decode()  # type: ignore[attr-defined]
             body = explain(self.state, name, self.cfg, leader=self.instance if self.leader else None)
             await msg.respond(msgspec.json.encode(body))  # type: ignore[attr-defined]
 
-        sub = await self.store.nc.subscribe(EXPLAIN_SUBJECT, queue="scheduler", cb=on_request)
+        async def on_headroom(msg: object) -> None:
+            name = msg.data.decode()  # type: ignore[attr-defined]
+            clock = Clock(monotonic=time.monotonic(), epoch=time.time(), started=self.started)
+            body = headroom(self.state, name, clock, self.cfg)
+            await msg.respond(msgspec.json.encode({**body, "answered_by": self.instance}))  # type: ignore[attr-defined]
+
+        subs = [
+            await self.store.nc.subscribe(SCH.EXPLAIN_SUBJECT, queue="scheduler", cb=on_explain),
+            await self.store.nc.subscribe(SCH.HEADROOM_SUBJECT, queue="scheduler", cb=on_headroom),
+        ]
         try:
             await asyncio.Event().wait()
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()

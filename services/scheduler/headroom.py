@@ -1,0 +1,54 @@
+"""`ctl model headroom M` (SPEC SCHED-11): how many more replicas of a model fit now, where, and why
+not more — by running the real scheduler pass on a copy of the state in which the model wants
+many more, not by an estimate beside it. Models are taken in the pass's own order (by name), so
+a model before this one that is short of its minimum takes its room first, as it would.
+
+Stopped, parked or backing-off models are asked as if they were running, and say so: the question
+is what the fleet has room for.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import msgspec
+
+from llmgw.services.scheduler.reconcile import Blocked, Clock, Config, Place, reconcile
+from llmgw.services.scheduler.state import ClusterState
+
+CAP = 256  # the most extra replicas asked for: "at least 256" is answer enough
+
+
+def headroom(state: ClusterState, model: str, clock: Clock, cfg: Config, cap: int = CAP) -> dict[str, Any]:
+    """Pure: ``state`` is not changed."""
+    m = state.models.get(model)
+    if m is None:
+        known = ", ".join(sorted(state.models)) or "none"
+        return {"error": f"no model named {model!r} (models: {known})"}
+    current = sum(1 for r in state.replicas_of(model) if r.active)
+    wanted = current + cap
+    ghost_status = msgspec.structs.replace(m.status, min=wanted, max=wanted, stopped=False, parked=None)
+    ghost = copy.copy(state)
+    ghost.models = {**state.models, model: msgspec.structs.replace(m, status=ghost_status, failures=0)}
+    decisions = reconcile(ghost, clock, cfg)
+    where: dict[str, int] = {}
+    for d in decisions:
+        if isinstance(d, Place) and d.model == model:
+            where[d.node_id] = where.get(d.node_id, 0) + 1
+    more = sum(where.values())
+    blocked = next((d for d in decisions if isinstance(d, Blocked) and d.model == model), None)
+    notes = []
+    if m.stopped:
+        notes.append("the model is stopped: this is the room it would have once started")
+    if m.parked:
+        notes.append(f"the model is parked ({m.parked}): this is the room it would have once retried")
+    return {
+        "model": model,
+        "current": current,
+        "more": more,
+        "at_least": more >= cap,
+        "where": dict(sorted(where.items(), key=lambda item: (-item[1], item[0]))),
+        "why_not_more": blocked.reason if blocked is not None and more < cap else None,
+        "notes": notes,
+    }
