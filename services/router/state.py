@@ -147,16 +147,7 @@ class RouterState:
                 self.parents[p.team_id] = ("team", p.org_id)
             case T.ProjectCreated():
                 self.parents[p.project_id] = ("project", p.team_id)
-            case (
-                M.ModelAdded()
-                | M.ModelChanged()
-                | M.ModelScaled()
-                | M.ModelStopped()
-                | M.ModelStarted()
-                | M.ModelRemoved()
-                | M.ModelParked()
-                | M.ModelRetried()
-            ):
+            case _ if isinstance(p, M.MODEL_EVENTS):  # the shared lifecycle fold (M.fold_model)
                 name = aggregate_of(e.subject)[1]
                 old = self.models.get(name)
                 status = M.fold_model(old.status if old else None, p)

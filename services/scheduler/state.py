@@ -105,16 +105,7 @@ class ClusterState:
         p = event.payload
         at = event.envelope.at.timestamp()
         match p:
-            case (
-                M.ModelAdded()
-                | M.ModelChanged()
-                | M.ModelScaled()
-                | M.ModelStopped()
-                | M.ModelStarted()
-                | M.ModelRemoved()
-                | M.ModelParked()
-                | M.ModelRetried()
-            ):
+            case _ if isinstance(p, M.MODEL_EVENTS):  # the shared lifecycle fold (M.fold_model)
                 self._apply_model(event)
             case N.NodeRegistered() | N.NodeCapacityChanged():
                 n = self.node(p.node_id)
