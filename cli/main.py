@@ -16,6 +16,7 @@ import click
 
 from llmgw.cli import (
     access_cmd,  # noqa: F401 - registers `ctl key|limit|price|budget`
+    audit_cmd,  # noqa: F401 - registers `ctl audit`
     fleet_cmd,  # noqa: F401 - registers `ctl model|nodes|…`
     jobs_cmd,  # noqa: F401 - registers `ctl model serve` and `ctl job`
     logs,

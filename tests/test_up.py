@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.cli.context import cli_actor
 from llmgw.events.access import hash_api_key, key_prefix
 from tests.support import free_port
 
@@ -217,3 +218,23 @@ def test_a_created_key_is_printed_once_and_listed_by_its_prefix_only(up: Up) -> 
     bad = up.cli("ctl", "limit", "set", "team:acme/nope", "--rpm", "5")
     assert bad.returncode == 2 and "there is no team 'acme/nope' (teams: acme/ml" in bad.stderr
     assert up.cli("ctl", "project", "delete", "acme/ml/chat").returncode == 0
+
+
+def test_audit_lists_who_changed_what_and_by_default_only_what_people_did(up: Up) -> None:
+    for args in (["org", "create", "acme"], ["team", "create", "acme/ml"]):
+        assert up.cli("ctl", *args).returncode == 0
+    done = up.cli("ctl", "audit")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    me = cli_actor()
+    assert any("org.created" in line and me in line and "acme" in line for line in lines), done.stdout
+    assert any("team.created" in line and me in line for line in lines), done.stdout
+    assert all(" user:" in line for line in lines), "people only, unless another actor is asked for"
+
+    only = up.cli("ctl", "audit", "--type", "team.created").stdout.splitlines()
+    assert len(only) == 1 and "team.created" in only[0]
+    services = up.cli("ctl", "audit", "--actor", "svc:", "-n", "500").stdout
+    assert "scheduler.elected" in services and " user:" not in services
+    assert "no changes by" in up.cli("ctl", "audit", "--since", "2999-01-01T00:00:00").stdout
+    bad = up.cli("ctl", "audit", "--since", "last tuesday")
+    assert bad.returncode != 0 and "neither a duration" in bad.stderr

@@ -74,6 +74,7 @@ class AdminApi:
         app.router.add_get("/api/v1/tree", self.tree)
         app.router.add_get("/api/v1/events/{id}", self.event)
         app.router.add_get("/api/v1/replay", self.replay)
+        app.router.add_get("/api/v1/audit", self.audit)
         app.router.add_get("/api/v1/nodes", self.nodes)
         app.router.add_get("/api/v1/nodes/{id}", self.node)
         app.router.add_get("/api/v1/models", self.models)
@@ -111,6 +112,42 @@ class AdminApi:
     async def metrics(self, request: web.Request) -> web.Response:
         await self.runner.refresh_lag()
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def audit(self, request: web.Request) -> web.Response:
+        """Who changed what (TEN-4), newest last: ``?actor=`` (exact, or a prefix ending in ``:``),
+        ``?since=`` (ISO or 30m/2h/1d), ``?type=``, ``?limit=`` (default 50, at most 1000). Without
+        ``actor``, people only (``user:…``): services and nodes write most events, on their behalf."""
+        q = request.query
+        try:
+            limit = min(max(int(q.get("limit", "50")), 1), 1000)
+        except ValueError:
+            return error(400, f"limit {q.get('limit')!r} is not a whole number", "invalid")
+        where, args = [], []
+        actor = q.get("actor", "").strip() or "user:"
+        if actor.endswith(":"):  # a kind of actor: user:, node:, svc:
+            where.append("substr(actor, 1, ?) = ?")
+            args += [len(actor), actor]
+        else:
+            where.append("actor = ?")
+            args.append(actor)
+        if q.get("since"):
+            try:
+                since = parse_since(q["since"], utc_now())
+            except ValueError as exc:
+                return error(400, str(exc), "invalid")
+            where.append("at >= ?")
+            args.append(since.isoformat())
+        if q.get("type"):
+            where.append("type = ?")
+            args.append(q["type"])
+        await self._caught_up("eventlog", await self.store.stream_last_seq())
+        cols = ["id", "seq", "type", "subject", "actor", "at", "causation", "correlation"]
+        rows = await self.backend.query(
+            "eventlog",
+            f"SELECT {', '.join(cols)} FROM {{events}} WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT {limit}",
+            *args,
+        )
+        return web.json_response({"events": [dict(zip(cols, r, strict=True)) for r in reversed(rows)]})
 
     async def replay(self, request: web.Request) -> web.Response:
         """The cluster as it was at ``?until=`` (an ISO time, or ``30m``/``2h``/``1d`` ago), from the log."""
