@@ -17,7 +17,7 @@ from llmgw.events import nodes as N
 from llmgw.events.metrics import StoreMetrics
 from llmgw.projections.metrics import ProjectionMetrics
 from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, pool_loads
-from llmgw.services.scheduler.metrics import NODE_SERIES, NodeCollector, SchedulerMetrics, fleet_figures, node_samples
+from llmgw.services.scheduler.metrics import NODE_SERIES, FleetCollector, fleet_figures, node_samples
 from llmgw.services.scheduler.reconcile import Blocked
 from llmgw.services.scheduler.state import ClusterState
 from tests.fleet import Fleet
@@ -57,18 +57,16 @@ def test_each_model_s_figures_say_what_runs_what_should_and_what_is_wrong() -> N
 
 
 def test_a_model_that_is_gone_leaves_no_series_and_a_standby_publishes_only_that_it_does_not_lead() -> None:
-    registry = CollectorRegistry()
-    metrics = SchedulerMetrics(registry, "sched-a")
     w = World().add(shaped("n0", CPU_16C_64G), model("chat"), model("old"))
-    metrics.leading(True)
-    metrics.publish(fleet_figures(w.state, T0, CFG, []))
+    registry, leads, blocked = CollectorRegistry(), [True], ["chat"]
+    registry.register(FleetCollector("sched-a", lambda: w.state, lambda: leads[0], lambda: blocked, CFG, lambda: T0))
     assert registry.get_sample_value("llmgw_model_replicas_desired", {"model": "old"}) == 1
+    assert registry.get_sample_value("llmgw_model_unplaceable", {"model": "chat"}) == 1
     assert registry.get_sample_value("llmgw_control_plane_leader", {"instance": "sched-a"}) == 1
-    w.add(on_model("old", M.ModelRemoved()))
-    metrics.publish(fleet_figures(w.state, T0, CFG, []))
+    w.add(on_model("old", M.ModelRemoved()))  # computed when scraped: the next scrape sees it
     assert registry.get_sample_value("llmgw_model_replicas_desired", {"model": "old"}) is None
     assert registry.get_sample_value("llmgw_model_replicas_ready", {"model": "chat"}) == 0
-    metrics.leading(False)
+    leads[0] = False
     assert registry.get_sample_value("llmgw_model_replicas_ready", {"model": "chat"}) is None
     assert registry.get_sample_value("llmgw_nodes", {"state": "ready"}) is None
     assert registry.get_sample_value("llmgw_control_plane_leader", {"instance": "sched-a"}) == 0
@@ -81,8 +79,7 @@ def published_series() -> set[str]:
     ProjectionMetrics(registry)
     RouterMetrics(registry)
     registry.register(PoolSaturation(lambda: [("chat", 0.5)]))
-    SchedulerMetrics(registry, "sched-a")
-    registry.register(NodeCollector(ClusterState, lambda: True))
+    registry.register(FleetCollector("sched-a", ClusterState, lambda: True, list, CFG))
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     return {f.name + end for f in registry.collect() for end in suffixes.get(f.type, ("",))}
 
@@ -187,7 +184,7 @@ def test_each_node_s_latest_heartbeat_becomes_series_and_a_missing_sensor_stays_
 
     registry = CollectorRegistry()
     leads = [False]
-    registry.register(NodeCollector(lambda: w.state, lambda: leads[0]))
+    registry.register(FleetCollector("sched-a", lambda: w.state, lambda: leads[0], list, CFG))
     assert registry.get_sample_value("llmgw_gpu_power_watts", {"node": "gpu", "gpu": "0"}) is None, "a standby"
     leads[0] = True
     assert registry.get_sample_value("llmgw_gpu_power_watts", {"node": "gpu", "gpu": "0"}) == 350.5

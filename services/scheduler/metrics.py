@@ -1,20 +1,20 @@
 """What the scheduler knows of the fleet, as Prometheus series (SPEC OBS-1).
 
-Only the leader publishes model and node series: every scheduler folds the same cluster, and two
-publishing would double every sum. A standby publishes ``llmgw_control_plane_leader`` 0, so
+Only the leader yields model and node series: every scheduler folds the same cluster, and two
+publishing would double every sum. A standby yields ``llmgw_control_plane_leader`` 0, so
 ``sum(llmgw_control_plane_leader) != 1`` says the control plane has no leader, or two.
 
-The figures are a pure function of the folded state and the last pass's decisions
-(:func:`fleet_figures`); :class:`SchedulerMetrics` only sets gauges from them and drops the
-series of models that are gone.
+The figures are pure functions of the folded state and the last pass's blocked models
+(:func:`fleet_figures`, :func:`node_samples`); :class:`FleetCollector` turns them into series when
+Prometheus scrapes, so nothing is set on the scheduler's passes.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
-from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.services.scheduler.reconcile import Config, wanted_replicas
@@ -60,67 +60,6 @@ def fleet_figures(state: ClusterState, now_epoch: float, cfg: Config, blocked: I
             continue
         nodes["lost" if n.lost else "cordoned" if n.cordoned else "ready"] += 1
     return FleetFigures(models=models, nodes=nodes)
-
-
-class SchedulerMetrics:
-    def __init__(self, registry: CollectorRegistry, instance: str) -> None:
-        r = registry
-        self.instance = instance
-        model = ["model"]
-        self.ready = Gauge(
-            "llmgw_model_replicas_ready",
-            "Ready replicas (0 for a model that should run and has none)",
-            model,
-            registry=r,
-        )
-        self.desired = Gauge("llmgw_model_replicas_desired", "Replicas the model should hold now", model, registry=r)
-        self.failures = Gauge(
-            "llmgw_model_start_failures", "Consecutive failed starts since the last ready replica", model, registry=r
-        )
-        self.parked = Gauge("llmgw_model_parked", "1 while the model is parked after failed starts", model, registry=r)
-        self.unplaceable = Gauge(
-            "llmgw_model_unplaceable", "1 while no node can take a replica the model wants", model, registry=r
-        )
-        self.nodes = Gauge("llmgw_nodes", "Registered nodes by state (ready, cordoned, lost)", ["state"], registry=r)
-        self.leader = Gauge(
-            "llmgw_control_plane_leader", "1 while this scheduler instance leads, else 0", ["instance"], registry=r
-        )
-        self._models: set[str] = set()
-        self.leader.labels(instance=instance).set(0)
-
-    def leading(self, leads: bool) -> None:
-        self.leader.labels(instance=self.instance).set(1 if leads else 0)
-        if not leads:
-            self.clear()
-
-    def publish(self, figures: FleetFigures) -> None:
-        seen = set()
-        for f in figures.models:
-            seen.add(f.model)
-            self.ready.labels(model=f.model).set(f.ready)
-            self.desired.labels(model=f.model).set(f.desired)
-            self.failures.labels(model=f.model).set(f.start_failures)
-            self.parked.labels(model=f.model).set(1 if f.parked else 0)
-            self.unplaceable.labels(model=f.model).set(1 if f.unplaceable else 0)
-        for gone in self._models - seen:
-            self._remove(gone)
-        self._models = seen
-        for state, count in figures.nodes.items():
-            self.nodes.labels(state=state).set(count)
-
-    def clear(self) -> None:
-        """Drop every model and node series (this instance no longer leads)."""
-        for name in self._models:
-            self._remove(name)
-        self._models = set()
-        self.nodes.clear()
-
-    def _remove(self, model: str) -> None:
-        for g in (self.ready, self.desired, self.failures, self.parked, self.unplaceable):
-            try:
-                g.remove(model)
-            except KeyError:
-                pass
 
 
 # -- each node's latest heartbeat -----------------------------------------------------------------
@@ -181,22 +120,63 @@ def node_samples(state: ClusterState) -> list[tuple[str, tuple[str, ...], float]
     return out
 
 
-class NodeCollector:
-    """The nodes' latest heartbeats as series, computed when scraped and only while ``leads()``."""
+MODEL_SERIES = {
+    "llmgw_model_replicas_ready": "Ready replicas (0 for a model that should run and has none)",
+    "llmgw_model_replicas_desired": "Replicas the model should hold now",
+    "llmgw_model_start_failures": "Consecutive failed starts since the last ready replica",
+    "llmgw_model_parked": "1 while the model is parked after failed starts",
+    "llmgw_model_unplaceable": "1 while the last pass found no node for a replica the model wants",
+}
 
-    def __init__(self, state: Callable[[], ClusterState], leads: Callable[[], bool]) -> None:
-        self.state = state
-        self.leads = leads
+
+class FleetCollector:
+    """Every series here, computed from the folded state when scraped: nothing is kept between
+    scrapes, so a removed model's series simply stop. A standby yields only that it does not lead."""
+
+    def __init__(
+        self,
+        instance: str,
+        state: Callable[[], ClusterState],
+        leads: Callable[[], bool],
+        blocked: Callable[[], Iterable[str]],
+        cfg: Config,
+        now: Callable[[], float] = time.time,
+    ) -> None:
+        self.instance = instance
+        self.state, self.leads, self.blocked, self.cfg, self.now = state, leads, blocked, cfg, now
 
     def describe(self) -> list[GaugeMetricFamily]:
         return []  # the families are made at scrape time
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        if not self.leads():
+        leads = self.leads()
+        leader = GaugeMetricFamily(
+            "llmgw_control_plane_leader", "1 while this scheduler instance leads, else 0", labels=["instance"]
+        )
+        leader.add_metric([self.instance], 1.0 if leads else 0.0)
+        yield leader
+        if not leads:
             return
-        families = {
+        state = self.state()
+        figures = fleet_figures(state, self.now(), self.cfg, self.blocked())
+        models = {name: GaugeMetricFamily(name, text, labels=["model"]) for name, text in MODEL_SERIES.items()}
+        for f in figures.models:
+            for name, value in (
+                ("llmgw_model_replicas_ready", f.ready),
+                ("llmgw_model_replicas_desired", f.desired),
+                ("llmgw_model_start_failures", f.start_failures),
+                ("llmgw_model_parked", int(f.parked)),
+                ("llmgw_model_unplaceable", int(f.unplaceable)),
+            ):
+                models[name].add_metric([f.model], float(value))
+        yield from models.values()
+        nodes = GaugeMetricFamily("llmgw_nodes", "Registered nodes by state (ready, cordoned, lost)", labels=["state"])
+        for node_state, count in figures.nodes.items():
+            nodes.add_metric([node_state], float(count))
+        yield nodes
+        per_node = {
             name: GaugeMetricFamily(name, text, labels=list(labels)) for name, (text, labels) in NODE_SERIES.items()
         }
-        for name, labels, value in node_samples(self.state()):
-            families[name].add_metric(list(labels), value)
-        yield from families.values()
+        for name, labels, value in node_samples(state):
+            per_node[name].add_metric(list(labels), value)
+        yield from per_node.values()

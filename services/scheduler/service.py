@@ -30,7 +30,7 @@ from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
 from llmgw.events.subjects import event_subject
 from llmgw.services.scheduler.explain import explain
 from llmgw.services.scheduler.headroom import headroom
-from llmgw.services.scheduler.metrics import NodeCollector, SchedulerMetrics, fleet_figures
+from llmgw.services.scheduler.metrics import FleetCollector
 from llmgw.services.scheduler.reconcile import (
     Blocked,
     Clock,
@@ -51,7 +51,6 @@ log = structlog.get_logger("llmgw.services.scheduler")
 LEASE_BUCKET = "llmgw_leases"
 LEASE_KEY = "scheduler"
 BLOCKED_REPEAT_S = 600.0
-PUBLISH_S = 1.0  # the fleet's Prometheus series are set at most this often
 FOLDED = ("model", "node", "replica")
 
 
@@ -74,11 +73,14 @@ class SchedulerService:
         self.tick_s = tick_s
         self.state = ClusterState()
         self.started = time.monotonic()
-        registry = registry or CollectorRegistry()
-        self.metrics = SchedulerMetrics(registry, self.instance)
-        registry.register(NodeCollector(lambda: self.state, lambda: self.leader))
-        self._published_at: float | None = None
-        self._leader = False
+        self.leader = False
+        self._blocked_now: list[str] = []  # models the last pass could not place (for the metrics)
+        if registry is not None:
+            registry.register(
+                FleetCollector(
+                    self.instance, lambda: self.state, lambda: self.leader, lambda: self._blocked_now, self.cfg
+                )
+            )
         self.term = 0
         self.fence_seq = 0
         self.passes = 0
@@ -87,17 +89,6 @@ class SchedulerService:
         self._seen_position = asyncio.Condition()
         self._blocked: dict[str, tuple[str, float]] = {}
         self._placed_total = 0
-
-    @property
-    def leader(self) -> bool:
-        return self._leader
-
-    @leader.setter
-    def leader(self, leads: bool) -> None:
-        if leads != self._leader:
-            self.metrics.leading(leads)  # a standby publishes no fleet series, only that it does not lead
-            self._published_at = None
-        self._leader = leads
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -248,22 +239,13 @@ class SchedulerService:
                 items, fence_subject=event_subject(SCH.AGGREGATE, SCH.LEADER_ID), fence_seq=self.fence_seq
             )
             await self._wait_folded(result.last_seq)
-        self._publish(decisions, clock)
+        self._blocked_now = [d.model for d in decisions if isinstance(d, Blocked)]
         waits = [d.until for d in decisions if isinstance(d, Waiting)]
         if waits:
             # Wake when the earliest backoff ends, not a tick later.
             delay = max(min(waits) - clock.epoch, 0.0)
             asyncio.get_running_loop().call_later(delay, self._wake.set)
         return decisions
-
-    def _publish(self, decisions: list[Decision], clock: Clock) -> None:
-        """The fleet's series, from the state this pass left (at most once a second: a scrape is
-        every 15 s or so, and setting every model's gauges costs microseconds each)."""
-        if not self.leader or (self._published_at is not None and clock.monotonic - self._published_at < PUBLISH_S):
-            return
-        blocked = [d.model for d in decisions if isinstance(d, Blocked)]
-        self.metrics.publish(fleet_figures(self.state, clock.epoch, self.cfg, blocked))
-        self._published_at = clock.monotonic
 
     def _events(self, decisions: list[Decision], clock: Clock) -> list[tuple[str, NewEvent]]:
         out: list[tuple[str, NewEvent]] = []

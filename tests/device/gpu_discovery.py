@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from llmgw.agent import discovery
 from llmgw.events import models as M
 from llmgw.events import nodes as N
-from llmgw.services.scheduler.metrics import NodeCollector, node_samples
-from llmgw.services.scheduler.reconcile import Blocked, Place
+from llmgw.services.scheduler.metrics import FleetCollector, node_samples
+from llmgw.services.scheduler.reconcile import Blocked, Config, Place
 from llmgw.services.scheduler.state import capacity_of
 from tests.scheduler_world import World, spec
 
@@ -89,7 +89,7 @@ def main(out_dir: Path | None) -> int:
 
     if out_dir is not None:
         registry = CollectorRegistry()
-        registry.register(NodeCollector(lambda: w.state, lambda: True))
+        registry.register(FleetCollector("dev", lambda: w.state, lambda: True, list, Config()))
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "node-series.prom").write_bytes(generate_latest(registry))
     return fail(problems)
