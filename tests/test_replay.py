@@ -29,7 +29,8 @@ SERVICES = ("tenancy", "access", "catalog", "fleet", "scheduler", "projections",
 
 
 @pytest.fixture
-async def fleet(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
+async def tenants_fleet(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
+    """conftest's fleet plus the tenancy and access services (keys and the tree are replayed too)."""
     f = await Fleet(store, nats.url, tmp_path).start(services=SERVICES)
     try:
         yield f
@@ -43,7 +44,8 @@ async def replay(fleet: Fleet, until: str) -> tuple[int, dict[str, Any]]:
         return r.status, await r.json()
 
 
-async def test_the_cluster_is_shown_as_it_was_before_later_changes(fleet: Fleet, tmp_path: Path) -> None:
+async def test_the_cluster_is_shown_as_it_was_before_later_changes(tenants_fleet: Fleet, tmp_path: Path) -> None:
+    fleet = tenants_fleet
     for kind, path in (("org", "acme"), ("team", "acme/ml"), ("project", "acme/ml/chat")):
         await fleet.command("create", T.CreateScope(kind=kind, path=path), service=T.SERVICE)
     _, prefix, digest = A.make_api_key()
@@ -102,6 +104,8 @@ async def _stopped(fleet: Fleet, replica_id: str) -> bool:
     ("until", "says"),
     [("", "say when"), ("yesterday-ish", "neither a duration"), ("2999-01-01T00:00:00Z", "in the future")],
 )
-async def test_a_moment_that_is_not_one_is_refused_with_what_to_give(fleet: Fleet, until: str, says: str) -> None:
-    status, body = await replay(fleet, until)
+async def test_a_moment_that_is_not_one_is_refused_with_what_to_give(
+    tenants_fleet: Fleet, until: str, says: str
+) -> None:
+    status, body = await replay(tenants_fleet, until)
     assert status == 400 and says in body["error"]["message"] and body["error"]["code"] == "invalid"
