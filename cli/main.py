@@ -33,6 +33,7 @@ from llmgw.cli.mirror_cmd import mirror
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError
 from llmgw.cli.runtime import ALL_SERVICES, DEMO_KEY_FILE, ServerConfig, serve
 from llmgw.services.mirror.hub import DEFAULT_HUB
+from llmgw.services.router.app import RouterConfig
 
 
 @click.group()
@@ -151,6 +152,7 @@ def up(
         bootstrap_dir=str(data_dir),
         nats_url=natsd.url,
         db_dsn=f"sqlite:///{data_dir / 'projections.db'}",
+        router=RouterConfig(usage_journal=str(data_dir / "usage-journal")),
         host=host,
         port=port,
         admin_port=admin_port,
@@ -255,6 +257,11 @@ def up(
     "tried in order, the next when one does not answer (default: this server's own mirror). Give the primary "
     "and its peers.",
 )
+@click.option(
+    "--usage-journal",
+    help="Where the router keeps usage records the bus has not acknowledged yet, on this machine's own disk "
+    "(default: DATA_DIR/usage-journal).",
+)
 @click.option("--log-level", default="info", show_default=True)
 @_mirror_options
 def server(
@@ -270,6 +277,7 @@ def server(
     mirror_peer_of: str | None,
     mirror_peer_name: str,
     mirror_urls: tuple[str, ...],
+    usage_journal: str | None,
     log_level: str,
     mirror_port: int | None,
     mirror_max_gb: float | None,
@@ -287,6 +295,7 @@ def server(
         stream_replicas=replicas,
         declared_models=tuple(load_model_file(catalog_file)) if catalog_file else (),
         mirror_dir=mirror_dir or str(default_data_dir() / "mirror"),
+        router=RouterConfig(usage_journal=usage_journal or str(default_data_dir() / "usage-journal")),
         mirror_port=mirror_port or admin_port + 2,
         mirror_max_bytes=int(mirror_max_gb * 1e9) if mirror_max_gb else None,
         mirror_peer_of=mirror_peer_of,

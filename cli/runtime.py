@@ -236,7 +236,11 @@ async def serve(
         for site in sites:
             await site.cleanup()
         for router in routers:
-            await router.stop()
+            report = await router.stop()
+            if report.lost:
+                log.error("router stopped with usage records lost", lost=report.lost, error=report.error)
+            elif report.journaled:
+                log.warning("router stopped with usage records journaled", journaled=report.journaled)
         for j in jobs_services:
             await j.close()
         for m in mirrors:

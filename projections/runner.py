@@ -9,13 +9,16 @@ A handler error is never skipped: the batch is rolled back and tried once more (
 which names the failing event); if it fails again the projection stops, logs the event and the
 error, counts it, and reports it in :meth:`ProjectionRunner.status` and from ``wait_until``,
 until :meth:`ProjectionRunner.restart` (after a fix). The other projections go on. Lost
-connections are retried with backoff instead.
+connections, and errors of the machine rather than of an event (a full disk, a read-only file
+system, a locked database: :func:`environmental`), are retried with backoff instead, so a
+projection resumes by itself once space returns; each change of state is logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -44,6 +47,34 @@ log = structlog.get_logger("llmgw.projections.runner")
 
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 30.0
+
+
+_ENVIRONMENTAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EAGAIN, errno.EBUSY}
+# SQLite's messages for a full disk, a read-only file, a busy or locked database, an I/O error.
+_ENVIRONMENTAL_SQLITE = ("full", "locked", "busy", "disk i/o", "readonly", "read-only", "unable to open")
+# PostgreSQL SQLSTATE classes 53 (insufficient resources: disk full, out of memory, too many connections),
+# 57P (operator intervention: shutdown, cannot connect now) and 58 (system error: I/O).
+_ENVIRONMENTAL_SQLSTATES = ("53", "57P", "58")
+
+
+def environmental(exc: BaseException) -> bool:
+    """True when ``exc`` (or what caused it) is a condition of the machine that passes by itself
+    or by an operator's hand — disk full, read-only, locked — not a fault of the event. Pure."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _ENVIRONMENTAL_ERRNOS:
+            return True
+        if type(e).__module__ == "sqlite3" and type(e).__name__ == "OperationalError":
+            text = str(e).lower()
+            if any(word in text for word in _ENVIRONMENTAL_SQLITE):
+                return True
+        sqlstate = getattr(e, "sqlstate", None)
+        if isinstance(sqlstate, str) and sqlstate.startswith(_ENVIRONMENTAL_SQLSTATES):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class ProjectionFailed(ProjectionError):
@@ -318,6 +349,7 @@ class ProjectionRunner:
     async def _run(self, slot: _Slot) -> None:
         p = slot.projection
         delay = RETRY_MIN_S
+        retries = 0
         while True:
             try:
                 slot.status = "running"
@@ -332,6 +364,9 @@ class ProjectionRunner:
                             except Exception as exc:
                                 raise _ApplyFailed() from exc
                         delay = RETRY_MIN_S
+                        if retries:
+                            log.info("projection resumed", projection=p.name, position=slot.position, retries=retries)
+                            retries = 0
                         if rewind:
                             break
                     else:
@@ -342,13 +377,22 @@ class ProjectionRunner:
                 error = exc.__cause__ if isinstance(exc, _ApplyFailed) else exc
                 assert isinstance(error, Exception)
                 cause = error.cause if isinstance(error, HandlerError) else error
-                if isinstance(exc, _ApplyFailed) and not self.backend.is_transient(cause):
+                if isinstance(exc, _ApplyFailed) and not (self.backend.is_transient(cause) or environmental(cause)):
                     await self._fail(slot, error)
                     return
-                # The bus or the database went away: read again from the checkpoint, with backoff.
+                # The bus or the database went away, or the disk is full: read again from the
+                # checkpoint, with backoff; the first retry and every 10th are logged.
                 self.metrics.errors.labels(projection=p.name).inc()
                 slot.status, slot.error = "retrying", error
-                log.warning("projection interrupted; retrying", projection=p.name, error=str(error), retry_in_s=delay)
+                retries += 1
+                if retries == 1 or retries % 10 == 0:
+                    log.warning(
+                        "projection interrupted; retrying",
+                        projection=p.name,
+                        error=str(error),
+                        retry_in_s=delay,
+                        retries=retries,
+                    )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_S)
                 slot.error = None

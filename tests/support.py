@@ -52,19 +52,23 @@ def wait_for_port(port: int, deadline_s: float = 10.0, proc: subprocess.Popen | 
 class NatsServer:
     """A JetStream nats-server child process with its own store directory."""
 
-    def __init__(self, store_dir: Path, *, sync_always: bool = True) -> None:
+    def __init__(self, store_dir: Path, *, sync_always: bool = True, max_file_store: str | None = None) -> None:
         self.store_dir = store_dir
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.sync_always = sync_always
+        # JetStream sizes its store limit from the free disk at start; a fixed limit above the disk's
+        # size makes a full disk fail writes with ENOSPC instead (the disk-full tests).
+        self.max_file_store = max_file_store
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir.parent / f"nats-{self.port}.conf"
         sync = "sync_interval: always" if self.sync_always else ""
+        limit = f"max_file_store: {self.max_file_store}" if self.max_file_store else ""
         conf.write_text(
-            f'listen: "127.0.0.1:{self.port}"\njetstream {{\n  store_dir: "{self.store_dir}"\n  {sync}\n}}\n'
+            f'listen: "127.0.0.1:{self.port}"\njetstream {{\n  store_dir: "{self.store_dir}"\n  {sync}\n  {limit}\n}}\n'
         )
         log = open(self.store_dir.parent / f"nats-{self.port}.log", "wb")
         self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=log, stderr=log)

@@ -35,11 +35,12 @@ from llmgw.events.secrets import engine_key, engine_key_secret
 from llmgw.events.store import EventStore
 from llmgw.events.usage import UsageRecord
 from llmgw.services.router.budgets import BudgetBook, BudgetExceeded, cost, max_cost
+from llmgw.services.router.journal import JournalError
 from llmgw.services.router.limits import Level, Limiter
-from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, pool_loads
+from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, UsageMetrics, pool_loads
 from llmgw.services.router.routing import Affinity, order, prefix_key
 from llmgw.services.router.state import KeyInfo, ModelInfo, ReplicaInfo, RouterState
-from llmgw.services.router.usage import UsagePublisher
+from llmgw.services.router.usage import StopReport, UsageConfig, UsagePublisher
 
 log = structlog.get_logger("llmgw.router")
 access_log = structlog.get_logger("llmgw.access")
@@ -62,6 +63,10 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     saturation: int = 4  # in-flight requests at which prefix affinity lets go (llama.cpp slots)
     gossip_s: float = 0.1
     max_attempts: int = 3
+    # usage records the bus has not acknowledged go to this directory (None: memory only, see docs/usage.md)
+    usage_journal: str | None = None
+    usage_memory_records: int = 10_000  # held in memory before they go to the journal
+    usage_ack_timeout_s: float = 5.0  # a usage record not acknowledged within this is retried
 
 
 class ApiError(Exception):
@@ -119,6 +124,7 @@ class Call(msgspec.Struct, kw_only=True):
     levels: list[Level] = []
     holds: list[tuple[str, str, float]] = []  # (scope, period, usd) reserved
     cost_usd: float = 0.0
+    billed: bool = True  # False: refused before admission because usage could not be kept
 
 
 class Router:
@@ -137,7 +143,16 @@ class Router:
         self.affinity = Affinity()
         self.metrics = RouterMetrics(registry)
         self.metrics.registry.register(PoolSaturation(self._pool_loads))
-        self.usage = UsagePublisher(store.js)
+        self.usage = UsagePublisher(
+            store.js,
+            store.nc,
+            UsageConfig(
+                journal_dir=self.cfg.usage_journal,
+                memory_records=self.cfg.usage_memory_records,
+                ack_timeout_s=self.cfg.usage_ack_timeout_s,
+            ),
+            UsageMetrics(self.metrics.registry, self._usage_gauges),
+        )
         self.budgets = BudgetBook(store.js)
         self.outstanding: dict[str, int] = {}
         self._secret = b""
@@ -150,6 +165,10 @@ class Router:
         self._demand_sent: dict[str, float] = {}
         self._caught_up = asyncio.Event()
         self._rng = random.Random()
+
+    def _usage_gauges(self) -> tuple[int, float | None, bool]:
+        b = self.usage.backlog()
+        return b.records, b.oldest_s, b.refusing is not None
 
     def _pool_loads(self) -> list[tuple[str, float]]:
         ready = {m: [r.replica_id for r in self.state.ready(m)] for m in self.state.models}
@@ -169,7 +188,10 @@ class Router:
         self._fresh = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True), auto_decompress=False
         )
-        self.usage.start()
+        try:
+            await self.usage.start()  # publishes what an earlier run left in the journal
+        except JournalError as exc:
+            raise SystemExit(f"error: {exc}") from exc
         target = await self.store.stream_last_seq()
         self._tasks.append(asyncio.create_task(self._follow(target), name="router-follow"))
         self._tasks.append(asyncio.create_task(self._gossip_loop(), name="router-gossip"))
@@ -180,18 +202,20 @@ class Router:
         gc.collect()
         gc.freeze()
 
-    async def stop(self) -> None:
+    async def stop(self) -> StopReport:
+        """Stop; usage records not yet acknowledged are published (bounded) or journaled, and what
+        neither took is logged and reported."""
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        with contextlib.suppress(Exception):
-            await self.usage.flush()
+        report = await self.usage.stop()
         if self._session:
             await self._session.close()
         if self._fresh:
             await self._fresh.close()
+        return report
 
     async def _follow(self, target: int) -> None:
         if target == 0:
@@ -246,13 +270,26 @@ class Router:
         return app
 
     async def healthz(self, request: web.Request) -> web.Response:
-        ok = self.store.nc.is_connected and self._caught_up.is_set()
+        usage = self.usage.backlog()
+        # Refusing billable requests is 503, so a load balancer sends them to a router that can bill;
+        # a backlog kept in the journal is not: requests are still billed.
+        ok = self.store.nc.is_connected and self._caught_up.is_set() and usage.refusing is None
         body = {
             "status": "ok" if ok else "degraded",
             "nats": "connected" if self.store.nc.is_connected else "disconnected",
             "models": len(self.state.models),
+            "usage": msgspec.to_builtins(usage),
         }
         return web.json_response(body, status=200 if ok else 503)
+
+    def _admit_billable(self, call: Call) -> None:
+        """Refuse a billable request while its usage record could not be kept (GW-8: never serve unbilled)."""
+        reason = self.usage.refusal()
+        if reason is not None:
+            call.billed = False  # nothing was served: no record to keep
+            if self.usage.metrics:
+                self.usage.metrics.refused.inc()
+            raise ApiError(503, reason, "usage_unavailable", {"retry-after": "10"})
 
     def _request_id(self, request: web.Request) -> str:
         given = request.headers.get("x-request-id")
@@ -310,6 +347,7 @@ class Router:
         try:
             body, raw = await self._body(request, endpoint)
             call.key = self._authenticate(request)
+            self._admit_billable(call)
             call.model_asked = body["model"]
             call.stream = bool(body.get("stream", False))
             model = self._model(call.key, call.model_asked)
@@ -705,7 +743,7 @@ class Router:
             error=call.error,
             router=self.instance,
         )
-        if key is not None:
+        if key is not None and call.billed:
             self.usage.put(record)  # unauthenticated noise is logged, not billed
         access_log.info(
             "request",

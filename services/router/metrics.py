@@ -96,3 +96,53 @@ class PoolSaturation:
         for model, load in self.loads():
             family.add_metric([model], load)
         yield family
+
+
+class UsageMetrics:
+    """The usage publisher's series: counters it adds to, and the backlog read at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry, backlog: Callable[[], tuple[int, float | None, bool]]) -> None:
+        r = registry
+        self.journaled = Counter("llmgw_usage_journaled_records", "Usage records written to the journal", registry=r)
+        self.replayed = Counter(
+            "llmgw_usage_replayed_records", "Journaled usage records the bus has acknowledged", registry=r
+        )
+        self.failures = Counter(
+            "llmgw_usage_publish_failures", "Usage record publishes not acknowledged (each attempt)", registry=r
+        )
+        self.lost = Counter(
+            "llmgw_usage_lost_records",
+            "Usage records neither published nor journaled when a router stopped",
+            registry=r,
+        )
+        self.refused = Counter(
+            "llmgw_usage_refused_requests", "Billable requests refused because usage could not be kept", registry=r
+        )
+        r.register(UsageBacklogCollector(backlog))
+
+
+class UsageBacklogCollector:
+    """``llmgw_usage_backlog_records``, ``llmgw_usage_backlog_oldest_seconds`` and
+    ``llmgw_usage_refusing``, computed when scraped: ``backlog()`` gives (records, oldest age, refusing)."""
+
+    def __init__(self, backlog: Callable[[], tuple[int, float | None, bool]]) -> None:
+        self.backlog = backlog
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        records, oldest, refusing = self.backlog()
+        yield GaugeMetricFamily(
+            "llmgw_usage_backlog_records",
+            "Usage records not yet acknowledged by the bus (in memory and in the journal)",
+            value=records,
+        )
+        yield GaugeMetricFamily(
+            "llmgw_usage_backlog_oldest_seconds",
+            "Age of the oldest usage record not yet acknowledged",
+            value=oldest or 0,
+        )
+        yield GaugeMetricFamily(
+            "llmgw_usage_refusing", "1 while billable requests are refused because usage cannot be kept", value=refusing
+        )

@@ -1,82 +1,487 @@
-"""Usage records off the request path: queued, published pipelined, kept until acknowledged.
+"""Usage records off the request path, kept until JetStream acknowledges them (SPEC GW-8: none lost).
 
 A record is published with ``Nats-Msg-Id`` = its request id, so a retry after a lost
-acknowledgement is stored once. Records wait in memory while NATS is away and are retried; none
-is dropped while the router runs (SPEC GW-8: no usage record lost).
+acknowledgement is stored once. While the bus acknowledges, records wait in memory only as long
+as a publish takes. Once it does not (NATS away, the stream's store failing, more records waiting
+than ``memory_records``), every waiting record is written to the usage journal (:mod:`.journal`,
+a directory on the router's own disk, one fsync per batch) and published from there, oldest
+first, when the bus accepts again; a segment is deleted once all its records are acknowledged.
+A router that starts with records in its journal publishes them first.
+
+When a record can be kept neither way — the bus does not acknowledge and the journal cannot be
+written (disk full, read-only) — :meth:`UsagePublisher.refusal` says why, and the router refuses
+billable requests with it rather than serve them unbilled. It admits again by itself as soon as
+the journal can be written or the bus acknowledges.
+
+Why a bus failure used to go unnoticed: when the stream's store fails, nats-server answers a
+publish with an error (503 "insufficient resources") or not at all (a store write error, e.g.
+ENOSPC, is kept by the stream until nats-server restarts). nats-py raises the 503 inside its reply
+handler instead of failing the publish's future, so either way the future never completes; the
+old publisher waited for each of a batch's 256 futures in turn, 10 s apiece, so the first warning
+came after 40 minutes. Here a batch's acknowledgements are awaited together, once, with a timeout,
+and failures are logged with their count and error, at most every 10 s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import errno
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import datetime
 
 import msgspec
 import structlog
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from llmgw.events import subjects as S
 from llmgw.events.usage import UsageRecord, usage_subject
+from llmgw.services.router.journal import Journal
+from llmgw.services.router.metrics import UsageMetrics
 
 log = structlog.get_logger("llmgw.router.usage")
 _enc = msgspec.json.Encoder()
 
+RETRY_MIN_S = 0.1
+SPILL_CHUNK = 1024  # records per journal write (one fsync each)
+LOG_EVERY_S = 10.0
+
+
+class UsageConfig(msgspec.Struct, frozen=True, kw_only=True):
+    journal_dir: str | None = None  # None: records wait in memory only
+    memory_records: int = 10_000  # records held in memory before they go to the journal
+    batch: int = 256  # records published per round of acknowledgements
+    ack_timeout_s: float = 5.0  # a record not acknowledged within this is retried
+    retry_max_s: float = 5.0  # the longest pause between attempts while the bus refuses
+    stop_timeout_s: float = 10.0  # how long a stopping router tries to publish what is left
+    segment_bytes: int = 1 << 20
+
+
+class UsageBacklog(msgspec.Struct, frozen=True, kw_only=True):
+    """What the router holds that the bus has not acknowledged (``/healthz``'s ``usage``)."""
+
+    state: str  # ok | journaling | refusing
+    records: int  # in memory and in the journal
+    in_memory: int
+    journaled: int
+    oldest_s: float | None  # age of the oldest record held, seconds
+    journal: str | None
+    error: str | None = None  # the last publish or journal error, while records are held
+    refusing: str | None = None  # why billable requests are refused
+
+
+class StopReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a stopping publisher did with what it held."""
+
+    published: int  # published during the stop
+    journaled: int  # left in the journal for the next start
+    lost: int  # could be neither published nor journaled (logged with their request ids)
+    error: str | None = None
+
+
+class _Head(msgspec.Struct):
+    """The parts of a journaled record needed to publish it."""
+
+    request_id: str
+    at: datetime
+    project_id: str | None = None
+
+
+class _Item(msgspec.Struct):
+    request_id: str
+    subject: str
+    data: bytes
+    at: float
+
+
+_head = msgspec.json.Decoder(_Head)
+
+
+def journal_problem(directory: str, exc: OSError) -> str:
+    """A sentence saying why the journal cannot be written. Pure."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "is full"
+    elif exc.errno == errno.EROFS:
+        what = "is on a read-only file system"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        what = "is not writable"
+    else:
+        what = "cannot be written"
+    return f"the usage journal at {directory} {what} ({reason})"
+
+
+class _FailureLog:
+    """Failures summed and logged at most every ``every_s``: a dead bus neither floods the log nor goes unsaid."""
+
+    def __init__(self, every_s: float = LOG_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self.clock = clock
+        self.count = 0
+        self.errors: dict[str, int] = {}
+        self.last = float("-inf")
+
+    def note(self, errors: dict[str, int], backlog: int) -> None:
+        for error, count in errors.items():
+            self.count += count
+            self.errors[error] = self.errors.get(error, 0) + count
+        now = self.clock()
+        if now - self.last >= self.every_s:
+            log.warning(
+                "usage records not acknowledged by the bus; kept and retried",
+                records=self.count,
+                errors=self.errors,
+                backlog=backlog,
+            )
+            self.count, self.errors, self.last = 0, {}, now
+
 
 class UsagePublisher:
-    def __init__(self, js: JetStreamContext, batch: int = 256) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        nc: NATS | None = None,
+        config: UsageConfig | None = None,
+        metrics: UsageMetrics | None = None,
+    ) -> None:
         self.js = js
-        self.batch = batch
-        self._queue: asyncio.Queue[UsageRecord] = asyncio.Queue()
-        self._task: asyncio.Task | None = None
+        self.nc = nc
+        self.cfg = config or UsageConfig()
+        self.metrics = metrics
         self.published = 0
+        self._memory: deque[UsageRecord] = deque()
+        self._sending = 0  # taken from memory, awaiting acknowledgement
+        self._journal: Journal | None = None
+        self._journaled = 0
+        self._journal_oldest: float | None = None
+        self._offset = 0  # into the oldest segment: what is before it is acknowledged
+        self._replay: tuple[int, list[_Item], int] | None = None  # (segment, items left, offset after them)
+        self._bus_ok = True
+        self._bus_error: str | None = None
+        self._journal_error: str | None = None
+        self._failures = _FailureLog()
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the journal (raises :class:`JournalError` with a sentence) and publish what it holds."""
+        if self.cfg.journal_dir:
+            self._journal = Journal(self.cfg.journal_dir, self.cfg.segment_bytes)
+            count, oldest = await asyncio.to_thread(self._scan)
+            self._journaled, self._journal_oldest = count, oldest
+            if count:
+                log.warning(
+                    "usage journal holds records from an earlier run; publishing them",
+                    records=count,
+                    journal=self.cfg.journal_dir,
+                )
         self._task = asyncio.create_task(self._run(), name="usage-publisher")
+        self._wake.set()
 
     def put(self, record: UsageRecord) -> None:
-        self._queue.put_nowait(record)
+        self._memory.append(record)
+        if not self._wake.is_set():
+            self._wake.set()
+
+    async def stop(self, timeout_s: float | None = None) -> StopReport:
+        """Publish what is held within ``timeout_s``; journal the rest; log and report what neither took."""
+        timeout_s = self.cfg.stop_timeout_s if timeout_s is None else timeout_s
+        end = time.monotonic() + timeout_s
+        published_before = self.published
+        self._stopping.set()
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), max(timeout_s, self.cfg.ack_timeout_s + 1))
+            except TimeoutError:
+                self._task.cancel()
+            except Exception as exc:  # the loop must never die, but if it did, say so and go on
+                log.error("usage publisher loop had failed", error=str(exc))
+        if self._journal is not None and self._memory:
+            await self._spill()  # durable first; then publish what time allows
+        while self._has_work() and time.monotonic() < end:
+            if not await self._step(min(self.cfg.ack_timeout_s, max(0.1, end - time.monotonic()))):
+                break
+        lost = list(self._memory)
+        report = StopReport(
+            published=self.published - published_before,
+            journaled=self._journaled,
+            lost=len(lost),
+            error=(self._journal_error or self._bus_error) if (lost or self._journaled) else None,
+        )
+        if lost:
+            log.error(
+                "usage records lost at stop: the bus did not acknowledge them and they could not be journaled",
+                records=len(lost),
+                error=report.error,
+                journal=self.cfg.journal_dir,
+                request_ids=[r.request_id for r in lost[:50]],
+            )
+            if self.metrics:
+                self.metrics.lost.inc(len(lost))
+        elif self._journaled:
+            log.warning(
+                "usage records left in the journal at stop; the next router start publishes them",
+                records=self._journaled,
+                journal=self.cfg.journal_dir,
+                error=report.error,
+            )
+        if self._journal is not None:
+            self._journal.close()
+        return report
+
+    # -- state -------------------------------------------------------------------------------
+
+    def refusal(self) -> str | None:
+        """Why billable requests must be refused now (records cannot be kept), or None."""
+        if self._bus_ok:
+            return None
+        if self._journal is not None:
+            if self._journal_error is None:
+                return None
+            return f"usage records cannot be kept: {self._journal_error}; requests are refused until it can be written"
+        if len(self._memory) < self.cfg.memory_records:
+            return None
+        return (
+            f"usage records cannot be kept: {len(self._memory)} wait in memory for the bus ({self._bus_error}) and "
+            "no usage journal is configured; requests are refused until the bus acknowledges them"
+        )
+
+    def backlog(self) -> UsageBacklog:
+        in_memory = len(self._memory) + self._sending
+        oldest = []
+        if self._memory:
+            oldest.append(self._memory[0].at.timestamp())
+        if self._journaled and self._journal_oldest is not None:
+            oldest.append(self._journal_oldest)
+        refusing = self.refusal()
+        held = in_memory + self._journaled
+        if refusing:
+            state = "refusing"
+        elif self._journaled or not self._bus_ok:
+            state = "journaling" if self._journal is not None else "waiting"
+        else:
+            state = "ok"
+        return UsageBacklog(
+            state=state,
+            records=held,
+            in_memory=in_memory,
+            journaled=self._journaled,
+            oldest_s=round(max(0.0, time.time() - min(oldest)), 3) if oldest else None,
+            journal=self.cfg.journal_dir,
+            error=(self._journal_error or self._bus_error) if state != "ok" else None,
+            refusing=refusing,
+        )
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        return bool(self._memory) or self._journaled > 0
 
     async def _run(self) -> None:
-        while True:
-            records = [await self._queue.get()]
-            while len(records) < self.batch and not self._queue.empty():
-                records.append(self._queue.get_nowait())
-            await self._publish(records)
+        delay = RETRY_MIN_S
+        while not self._stopping.is_set():
+            if not self._has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                ok = await self._step(self.cfg.ack_timeout_s)
+            except Exception as exc:  # never let the loop die: records would wait forever
+                log.exception("usage publisher step failed; retrying", error=str(exc))
+                ok = False
+            if ok:
+                delay = RETRY_MIN_S
+                continue
+            try:
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            except TimeoutError:
+                pass
+            delay = min(delay * 2, self.cfg.retry_max_s)
 
-    async def _publish(self, records: list[UsageRecord]) -> None:
-        pending = records
-        delay = 0.1
-        while pending:
-            futures = []
-            for r in pending:
-                fut = await self.js.publish_async(
-                    usage_subject(r.project_id), _enc.encode(r), headers={S.HDR_MSG_ID: r.request_id}
-                )
-                futures.append((r, fut))
-            failed = []
-            for r, fut in futures:
-                try:
-                    await asyncio.wait_for(fut, 10.0)
-                    self.published += 1
-                except Exception as exc:
-                    failed.append(r)
-                    err = str(exc)
+    async def _step(self, ack_timeout_s: float) -> bool:
+        """One round: spill to the journal if records must be kept there, then publish a batch
+        (the journal's oldest first). False when the bus refused (back off)."""
+        if self._journal is not None and self._memory:
+            if self._journaled or not self._bus_ok or len(self._memory) > self.cfg.memory_records:
+                await self._spill()
+        if self._journaled:
+            return await self._replay_batch(ack_timeout_s)
+        if self._memory:
+            return await self._publish_memory(ack_timeout_s)
+        return True
+
+    async def _spill(self) -> bool:
+        assert self._journal is not None
+        while self._memory:
+            chunk = [self._memory.popleft() for _ in range(min(SPILL_CHUNK, len(self._memory)))]
+            try:
+                await asyncio.to_thread(self._journal.append, [_enc.encode(r) for r in chunk])
+            except OSError as exc:
+                self._memory.extendleft(reversed(chunk))
+                problem = journal_problem(str(self._journal.directory), exc)
+                if problem != self._journal_error:
+                    log.error(
+                        "usage journal cannot be written; billable requests are refused while the bus "
+                        "does not acknowledge records either",
+                        journal=str(self._journal.directory),
+                        error=problem,
+                        in_memory=len(self._memory),
+                    )
+                self._journal_error = problem
+                return False
+            if self._journaled == 0:
+                self._journal_oldest = chunk[0].at.timestamp()
+            self._journaled += len(chunk)
+            if self.metrics:
+                self.metrics.journaled.inc(len(chunk))
+            if self._journal_error is not None:
+                log.info("usage journal can be written again", journal=str(self._journal.directory))
+                self._journal_error = None
+        return True
+
+    async def _publish_memory(self, ack_timeout_s: float) -> bool:
+        records = [self._memory.popleft() for _ in range(min(self.cfg.batch, len(self._memory)))]
+        items = [
+            _Item(
+                request_id=r.request_id, subject=usage_subject(r.project_id), data=_enc.encode(r), at=r.at.timestamp()
+            )
+            for r in records
+        ]
+        self._sending = len(records)
+        try:
+            failed = await self._publish(items, ack_timeout_s)
+        except BaseException:
+            self._memory.extendleft(reversed(records))  # cancelled mid-publish: keep them all
+            raise
+        finally:
+            self._sending = 0
+        if failed:
+            self._memory.extendleft(reversed([records[i] for i in failed]))
+        return not failed
+
+    async def _replay_batch(self, ack_timeout_s: float) -> bool:
+        assert self._journal is not None
+        segments = self._journal.segments()
+        if not segments:
+            self._journaled, self._offset, self._replay = 0, 0, None
+            return True
+        segment = segments[0]
+        if self._replay is None or self._replay[0] != segment:
+            payloads, end = await asyncio.to_thread(self._journal.read, segment, self._offset)
+            self._replay = (segment, self._items(payloads), end)
+        _, items, end = self._replay
+        if items:
+            self._journal_oldest = items[0].at
+            chunk, rest = items[: self.cfg.batch], items[self.cfg.batch :]
+            failed = await self._publish(chunk, ack_timeout_s)
+            acked = len(chunk) - len(failed)
+            self._journaled = max(0, self._journaled - acked)
+            if self.metrics and acked:
+                self.metrics.replayed.inc(acked)
+            items = [chunk[i] for i in failed] + rest
+            self._replay = (segment, items, end)
             if failed:
-                log.warning("usage records not acknowledged; retrying", count=len(failed), error=err)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-            pending = failed
+                return False
+            if items:
+                return True
+        # Everything read from this segment is acknowledged.
+        self._replay = None
+        if self._journal.is_current(segment) and self._journal.size(segment) > end:
+            self._offset = end  # more was appended since: read on from there
+            return True
+        await asyncio.to_thread(self._journal.delete, segment)
+        self._offset = 0
+        if not self._journal.segments():
+            if self._journaled:
+                log.warning("usage journal count corrected: it is empty", counted=self._journaled)
+            self._journaled, self._journal_oldest = 0, None
+            log.info("usage journal drained: every journaled record is acknowledged", journal=self.cfg.journal_dir)
+        return True
 
-    async def flush(self, timeout: float = 10.0) -> None:
-        """Publish what is queued (at shutdown)."""
-        end = asyncio.get_running_loop().time() + timeout
-        while not self._queue.empty() and asyncio.get_running_loop().time() < end:
-            await asyncio.sleep(0.02)
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        rest = []
-        while not self._queue.empty():
-            rest.append(self._queue.get_nowait())
-        if rest:
-            await asyncio.wait_for(self._publish(rest), timeout)
+    def _items(self, payloads: list[bytes]) -> list[_Item]:
+        items = []
+        for p in payloads:
+            try:
+                h = _head.decode(p)
+            except msgspec.DecodeError as exc:
+                # Checked by its CRC, so written so by a router: keep it out of the way, say so.
+                log.error("usage journal: a record that is not a usage record is skipped", error=str(exc), data=p[:200])
+                self._journaled = max(0, self._journaled - 1)
+                continue
+            items.append(
+                _Item(request_id=h.request_id, subject=usage_subject(h.project_id), data=p, at=h.at.timestamp())
+            )
+        return items
+
+    async def _publish(self, items: list[_Item], ack_timeout_s: float) -> list[int]:
+        """Publish ``items`` pipelined; the indices of those not acknowledged within ``ack_timeout_s``."""
+        if self.nc is not None and not self.nc.is_connected:
+            return self._failed(list(range(len(items))), {"NATS is not connected": len(items)})
+        futures: list[asyncio.Future] = []
+        errors: dict[str, int] = {}
+        try:
+            for it in items:
+                futures.append(
+                    await self.js.publish_async(
+                        it.subject, it.data, headers={S.HDR_MSG_ID: it.request_id}, wait_stall=ack_timeout_s
+                    )
+                )
+        except Exception as exc:  # could not even be sent (connection closed, too many pending)
+            errors[f"{type(exc).__name__}: {exc}"] = len(items) - len(futures)
+        if futures:
+            _, pending = await asyncio.wait(futures, timeout=ack_timeout_s)
+            for f in pending:
+                f.cancel()
+        failed = list(range(len(futures), len(items)))
+        for i, f in enumerate(futures):
+            if f.cancelled():
+                failed.append(i)
+                key = f"no acknowledgement within {ack_timeout_s:g}s"
+                errors[key] = errors.get(key, 0) + 1
+            elif f.exception() is not None:
+                failed.append(i)
+                exc = f.exception()
+                key = f"{type(exc).__name__}: {exc}"
+                errors[key] = errors.get(key, 0) + 1
+        acked = len(items) - len(failed)
+        self.published += acked
+        if failed:
+            return self._failed(sorted(failed), errors)
+        if not self._bus_ok:
+            log.info("the bus acknowledges usage records again", backlog=len(self._memory) + self._journaled)
+            self._bus_ok, self._bus_error = True, None
+        return []
+
+    def _failed(self, failed: list[int], errors: dict[str, int]) -> list[int]:
+        error = max(errors, key=lambda e: errors[e])
+        if self._bus_ok:
+            log.warning(
+                "the bus does not acknowledge usage records; keeping them"
+                + (f" in the journal at {self.cfg.journal_dir}" if self._journal is not None else " in memory"),
+                error=error,
+            )
+        self._bus_ok, self._bus_error = False, error
+        if self.metrics:
+            self.metrics.failures.inc(len(failed))
+        self._failures.note(errors, len(self._memory) + self._journaled + self._sending)
+        return failed
+
+    def _scan(self) -> tuple[int, float | None]:
+        """Records in the journal at start and the time of the oldest."""
+        assert self._journal is not None
+        count, oldest = 0, None
+        for segment in self._journal.segments():
+            payloads, _ = self._journal.read(segment)
+            count += len(payloads)
+            if payloads and oldest is None:
+                try:
+                    oldest = _head.decode(payloads[0]).at.timestamp()
+                except msgspec.DecodeError:
+                    pass
+        return count, oldest

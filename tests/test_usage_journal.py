@@ -1,0 +1,388 @@
+"""No usage record is lost: the router's spill journal, its refusal when even that cannot be written,
+its replay after an outage or a restart, and projections that resume once a full disk has room.
+
+The disk-full cases mount a small tmpfs (we run as root); where mounting is not permitted they are
+skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import nats.js.errors
+import pytest
+import structlog
+
+from llmgw.events.catalog import default_registry
+from llmgw.events.store import EventStore
+from llmgw.projections.backends import open_backend
+from llmgw.projections.usage import UsageProjection
+from llmgw.services.router.app import RouterConfig
+from llmgw.services.router.journal import Journal, frame
+from tests.fleet import Fleet
+from tests.gguf_tiny import write_tiny_gguf
+from tests.support import NatsServer, wait_until
+from tests.test_accountant import START, make_records, publish_all, request_ids, runner_for
+from tests.test_gateway import GATEWAY, make_key, make_tenant
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def journaled_router(journal: Path) -> RouterConfig:
+    return RouterConfig(
+        activation_s=30.0,
+        first_token_s=20.0,
+        idle_s=20.0,
+        total_s=60.0,
+        usage_journal=str(journal),
+        usage_ack_timeout_s=1.0,
+    )
+
+
+@contextlib.contextmanager
+def tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``where`` for the test; skipped where mounting is not permitted."""
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or done.returncode}): a root-only test")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill(directory: Path, leave_bytes: int = 0) -> Path:
+    """Write a filler file into ``directory`` until its file system has ``leave_bytes`` free."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        chunk = b"\0" * 65536
+        while True:
+            st = os.statvfs(directory)
+            free = st.f_bavail * st.f_frsize
+            if free <= leave_bytes:
+                break
+            try:
+                f.write(chunk[: max(4096, min(len(chunk), free - leave_bytes))])
+            except OSError:
+                break
+    return filler
+
+
+async def usage_in_stream(js: Any) -> Counter[str]:
+    """How many messages the LLMGW_USAGE stream holds for each request id."""
+    info = await js.stream_info("LLMGW_USAGE")
+    ids: Counter[str] = Counter()
+    if not info.state.messages:
+        return ids
+    for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
+        try:
+            msg = await js.get_msg("LLMGW_USAGE", seq)
+        except nats.js.errors.NotFoundError:
+            continue
+        ids[msgspec.json.decode(msg.data)["request_id"]] += 1
+    return ids
+
+
+async def ask(session: aiohttp.ClientSession, port: int, key: str, request_id: str) -> tuple[int, dict]:
+    async with session.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json={"model": "tiny", "prompt": "hi", "max_tokens": 1},
+        headers={"Authorization": f"Bearer {key}", "x-request-id": request_id},
+    ) as resp:
+        return resp.status, await resp.json()
+
+
+async def health(session: aiohttp.ClientSession, port: int) -> tuple[int, dict]:
+    async with session.get(f"http://127.0.0.1:{port}/healthz") as resp:
+        return resp.status, await resp.json()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+# -- the journal itself ------------------------------------------------------------------------
+
+
+def test_the_journal_gives_back_its_records_in_order_skips_a_torn_tail_and_deletes_what_is_acknowledged(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "journal"
+    j = Journal(d, segment_bytes=64)
+    written = [f"record-{i:03d}".encode() for i in range(12)]
+    for i in range(0, 12, 3):
+        j.append(written[i : i + 3])  # one write and one fsync per batch
+    segments = j.segments()
+    assert len(segments) > 1, "batches beyond the segment size start new segments"
+    read = [r for s in segments for r in j.read(s)[0]]
+    assert read == written
+
+    # A crash in the middle of a write: the last record is cut short on disk.
+    j.close()
+    last = j.path(segments[-1])
+    with open(last, "ab") as f:
+        f.write(frame([b"record-torn"])[:-4])
+    with structlog.testing.capture_logs() as logs:
+        again = Journal(d, segment_bytes=64)
+        read = [r for s in again.segments() for r in again.read(s)[0]]
+    assert read == written, "the torn record is skipped, everything before it is kept"
+    torn = [e for e in logs if "torn" in e["event"]]
+    assert torn and torn[0]["segment"] == str(last) and torn[0]["skipped_bytes"] > 0
+
+    # A reopened journal never appends behind the torn bytes: a new segment takes the next batch.
+    again.append([b"after-the-crash"])
+    assert again.segments()[-1] > segments[-1]
+    assert again.read(again.segments()[-1])[0] == [b"after-the-crash"]
+
+    # Acknowledged segments are deleted, oldest first, until the directory holds none.
+    for s in again.segments():
+        again.delete(s)
+    assert again.segments() == [] and not list(d.glob("*.journal"))
+
+
+def test_a_failed_journal_write_leaves_no_torn_record_behind(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "small", "64k") as disk:
+        j = Journal(disk / "journal")
+        j.append([b"kept"])
+        fill(disk)
+        with pytest.raises(OSError) as failed:
+            j.append([b"x" * 200_000])
+        assert failed.value.errno == 28  # ENOSPC
+        (disk / "filler").unlink()
+        j.append([b"after"])
+        assert [r for s in j.segments() for r in j.read(s)[0]] == [b"kept", b"after"]
+        j.close()
+
+
+# -- through the gateway -----------------------------------------------------------------------
+
+
+async def test_a_full_disk_under_the_bus_loses_no_usage_record_and_none_is_counted_twice(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    with tmpfs(tmp_path / "disk", "3m") as disk:
+        nats_server = NatsServer(disk / "js", max_file_store="1G").start()
+        store = await EventStore.connect(nats_server.url, default_registry())
+        fleet: Fleet | None = None
+        try:
+            await store.ensure_streams()
+            fleet = await Fleet(store, nats_server.url, tmp_path).start(
+                services=GATEWAY, router=journaled_router(tmp_path / "usage-journal")
+            )
+            fleet.agent("n1")
+            tenant = await make_tenant(store)
+            key, _ = await make_key(store, tenant)
+            await fleet.add_model("tiny", write_tiny_gguf(tmp_path / "tiny.gguf"))
+            await fleet.wait_ready("tiny", 1)
+            await fleet.router_caught_up()
+
+            filler = fill(disk, leave_bytes=64 * 1024)
+            served: list[str] = []
+            sent = 0
+            # Requests until the stream cannot store their records and the router journals them.
+            while sent < 3000:
+                rid = f"full-{sent}"
+                sent += 1
+                status, _ = await ask(http, fleet.port, key, rid)
+                if status == 200:
+                    served.append(rid)
+                _, h = await health(http, fleet.port)
+                if h["usage"]["journaled"] >= 20:
+                    break
+            status, h = await health(http, fleet.port)
+            assert h["usage"]["journaled"] >= 20, f"the stream never stopped storing after {sent} requests: {h}"
+            assert status == 200 and h["usage"]["state"] == "journaling", h  # billed still: still admitting
+            assert h["usage"]["records"] >= h["usage"]["journaled"] and h["usage"]["oldest_s"] is not None
+            async with http.get(f"http://127.0.0.1:{fleet.admin_port}/metrics") as resp:
+                metrics = await resp.text()
+            backlog = next(line for line in metrics.splitlines() if line.startswith("llmgw_usage_backlog_records "))
+            assert float(backlog.split()[1]) > 0
+
+            # Space returns; nats-server keeps a stream's write error until it restarts.
+            filler.unlink()
+            nats_server.stop()
+            nats_server.start()
+
+            async def drained() -> bool:
+                _, h = await health(http, fleet.port)
+                return h["usage"]["records"] == 0
+
+            await wait_until(drained, deadline_s=90, what="the router to publish its usage backlog")
+            in_stream = await usage_in_stream(store.js)
+            assert {rid: in_stream[rid] for rid in served} == dict.fromkeys(served, 1)
+            assert not [rid for rid, n in in_stream.items() if n > 1]
+
+            # The usage projection catches up too, once per request.
+            runner = fleet.handles["runner"]
+            last = (await store.js.stream_info("LLMGW_USAGE")).state.last_seq
+            assert await runner.wait_until("usage", last, timeout=60)
+            rows = await fleet.handles["backend"].query("usage", "SELECT request_id FROM {requests}")
+            counted = Counter(r[0] for r in rows)
+            assert {rid: counted[rid] for rid in served} == dict.fromkeys(served, 1)
+            assert not list((tmp_path / "usage-journal").glob("*.journal")), "acknowledged segments are deleted"
+        finally:
+            if fleet is not None:
+                await fleet.stop()
+            await store.close()
+            nats_server.stop()
+
+
+async def test_billable_requests_are_refused_with_the_reason_while_usage_cannot_be_kept_and_admitted_again_after(
+    tmp_path: Path, http: aiohttp.ClientSession, nats: NatsServer, store: EventStore
+) -> None:
+    with tmpfs(tmp_path / "journal-disk", "256k") as disk:
+        journal = disk / "usage-journal"
+        fleet = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=journaled_router(journal))
+        try:
+            fleet.agent("n1")
+            tenant = await make_tenant(store)
+            key, _ = await make_key(store, tenant)
+            await fleet.add_model("tiny", write_tiny_gguf(tmp_path / "tiny.gguf"))
+            await fleet.wait_ready("tiny", 1)
+            await fleet.router_caught_up()
+            served = []
+            assert (await ask(http, fleet.port, key, "before"))[0] == 200
+            served.append("before")
+
+            filler = fill(disk)  # the journal's disk is full ...
+            nats.stop()  # ... and the bus is away
+            refused: list[tuple[int, dict]] = []
+
+            async def refusing() -> bool:
+                # Admitted until the publisher has found the bus silent and the journal full.
+                rid = f"down-{uuid.uuid4().hex[:8]}"
+                status, body = await ask(http, fleet.port, key, rid)
+                if status == 200:
+                    served.append(rid)
+                else:
+                    refused.append((status, body))
+                return status != 200
+
+            await wait_until(refusing, deadline_s=30, what="billable requests to be refused")
+            status, body = refused[0]
+            assert status == 503
+            assert body["error"]["code"] == "usage_unavailable" and body["error"]["type"] == "api_error"
+            assert body["error"]["message"] == (
+                f"usage records cannot be kept: the usage journal at {journal} is full (No space left on device); "
+                "requests are refused until it can be written"
+            )
+            h_status, h = await health(http, fleet.port)
+            assert h_status == 503 and h["usage"]["state"] == "refusing" and h["usage"]["refusing"]
+
+            filler.unlink()  # room in the journal again: admitted again, by itself
+
+            async def admitted() -> bool:
+                rid = f"again-{uuid.uuid4().hex[:8]}"
+                status, _ = await ask(http, fleet.port, key, rid)
+                if status == 200:
+                    served.append(rid)
+                return status == 200
+
+            await wait_until(admitted, deadline_s=30, what="billable requests to be admitted again")
+            assert list(journal.glob("*.journal")), "records kept while the bus is away are in the journal"
+
+            nats.start()
+
+            async def stored() -> bool:
+                return set(served) <= set(await usage_in_stream(store.js))
+
+            await wait_until(stored, deadline_s=60, what="every served request's usage record in the stream")
+            in_stream = await usage_in_stream(store.js)
+            assert {rid: in_stream[rid] for rid in served} == dict.fromkeys(served, 1)
+            assert not [rid for rid in in_stream if rid.startswith("down-") and rid not in served], (
+                "a refused request has no usage record"
+            )
+        finally:
+            if nats.proc is None or nats.proc.poll() is not None:
+                nats.start()
+            await fleet.stop()
+
+
+async def test_records_a_stopping_router_could_not_publish_are_journaled_and_published_by_the_next_router(
+    tmp_path: Path, http: aiohttp.ClientSession, nats: NatsServer, store: EventStore
+) -> None:
+    journal = tmp_path / "usage-journal"
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    fleet = await Fleet(store, nats.url, tmp_path / "first").start(services=GATEWAY, router=journaled_router(journal))
+    try:
+        fleet.agent("n1")
+        tenant = await make_tenant(store)
+        key, _ = await make_key(store, tenant)
+        await fleet.add_model("tiny", write_tiny_gguf(tmp_path / "tiny.gguf"))
+        await fleet.wait_ready("tiny", 1)
+        await fleet.router_caught_up()
+        nats.stop()
+        served = []
+        for i in range(5):
+            status, _ = await ask(http, fleet.port, key, f"unacked-{i}")
+            assert status == 200
+            served.append(f"unacked-{i}")
+    finally:
+        await fleet.stop()
+
+    kept = Journal(journal)
+    in_journal = [msgspec.json.decode(r)["request_id"] for s in kept.segments() for r in kept.read(s)[0]]
+    assert sorted(in_journal) == sorted(served), "the stopped router left its unacknowledged records in the journal"
+
+    nats.start()
+    second = await Fleet(store, nats.url, tmp_path / "second").start(
+        services=("router",), router=journaled_router(journal)
+    )
+    try:
+
+        async def stored() -> bool:
+            return set(served) <= set(await usage_in_stream(store.js))
+
+        await wait_until(stored, deadline_s=60, what="the next router to publish the journaled records")
+        in_stream = await usage_in_stream(store.js)
+        assert {rid: in_stream[rid] for rid in served} == dict.fromkeys(served, 1)
+        await wait_until(lambda: not list(journal.glob("*.journal")), what="the replayed segments to be deleted")
+    finally:
+        await second.stop()
+    shutil.rmtree(journal, ignore_errors=True)
+
+
+# -- projections -------------------------------------------------------------------------------
+
+
+async def test_a_usage_projection_stopped_by_a_full_disk_catches_up_by_itself_when_space_returns(
+    tmp_path: Path, store: EventStore
+) -> None:
+    with tmpfs(tmp_path / "db-disk", "8m") as disk:
+        backend = await open_backend(f"sqlite:///{disk / 'projections.db'}")
+        try:
+            async with runner_for(store, backend, UsageProjection(), batch_size=50) as runner:
+                first = make_records(20, START, seed=5, prefix="before")
+                assert await runner.wait_until("usage", await publish_all(store, first), timeout=20)
+
+                filler = fill(disk)
+                records = make_records(1000, START, seed=6, prefix="during")
+                last = await publish_all(store, records)
+
+                def retrying() -> bool:
+                    state = runner.state("usage")
+                    assert state.status != "failed", state.error
+                    return state.status == "retrying"
+
+                await wait_until(retrying, deadline_s=30, what="the projection to notice the full disk")
+
+                filler.unlink()
+                assert await runner.wait_until("usage", last, timeout=60)
+                assert runner.state("usage").status == "running"
+            assert await request_ids(backend) == sorted(r.request_id for r in [*first, *records])
+        finally:
+            await backend.close()
