@@ -69,6 +69,35 @@ def pid_alive(pid: int, start: int | None) -> bool:
     return True
 
 
+def recorded_engines(agent_dir: Path) -> list[tuple[Path, EngineRecord]]:
+    """The engines an agent's state files in ``agent_dir`` name, with their files (unreadable ones skipped)."""
+    out = []
+    for state in sorted((agent_dir / "replicas").glob("*/state.json")):
+        with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
+            out.append((state, msgspec.json.decode(state.read_bytes(), type=EngineRecord)))
+    return out
+
+
+def stop_recorded_engines(agent_dir: Path, grace_s: float = 10.0) -> list[EngineRecord]:
+    """Stop the engines recorded in ``agent_dir`` that still run (the same process: start time), for when
+    no agent will adopt them; their state files go. Returns the engines stopped."""
+    running = []
+    for state, rec in recorded_engines(agent_dir):
+        if pid_alive(rec.pid, rec.proc_start):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rec.pid, signal.SIGTERM)  # the engine leads its own group: its children go too
+            running.append(rec)
+        state.unlink(missing_ok=True)
+    end = time.monotonic() + grace_s
+    for rec in running:
+        while pid_alive(rec.pid, rec.proc_start) and time.monotonic() < end:
+            time.sleep(0.05)
+        if pid_alive(rec.pid, rec.proc_start):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rec.pid, signal.SIGKILL)
+    return running
+
+
 def tail(path: Path, lines: int = LOG_TAIL) -> list[str]:
     try:
         with path.open("rb") as f:

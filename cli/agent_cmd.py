@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-import msgspec
 import yaml
 
 from llmgw.agent.service import Agent, AgentConfig, LogRing
+from llmgw.agent.supervisor import stop_recorded_engines
 from llmgw.agent.weights.cache import mirror_list
 from llmgw.cli import logs
 from llmgw.events import models as M
@@ -219,23 +219,17 @@ class LocalAgent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
 
-    def stop(self, stop_engines: bool = True) -> None:
-        """Stop the agent, then (for `up`, which started them) its engines."""
+    def stop(self, stop_engines: bool = True, grace_s: float = 15.0) -> None:
+        """Stop the agent (killed after ``grace_s``), then (for `up`, which started them) its engines."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(15)
+                self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         if stop_engines:
-            from llmgw.agent.supervisor import EngineRecord, pid_alive
-
-            for state in (self.dir / "replicas").glob("*/state.json"):
-                with contextlib.suppress(Exception):
-                    rec = msgspec.json.decode(state.read_bytes(), type=EngineRecord)
-                    if pid_alive(rec.pid, rec.proc_start):
-                        os.killpg(rec.pid, signal.SIGTERM)
+            stop_recorded_engines(self.dir)
 
 
 def demo_model() -> M.ModelSpec | None:

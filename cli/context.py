@@ -6,6 +6,7 @@ it, unless ``--nats URL`` / ``LLMGW_NATS_URL`` (and ``--api URL`` / ``LLMGW_API_
 
 from __future__ import annotations
 
+import errno
 import getpass
 import json
 import os
@@ -36,6 +37,45 @@ def default_data_dir() -> Path:
         return Path(env).expanduser()
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "llmgw"
+
+
+_ELSEWHERE = "or choose another with --data-dir or LLMGW_DATA_DIR"
+
+
+def explain_dir_error(path: Path, exc: OSError) -> str:
+    """One line a person can act on, for a data directory that cannot be used; pure."""
+    why = exc.strerror or str(exc)
+    if exc.errno in (errno.EROFS,):
+        return f"the data directory {path} is on a read-only file system: remount it read-write, {_ELSEWHERE}"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"the data directory {path} is not writable ({why}): give this user write access to it, {_ELSEWHERE}"
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        return f"the data directory {path} is not a directory: move what is there away, {_ELSEWHERE}"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the data directory {path} has no space left ({why}): free space on its disk, {_ELSEWHERE}"
+    return f"the data directory {path} cannot be used ({why}): {_ELSEWHERE.removeprefix('or ')}"
+
+
+def data_dir_problem(data_dir: Path) -> str | None:
+    """Why `llmgw up` cannot keep its data in ``data_dir`` (one line), or None: each directory it writes
+    is created and a small file written, flushed and removed there — so a read-only mount, a file in
+    the way, missing permissions or a full disk are found before anything starts."""
+    for path in (data_dir, data_dir / "nats"):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if not path.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
+            probe = path / ".llmgw-write-check"
+            try:
+                with probe.open("wb") as f:
+                    f.write(b"\0" * 4096)
+                    f.flush()
+                    os.fsync(f.fileno())
+            finally:
+                probe.unlink(missing_ok=True)
+        except OSError as exc:
+            return explain_dir_error(path, exc)
+    return None
 
 
 def read_run_info(data_dir: Path) -> RunInfo | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -14,6 +15,7 @@ from typing import Any
 
 import click
 
+from llmgw.agent.supervisor import stop_recorded_engines
 from llmgw.cli import (
     access_cmd,  # noqa: F401 - registers `ctl key|limit|price|budget`
     audit_cmd,  # noqa: F401 - registers `ctl audit`
@@ -25,7 +27,7 @@ from llmgw.cli import (
 from llmgw.cli.agent_cmd import LocalAgent, agent, demo_model
 from llmgw.cli.bench import bench
 from llmgw.cli.client import Session, run
-from llmgw.cli.context import RUN_FILE, RunInfo, default_data_dir, write_run_info
+from llmgw.cli.context import RUN_FILE, RunInfo, data_dir_problem, default_data_dir, write_run_info
 from llmgw.cli.ctl import ctl
 from llmgw.cli.events_cmd import events
 from llmgw.cli.fleet_cmd import load_model_file
@@ -86,6 +88,9 @@ def _mirror_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--mirror-port", type=int, help="The mirror's file server port (default: admin port + 2).")(fn)
 
 
+SHUTDOWN_S = 20.0  # the most `up` waits for its services to stop before it goes on without them
+
+
 def _install_stop(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -99,7 +104,12 @@ def _install_stop(stop: asyncio.Event) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the gateway and admin API listen on.")
 @click.option("--port", default=8080, show_default=True, help="Gateway (OpenAI API) port.")
 @click.option("--admin-port", default=8081, show_default=True, help="Admin API and /metrics port.")
-@click.option("--nats-port", default=4222, show_default=True, help="Embedded NATS port (another is used if taken).")
+@click.option(
+    "--nats-port",
+    type=int,
+    help="Embedded NATS port (default: the one this data directory used last, else 4222; 0: any; another is "
+    "used if taken).",
+)
 @click.option(
     "--unsafe-no-fsync",
     is_flag=True,
@@ -118,7 +128,7 @@ def up(
     host: str,
     port: int,
     admin_port: int,
-    nats_port: int,
+    nats_port: int | None,
     unsafe_no_fsync: bool,
     catalog_file: str | None,
     no_demo: bool,
@@ -132,12 +142,20 @@ def up(
     logs.configure(log_level)
     chosen = up_data_dir or ctx.find_root().obj.get("data_dir")
     data_dir = (Path(chosen).expanduser() if chosen else default_data_dir()).resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    problem = data_dir_problem(data_dir)
+    if problem:
+        raise click.ClickException(problem)
     lock = open(data_dir / "up.lock", "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise click.ClickException(f"another `llmgw up` is already running on {data_dir}") from None
+    if no_agent:
+        # Engines a local agent of an earlier run left behind: with no agent, nobody would adopt them.
+        for rec in stop_recorded_engines(data_dir / "agent"):
+            click.echo(
+                f"stopped engine {rec.replica_id} ({rec.model}, pid {rec.pid}): no local agent adopts it", err=True
+            )
     natsd = EmbeddedNats(data_dir, port=nats_port, durable=not unsafe_no_fsync)
     try:
         natsd.start()
@@ -184,17 +202,27 @@ def up(
         if demo_key.exists():
             click.echo(f"a demo API key (project default/default/default) is in {demo_key}", err=True)
 
+    nats_died = False
+    handles: dict[str, Any] = {}
+
     async def supervise() -> None:
         stop = asyncio.Event()
         _install_stop(stop)
 
         async def watch_nats() -> None:
+            nonlocal nats_died
             while not stop.is_set():
                 if not natsd.alive():
-                    click.echo("error: the embedded nats-server exited; stopping", err=True)
+                    nats_died = True
+                    click.echo(f"error: the embedded nats-server exited ({natsd.exit_reason()}); stopping", err=True)
+                    # Nothing can reach the bus any more: close the connection, so what is waiting on it
+                    # fails now instead of after its timeouts and reconnect attempts.
+                    if "store" in handles:
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(handles["store"].nc.close(), 2.0)
                     stop.set()
                     return
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(0.2)
 
         watcher = asyncio.create_task(watch_nats())
         keeper: asyncio.Task | None = None
@@ -206,9 +234,21 @@ def up(
                 keeper = asyncio.create_task(local_agent.keep_running(stop))
             ready()
 
+        serving = asyncio.create_task(serve(config, stop, on_ready=started, handles=handles), name="serve")
+        stopping = asyncio.create_task(stop.wait())
         try:
-            await serve(config, stop, on_ready=started)
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not serving.done():
+                # Stopping: each service gets its turn, but `up` never hangs on one of them.
+                await asyncio.wait({serving}, timeout=SHUTDOWN_S)
+                if not serving.done():
+                    click.echo(f"warning: the services did not stop within {SHUTDOWN_S:.0f}s; leaving them", err=True)
+                    serving.cancel()
+                    await asyncio.wait({serving}, timeout=2.0)
+            if serving.done() and not serving.cancelled() and serving.exception() is not None and not nats_died:
+                raise serving.exception()  # type: ignore[misc]
         finally:
+            stopping.cancel()
             watcher.cancel()
             if keeper is not None:
                 keeper.cancel()
@@ -225,10 +265,13 @@ def up(
         asyncio.run(supervise())
     finally:
         if local_agent is not None:
-            local_agent.stop(stop_engines=True)
+            # Without NATS the agent cannot say goodbye anyway; its engines are stopped from their state files.
+            local_agent.stop(stop_engines=True, grace_s=2.0 if nats_died else 15.0)
         (data_dir / RUN_FILE).unlink(missing_ok=True)
         natsd.stop()
         lock.close()
+    if nats_died:
+        ctx.exit(1)
 
 
 @main.command()
@@ -339,6 +382,8 @@ def projections_rebuild(ctx: click.Context, name: str | None) -> None:
 
     async def go(s: Session) -> None:
         body = await s.api("POST", "/api/v1/projections/rebuild", params={"name": name or ""}, timeout=3600)
+        if body.get("recreated"):
+            click.echo(body["recreated"], err=True)
         for r in body["rebuilt"]:
             click.echo(f"{r['name']}: rebuilt from {r.get('events', '?')} events up to position {r.get('position')}")
 
@@ -354,6 +399,8 @@ def projections_verify(ctx: click.Context, name: str | None, as_json: bool) -> N
 
     async def go(s: Session) -> int:
         body = await s.api("POST", "/api/v1/projections/verify", params={"name": name or ""}, timeout=3600)
+        if body.get("recreated"):
+            click.echo(body["recreated"], err=True)
         if as_json:
             click.echo(json.dumps(body, indent=2))
             return 0 if body["identical"] else 1

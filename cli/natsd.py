@@ -4,25 +4,60 @@ The log is the source of truth, so by default the server flushes to disk before 
 acknowledges (``sync_interval: always``). NATS's own default flushes every two minutes, and
 Jepsen's analysis of NATS 2.12.1 showed acknowledged writes lost on a crash with it; an operator
 who prefers speed passes ``--unsafe-no-fsync`` and says so in their runbook.
+
+One server per store, always. Two servers on one JetStream directory both accept writes and
+lose each other's, so:
+
+- the server holds ``nats/store.lock`` (flock) for exactly its own lifetime: `up` takes the lock,
+  hands the descriptor to the child and closes its own copy;
+- the server dies with `up` (``PR_SET_PDEATHSIG``: SIGTERM, so it still flushes and closes
+  cleanly), and lives in its own session, so a Ctrl-C reaches `up`, which stops it in order;
+- ``nats/server.json`` records its pid, start time and port (and stays after it stops); a new `up`
+  stops a recorded server still running (after checking the pid is that very nats-server: start
+  time and command line) and waits for the lock before starting its own;
+- the port is kept across restarts: the recorded one is tried first, probed with SO_REUSEADDR
+  as nats-server binds, so connections of the dead server in TIME_WAIT do not count as taken.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
+import msgspec
 import structlog
 
+from llmgw.agent.supervisor import pid_alive, proc_start_time, tail
+
 log = structlog.get_logger("llmgw.cli.natsd")
+
+DEFAULT_PORT = 4222
+LOCK_FILE = "store.lock"
+RECORD_FILE = "server.json"
+PR_SET_PDEATHSIG = 1
 
 
 class NatsStartError(RuntimeError):
     pass
+
+
+class ServerRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``nats/server.json`` says about the server running on this store."""
+
+    pid: int
+    proc_start: int | None  # /proc/<pid>/stat start time: a reused pid is not mistaken for it
+    port: int
+    conf: str
 
 
 def nats_server_binary() -> str:
@@ -39,7 +74,10 @@ def nats_server_binary() -> str:
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether nats-server could listen on ``port``: bound as it binds (SO_REUSEADDR), so a port whose
+    only sockets are in TIME_WAIT — a server that just died — is free, and one with a listener is not."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -47,9 +85,22 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def pick_port(preferred: int, host: str = "127.0.0.1") -> int:
-    if preferred and port_free(preferred, host):
-        return preferred
+def port_candidates(requested: int | None, recorded: int | None) -> list[int]:
+    """The ports to try, in order; pure. ``requested``: ``--nats-port`` (None: not given, 0: any).
+
+    An explicit port comes first; then the port this store used last time, so everything configured
+    with it keeps working; then the default when nothing was asked for."""
+    out: list[int] = []
+    for port in (requested, recorded, DEFAULT_PORT if requested is None else None):
+        if port and port not in out:
+            out.append(port)
+    return out
+
+
+def pick_port(requested: int | None, recorded: int | None, host: str = "127.0.0.1") -> int:
+    for port in port_candidates(requested, recorded):
+        if port_free(port, host):
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -69,11 +120,56 @@ def render_config(*, host: str, port: int, store_dir: Path, durable: bool) -> st
     )
 
 
+def read_record(path: Path) -> ServerRecord | None:
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=ServerRecord)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def is_recorded_server(record: ServerRecord) -> bool:
+    """True when the recorded pid is still that nats-server on that config (not a reused pid)."""
+    if not pid_alive(record.pid, record.proc_start) or record.proc_start is None:
+        return False
+    try:
+        argv = Path(f"/proc/{record.pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(argv) and Path(os.fsdecode(argv[0])).name == "nats-server" and os.fsencode(record.conf) in argv
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child, before exec: SIGTERM when `up` dies, however it dies (even kill -9)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)  # `up` died before the prctl took effect: nobody would stop this server
+
+
+def _try_lock(f: IO) -> bool:
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _wait_lock(f: IO, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while not _try_lock(f):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 class EmbeddedNats:
-    def __init__(self, data_dir: Path, *, port: int = 4222, host: str = "127.0.0.1", durable: bool = True) -> None:
+    def __init__(
+        self, data_dir: Path, *, port: int | None = None, host: str = "127.0.0.1", durable: bool = True
+    ) -> None:
         self.dir = data_dir / "nats"
         self.host = host
-        self.preferred_port = port
+        self.requested_port = port
         self.port = 0
         self.durable = durable
         self.proc: subprocess.Popen | None = None
@@ -82,23 +178,45 @@ class EmbeddedNats:
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
-    def start(self, deadline_s: float = 20.0) -> None:
+    @property
+    def conf(self) -> Path:
+        return self.dir / "nats.conf"
+
+    @property
+    def record_path(self) -> Path:
+        return self.dir / RECORD_FILE
+
+    def start(self, deadline_s: float = 20.0, takeover_grace_s: float = 15.0) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = pick_port(self.preferred_port, self.host)
-        if self.preferred_port and self.port != self.preferred_port:
-            log.info("nats port taken, using another", wanted=self.preferred_port, port=self.port)
-        conf = self.dir / "nats.conf"
-        conf.write_text(
-            render_config(host=self.host, port=self.port, store_dir=self.dir / "jetstream", durable=self.durable)
-        )
-        logfile = open(self.dir / "nats-server.log", "ab")
-        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=logfile, stderr=logfile)
-        logfile.close()
+        with open(self.dir / LOCK_FILE, "a+") as lock:
+            self._take_store(lock, takeover_grace_s)
+            recorded = read_record(self.record_path)
+            self.port = pick_port(self.requested_port, recorded.port if recorded else None, self.host)
+            if self.requested_port and self.port != self.requested_port:
+                log.info("nats port taken, using another", wanted=self.requested_port, port=self.port)
+            self.conf.write_text(
+                render_config(host=self.host, port=self.port, store_dir=self.dir / "jetstream", durable=self.durable)
+            )
+            parent = os.getpid()
+            with open(self.dir / "nats-server.log", "ab") as logfile:
+                self.proc = subprocess.Popen(
+                    [nats_server_binary(), "-c", str(self.conf)],
+                    stdout=logfile,
+                    stderr=logfile,
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=(lock.fileno(),),  # the server holds the store's lock for as long as it runs
+                    start_new_session=True,
+                    preexec_fn=lambda: _die_with_parent(parent),
+                )
+        # Our copy of the lock is closed: from here on it lives exactly as long as the server.
+        self._write_record()
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
+                last = " / ".join(tail(self.dir / "nats-server.log", 3))
                 raise NatsStartError(
-                    f"nats-server exited with {self.proc.returncode} at start; see {self.dir / 'nats-server.log'}"
+                    f"nats-server exited with {self.proc.returncode} at start ({last}); "
+                    f"see {self.dir / 'nats-server.log'}"
                 )
             with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.2):
                 log.info("nats-server started", url=self.url, pid=self.proc.pid, durable_flush=self.durable)
@@ -107,8 +225,45 @@ class EmbeddedNats:
         self.stop()
         raise NatsStartError(f"nats-server did not listen on {self.host}:{self.port} within {deadline_s:.0f}s")
 
+    def _take_store(self, lock: IO, grace_s: float) -> None:
+        """Hold the store's lock; a server left running on it (its `up` crashed) is stopped first."""
+        recorded = read_record(self.record_path)
+        leftover = recorded is not None and is_recorded_server(recorded)
+        if _try_lock(lock) and not leftover:
+            return
+        if recorded is not None and leftover:
+            log.warning("a nats-server of an earlier `up` still runs on this store; stopping it", pid=recorded.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(recorded.pid, signal.SIGTERM)
+                os.kill(recorded.pid, signal.SIGCONT)  # a stopped (frozen) server handles its SIGTERM only once resumed
+            if not _wait_lock(lock, grace_s):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(recorded.pid, signal.SIGKILL)
+        if _wait_lock(lock, 5.0):
+            return
+        raise NatsStartError(
+            f"the NATS store {self.dir} is locked by another process that is not a nats-server this data directory "
+            f"started (see `fuser {self.dir / LOCK_FILE}`): stop it, or use another --data-dir"
+        )
+
+    def _write_record(self) -> None:
+        assert self.proc is not None
+        record = ServerRecord(
+            pid=self.proc.pid, proc_start=proc_start_time(self.proc.pid), port=self.port, conf=str(self.conf)
+        )
+        tmp = self.record_path.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(record))
+        tmp.replace(self.record_path)
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def exit_reason(self) -> str:
+        """Why the server is gone, in words: its exit status and its last log line."""
+        code = self.proc.returncode if self.proc is not None else None
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        last = tail(self.dir / "nats-server.log", 1)
+        return f"{how}{'; its log ends: ' + last[0] if last else ''}"
 
     def stop(self, grace_s: float = 15.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

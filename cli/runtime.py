@@ -188,6 +188,7 @@ async def serve(
             await router.start()
             routers.append(router)
             handles["router"] = router
+            api.usage_backlog = router.usage.backlog  # the process's health says what the router holds
             sites.append(await _site(router.app(), config.host, config.port))
         if "mirror" in config.services:
             if not config.mirror_dir:

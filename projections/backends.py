@@ -183,6 +183,14 @@ class Backend(abc.ABC):
         """Held by a rebuild or verify while it owns the projection's shadow tables (one at a time)."""
         return self._shadow_locks.setdefault(projection, asyncio.Lock())
 
+    def gone(self) -> bool:
+        """True when the database was deleted or replaced under the open connections (a SQLite file)."""
+        return False
+
+    async def reopen(self) -> None:
+        """Open the connections again, on what the DSN names now (after :meth:`gone`)."""
+        raise BackendError(f"a {self.kind} database is not reopened in place: restart the server")
+
     def is_transient(self, exc: BaseException) -> bool:
         """True for errors worth retrying later (connection lost, database busy), not for bad SQL."""
         return isinstance(exc, (OSError, TimeoutError))
@@ -298,6 +306,7 @@ class SqliteBackend(Backend):
         self._reader: Any = None
         self._write_lock = asyncio.Lock()
         self._read_lock = asyncio.Lock()
+        self._file: tuple[int, int] | None = None  # (device, inode) of the file the connections opened
 
     async def _connect(self, *, read_only: bool = False) -> Any:
         import aiosqlite
@@ -321,7 +330,25 @@ class SqliteBackend(Backend):
         except Exception as exc:
             await self.close()
             raise BackendError(f"cannot open SQLite database {self.path}: {exc}") from exc
+        self._file = self._identity()
         return self
+
+    def _identity(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def gone(self) -> bool:
+        # Open connections keep working on a deleted file, but every new connection (a verify's
+        # snapshot, the next start) would see another, empty database.
+        return self._file is not None and self._identity() != self._file
+
+    async def reopen(self) -> None:
+        async with self._write_lock, self._read_lock:
+            await self.close()  # the last close also removes the deleted file's -wal, so it is not replayed
+            await self.open()
 
     def is_transient(self, exc: BaseException) -> bool:
         import sqlite3

@@ -192,6 +192,11 @@ class ProjectionRunner:
             await self._notify(slot)
         self._started = False
 
+    @property
+    def running(self) -> bool:
+        """Whether this runner follows the log (between :meth:`start` and :meth:`stop`)."""
+        return self._started
+
     async def __aenter__(self) -> ProjectionRunner:
         await self.start()
         return self

@@ -62,6 +62,8 @@ class AdminApi:
         self.backend = backend
         self.runner = runner
         self.registry = registry
+        # Set where a router runs in this process: its usage backlog (a UsageBacklog) joins /healthz.
+        self.usage_backlog: Callable[[], Any] | None = None
 
     def app(self, *, full: bool = True) -> web.Application:
         """The admin API; with ``full=False`` only ``/healthz`` and ``/metrics``, which every process
@@ -106,8 +108,14 @@ class AdminApi:
 
     async def healthz(self, request: web.Request) -> web.Response:
         connected = self.store.nc.is_connected
-        body = {"status": "ok" if connected else "degraded", "nats": "connected" if connected else "disconnected"}
-        return web.json_response(body, status=200 if connected else 503)
+        body: dict[str, Any] = {"nats": "connected" if connected else "disconnected"}
+        ok = connected
+        if self.usage_backlog is not None:
+            usage = self.usage_backlog()
+            body["usage"] = msgspec.to_builtins(usage)
+            ok = ok and usage.refusing is None  # refusing billable requests: usage cannot be kept
+        body = {"status": "ok" if ok else "degraded", **body}
+        return web.json_response(body, status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         await self.runner.refresh_lag()

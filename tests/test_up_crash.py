@@ -1,0 +1,329 @@
+"""`llmgw up` when things die under it: kill -9 of `up` or of its nats-server, a bad data directory,
+a projection database deleted while running. Real processes, the real CLI, real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmgw.agent.supervisor import pid_alive
+from llmgw.events.catalog import default_registry
+from llmgw.events.store import EventStore, NewEvent
+from llmgw.events.subjects import event_subject
+from llmgw.events.tenancy import OrgCreated
+from tests.gguf_tiny import write_tiny_gguf
+from tests.support import free_port
+
+LLMGW = str(Path(sys.executable).parent / "llmgw")
+DEADLINE_S = 30.0
+
+
+def wait_for(condition: Callable[[], Any], what: str, deadline_s: float = DEADLINE_S) -> Any:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
+
+
+def nats_servers(data_dir: Path) -> list[int]:
+    """Pids of the live nats-server processes serving this data directory's store."""
+    conf = os.fsencode(data_dir / "nats" / "nats.conf")
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"nats-server") and conf in argv:  # a zombie's cmdline is empty
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+class Up:
+    """One `llmgw up` process on a data directory, on ports of its own."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.admin_port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.log = data_dir.parent / f"up-{self.port}.log"
+
+    def argv(self, *extra: str) -> list[str]:
+        return [
+            LLMGW,
+            "up",
+            "--data-dir",
+            str(self.data_dir),
+            "--port",
+            str(self.port),
+            "--admin-port",
+            str(self.admin_port),
+            "--nats-port",
+            "0",
+            "--no-demo",
+            *extra,
+        ]
+
+    def start(self, *extra: str) -> Up:
+        self.log.write_bytes(b"")
+        self.proc = subprocess.Popen(self.argv(*extra), stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+
+        def up_and_healthy() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, f"llmgw up exited early:\n{self.output()}"
+            info = self.run_info()
+            return info is not None and info["pid"] == self.proc.pid and self.healthy()
+
+        wait_for(up_and_healthy, f"llmgw up to become healthy; its output:\n{self.output()}")
+        return self
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def run_info(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.data_dir / "run.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def nats_url(self) -> str:
+        info = self.run_info()
+        assert info is not None
+        return info["nats_url"]
+
+    def nats_port(self) -> int:
+        return int(self.nats_url().rsplit(":", 1)[1])
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/healthz", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "LLMGW_DATA_DIR": str(self.data_dir)}
+        env.pop("LLMGW_NATS_URL", None)
+        env.pop("LLMGW_API_URL", None)
+        return subprocess.run([LLMGW, *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.fixture
+def ups(tmp_path: Path) -> Iterator[list[Up]]:
+    """The `up` processes a test starts; whatever still runs at the end is stopped, with its nats-server."""
+    started: list[Up] = []
+    yield started
+    for u in started:
+        if u.proc is not None and u.proc.poll() is None:
+            u.stop()
+    for u in started:
+        for pid in nats_servers(u.data_dir):
+            os.kill(pid, signal.SIGKILL)
+
+
+def append_orgs(nats_url: str, n: int) -> list[str]:
+    """Append ``n`` events through the event store; the ids of those the server acknowledged."""
+
+    async def go() -> list[str]:
+        store = await EventStore.connect(nats_url, default_registry())
+        try:
+            ids = []
+            for i in range(n):
+                event = NewEvent(payload=OrgCreated(org_id=f"crash-{i}", name=f"crash-{i}"), actor="user:test")
+                await store.append(event_subject("tenancy", f"crash-{i}"), [event])
+                ids.append(event.id)
+            return ids
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def stored_ids(nats_url: str, n: int) -> list[str]:
+    async def go() -> list[str]:
+        store = await EventStore.connect(nats_url, default_registry())
+        try:
+            return [e.id for i in range(n) for e in await store.read(event_subject("tenancy", f"crash-{i}"))]
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def test_a_killed_up_leaves_one_nats_server_on_its_store_on_the_same_port_with_every_acknowledged_event(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    data = tmp_path / "data"
+    first = Up(data)
+    ups.append(first.start())
+    port = first.nats_port()
+    acknowledged = append_orgs(first.nats_url(), 50)
+
+    first.kill9()
+    second = Up(data)
+    ups.append(second.start())
+
+    assert len(nats_servers(data)) == 1, "one nats-server per store: the killed up's server did not outlive it"
+    assert second.nats_port() == port
+    assert stored_ids(second.nats_url(), 50) == acknowledged
+
+
+def test_a_nats_server_still_running_from_a_killed_up_is_stopped_by_the_next_up(tmp_path: Path, ups: list[Up]) -> None:
+    data = tmp_path / "data"
+    first = Up(data)
+    ups.append(first.start())
+    port = first.nats_port()
+    acknowledged = append_orgs(first.nats_url(), 10)
+    [old] = nats_servers(data)
+    os.kill(old, signal.SIGSTOP)  # frozen: it cannot act on its parent's death by itself
+    first.kill9()
+
+    second = Up(data)
+    ups.append(second.start())
+
+    [new] = nats_servers(data)
+    assert new != old
+    assert second.nats_port() == port
+    assert stored_ids(second.nats_url(), 10) == acknowledged
+
+
+def test_up_stops_with_the_reason_when_its_nats_server_is_killed_and_the_next_up_keeps_the_port(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    data = tmp_path / "data"
+    first = Up(data)
+    ups.append(first.start())
+    port = first.nats_port()
+    acknowledged = append_orgs(first.nats_url(), 10)
+    [server] = nats_servers(data)
+
+    os.kill(server, signal.SIGKILL)
+    assert first.proc is not None
+    wait_for(lambda: first.proc.poll() is not None, "llmgw up to exit after its nats-server was killed", 20.0)
+    assert first.proc.returncode == 1
+    assert "error: the embedded nats-server exited (killed by signal 9" in first.output()
+    assert "Traceback" not in first.output()
+    assert nats_servers(data) == []
+
+    second = Up(data)
+    ups.append(second.start())
+    assert second.nats_port() == port, "the port everything was configured with still reaches the system"
+    assert stored_ids(second.nats_url(), 10) == acknowledged
+
+
+def _read_only(data: Path, argv: list[str]) -> list[str]:
+    """``argv`` run with ``data`` read-only: by its mode for a user, by a read-only bind mount in a
+    mount namespace of its own for root (whom modes do not stop)."""
+    data.chmod(0o555)
+    if os.geteuid() != 0:
+        return argv
+    unshare = shutil.which("unshare")
+    assert unshare, "unshare (util-linux) is needed to make a directory read-only for root"
+    return [unshare, "--mount", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(data), *argv]
+
+
+def test_a_read_only_data_directory_is_refused_in_one_line_naming_it(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    done = subprocess.run(_read_only(data, Up(data).argv()), capture_output=True, text=True, timeout=60)
+    data.chmod(0o755)
+
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"the data directory {data}" in lines[0]
+    assert "read-only" in lines[0] or "not writable" in lines[0]
+    assert "--data-dir" in lines[0]
+    assert nats_servers(data) == []
+
+
+def test_a_data_directory_that_is_a_file_is_refused_in_one_line_naming_it(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.write_text("not a directory")
+    done = subprocess.run(Up(data).argv(), capture_output=True, text=True, timeout=60)
+
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"Error: the data directory {data} is not a directory: move what is there away, "
+        "or choose another with --data-dir or LLMGW_DATA_DIR"
+    ]
+
+
+def test_a_projection_database_deleted_while_running_is_recreated_and_verifies_clean(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    up = Up(tmp_path / "data")
+    ups.append(up.start())
+    assert up.cli("ctl", "org", "create", "acme").returncode == 0
+    (up.data_dir / "projections.db").unlink()
+    assert up.cli("ctl", "org", "create", "globex").returncode == 0
+
+    done = up.cli("projections", "verify")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "tenancy: identical" in done.stdout
+    assert "recreated it and rebuilt it from the log" in done.stderr
+    assert (up.data_dir / "projections.db").exists()
+    tree = json.loads(up.cli("ctl", "tree", "--json").stdout)
+    assert {"acme", "globex"} <= {o["name"] for o in tree}
+    again = up.cli("projections", "verify")
+    assert again.returncode == 0 and "recreated" not in again.stderr
+
+
+def _engine(data: Path) -> dict[str, Any] | None:
+    for state in (data / "agent" / "replicas").glob("*/state.json"):
+        with_state = json.loads(state.read_text())
+        if with_state.get("state") == "ready":
+            return with_state
+    return None
+
+
+def test_an_engine_is_adopted_after_up_is_killed_and_stopped_by_an_up_without_an_agent(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    data = tmp_path / "data"
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    first = Up(data)
+    ups.append(first.start())
+    added = first.cli("ctl", "model", "add", "tiny", "--source", str(tiny), "--cpu-cores", "1", "--memory-gb", "0.1")
+    assert added.returncode == 0, added.stderr
+    engine = wait_for(lambda: _engine(data), "the tiny model's engine to be ready", 120.0)
+
+    first.kill9()
+    second = Up(data)
+    ups.append(second.start())
+    wait_for(lambda: "engine adopted" in (data / "agent" / "agent.log").read_text(), "the new agent to adopt")
+    assert _engine(data) == engine, "the same engine process, adopted"
+    assert pid_alive(engine["pid"], engine["proc_start"])
+
+    second.kill9()
+    third = Up(data)
+    ups.append(third.start("--no-agent"))
+    assert not pid_alive(engine["pid"], engine["proc_start"]), "no agent will adopt it: stopped"
+    assert f"stopped engine {engine['replica_id']} (tiny, pid {engine['pid']})" in third.output()
