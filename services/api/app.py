@@ -6,6 +6,8 @@ its projection to reach the log's current position for the subjects it folds.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -26,6 +28,7 @@ from llmgw.events.store import EventStore
 from llmgw.events.subjects import encode_token, event_subject
 from llmgw.projections.access import scope_path, tenancy_paths
 from llmgw.projections.backends import Backend
+from llmgw.projections.fold import ProjectionError
 from llmgw.projections.rebuild import rebuild, verify
 from llmgw.projections.runner import ProjectionRunner
 from llmgw.projections.usage import (
@@ -62,6 +65,7 @@ class AdminApi:
         self.backend = backend
         self.runner = runner
         self.registry = registry
+        self._recreating = asyncio.Lock()
         # Set where a router runs in this process: its usage backlog (a UsageBacklog) joins /healthz.
         self.usage_backlog: Callable[[], Any] | None = None
 
@@ -335,9 +339,30 @@ class AdminApi:
             r["path"] = scope_path(r["scope"], paths, names)
         return web.json_response({"budgets": sorted(rows, key=lambda r: r["path"])})
 
+    async def _recreate_if_gone(self) -> str | None:
+        """The projection database deleted under the running system: open a new one and fold the log
+        into it again (the log is the truth); what happened, in a sentence, or None."""
+        async with self._recreating:
+            if not self.backend.gone():
+                return None
+            running = self.runner.running
+            if running:
+                await self.runner.stop()
+            await self.backend.reopen()
+            if running:
+                await self.runner.start()
+                for p in self.runner.projections:
+                    head = await self.store.on_stream(p.stream).stream_last_seq()
+                    with contextlib.suppress(ProjectionError):
+                        await self.runner.wait_until(p.name, head, timeout=60.0)
+            note = "the projection database was deleted while running: recreated it and rebuilt it from the log"
+            log.warning(note, dsn=self.backend.dsn)
+            return note
+
     async def projections(self, request: web.Request) -> web.Response:
+        recreated = await self._recreate_if_gone()
         await self.runner.refresh_lag()
-        return web.json_response({"projections": self.runner.status()})
+        return web.json_response({"projections": self.runner.status(), "recreated": recreated})
 
     def _selected(self, request: web.Request) -> list[Any]:
         name = request.query.get("name")
@@ -348,18 +373,23 @@ class AdminApi:
         return chosen
 
     async def rebuild(self, request: web.Request) -> web.Response:
+        selected = self._selected(request)
+        recreated = await self._recreate_if_gone()
         results = []
-        for projection in self._selected(request):
+        for projection in selected:
             result = await rebuild(self.store, self.backend, projection, runner=self.runner)
             results.append({"name": projection.name, **result})
-        return web.json_response({"rebuilt": results})
+        return web.json_response({"rebuilt": results, "recreated": recreated})
 
     async def verify(self, request: web.Request) -> web.Response:
+        selected = self._selected(request)
+        recreated = await self._recreate_if_gone()
         results = []
-        for projection in self._selected(request):
+        for projection in selected:
             result = await verify(self.store, self.backend, projection, runner=self.runner)
             results.append({"name": projection.name, **result})
-        return web.json_response({"verified": results, "identical": all(r["identical"] for r in results)})
+        identical = all(r["identical"] for r in results)
+        return web.json_response({"verified": results, "identical": identical, "recreated": recreated})
 
     # -- usage (SPEC USE-1, USE-2, GW-8) -----------------------------------------------------
 
