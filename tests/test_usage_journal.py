@@ -206,6 +206,8 @@ async def test_a_full_disk_under_the_bus_loses_no_usage_record_and_none_is_count
             assert h["usage"]["journaled"] >= 20, f"the stream never stopped storing after {sent} requests: {h}"
             assert status == 200 and h["usage"]["state"] == "journaling", h  # billed still: still admitting
             assert h["usage"]["records"] >= h["usage"]["journaled"] and h["usage"]["oldest_s"] is not None
+            status, h = await health(http, fleet.admin_port)
+            assert status == 200 and h["usage"]["journaled"] >= 20
             async with http.get(f"http://127.0.0.1:{fleet.admin_port}/metrics") as resp:
                 metrics = await resp.text()
             backlog = next(line for line in metrics.splitlines() if line.startswith("llmgw_usage_backlog_records "))
@@ -281,6 +283,8 @@ async def test_billable_requests_are_refused_with_the_reason_while_usage_cannot_
             )
             h_status, h = await health(http, fleet.port)
             assert h_status == 503 and h["usage"]["state"] == "refusing" and h["usage"]["refusing"]
+            h_status, h = await health(http, fleet.admin_port)  # the process's health says it too
+            assert h_status == 503 and h["status"] == "degraded" and h["usage"]["state"] == "refusing"
 
             filler.unlink()  # room in the journal again: admitted again, by itself
 
