@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from llmgw.agent.supervisor import pid_alive
+from llmgw.cli.natsd import port_candidates
 from llmgw.events.catalog import default_registry
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import event_subject
@@ -274,6 +275,29 @@ def test_a_data_directory_that_is_a_file_is_refused_in_one_line_naming_it(tmp_pa
         f"Error: the data directory {data} is not a directory: move what is there away, "
         "or choose another with --data-dir or LLMGW_DATA_DIR"
     ]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="mounts a full tmpfs: root only")
+def test_a_data_directory_on_a_full_disk_is_refused_in_one_line_naming_it(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    fill = 'mount -t tmpfs -o size=64k tmpfs "$0" && (cat /dev/zero > "$0/fill" 2>/dev/null; exec "$@")'
+    argv = ["unshare", "--mount", "sh", "-c", fill, str(data), *Up(data).argv()]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"Error: the data directory {data} has no space left (No space left on device): free space on its disk, "
+        "or choose another with --data-dir or LLMGW_DATA_DIR"
+    ]
+
+
+def test_the_nats_port_asked_for_comes_first_then_the_one_used_last_then_the_default() -> None:
+    assert port_candidates(None, None) == [4222]
+    assert port_candidates(None, 40001) == [40001, 4222]
+    assert port_candidates(0, 40001) == [40001], "0: any port, but the store's own while it is free"
+    assert port_candidates(0, None) == []
+    assert port_candidates(5000, 40001) == [5000, 40001]
 
 
 def test_a_projection_database_deleted_while_running_is_recreated_and_verifies_clean(
