@@ -427,11 +427,9 @@ class UsagePublisher:
         errors: dict[str, int] = {}
         try:
             for it in items:
-                futures.append(
-                    await self.js.publish_async(
-                        it.subject, it.data, headers={S.HDR_MSG_ID: it.request_id}, wait_stall=ack_timeout_s
-                    )
-                )
+                # No wait_stall: with one, nats-py wraps every publish in a timer task (a batch is far
+                # below its 4,000 pending, and what does not complete is cancelled below, freeing it).
+                futures.append(await self.js.publish_async(it.subject, it.data, headers={S.HDR_MSG_ID: it.request_id}))
         except Exception as exc:  # could not even be sent (connection closed, too many pending)
             errors[f"{type(exc).__name__}: {exc}"] = len(items) - len(futures)
         if futures:
