@@ -24,7 +24,13 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from llmgw.agent.engines.commands import EngineLaunch, choose_threads, llamacpp_launch, vllm_launch
+from llmgw.agent.engines.commands import (
+    EngineLaunch,
+    choose_threads,
+    llamacpp_launch,
+    vllm_launch,
+    with_prompt_cache_bound,
+)
 from llmgw.agent.engines.health import EngineStartError, probe, wait_healthy
 from llmgw.events.replicas import ReplicaPlaced
 
@@ -227,6 +233,8 @@ class Supervisor:
         # `--embeddings` in a profile's args turns the engine's embeddings endpoint on.
         embeddings = "--embeddings" in p.args or "--embedding" in p.args
         extra = [a for a in p.args if a not in ("--embeddings", "--embedding")]
+        # llama.cpp's prompt cache would otherwise grow to 8 GiB of host memory, whatever was reserved.
+        extra = with_prompt_cache_bound(extra, p.min_memory_gb)
         return llamacpp_launch(
             model_path,
             host=self.cfg.host,

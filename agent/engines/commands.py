@@ -24,6 +24,12 @@ XLLAMA_KEY_ENV = "LLMGW_ENGINE_KEY"
 LLAMA_SERVER_KEY_ENV = "LLAMA_API_KEY"
 VLLM_KEY_ENV = "VLLM_API_KEY"
 DEFAULT_PARALLEL = 4  # llama.cpp slots per replica (FLEET-5)
+# llama.cpp keeps the KV state of earlier prompts in host memory to reuse them (its prompt cache);
+# it grows to --cache-ram MiB, 8192 unless told. The agent bounds it by the replica's reservation.
+PROMPT_CACHE_DEFAULT_MIB = 1024  # for a replica that reserves no memory
+PROMPT_CACHE_MIN_MIB = 64
+PROMPT_CACHE_MAX_MIB = 8192
+PROMPT_CACHE_FLAGS = ("--cache-ram", "-cram")
 
 
 class EngineLaunch(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,6 +62,23 @@ def _check_key(key: str, argv: Sequence[str]) -> None:
     # is the key itself rather than a coincidence (a test's "k" is in "/work").
     if any(arg == key or arg.endswith("=" + key) or (len(key) >= 8 and key in arg) for arg in argv):
         raise ValueError("the engine key must not appear in argv (it is world-readable); pass it in the environment")
+
+
+def prompt_cache_mib(min_memory_gb: float | None) -> int:
+    """The bound on llama.cpp's prompt cache for a replica reserving ``min_memory_gb`` of host memory:
+    a quarter of the reservation (the rest is for the weights and the slots' own KV cache), within
+    64 MiB..8 GiB; 1 GiB when the replica reserves nothing."""
+    if not min_memory_gb or min_memory_gb <= 0:
+        return PROMPT_CACHE_DEFAULT_MIB
+    return max(PROMPT_CACHE_MIN_MIB, min(PROMPT_CACHE_MAX_MIB, int(min_memory_gb * 1024 / 4)))
+
+
+def with_prompt_cache_bound(extra_args: Sequence[str], min_memory_gb: float | None) -> list[str]:
+    """``extra_args`` with ``--cache-ram`` added, unless the profile sets it itself (it wins)."""
+    extra = list(extra_args)
+    if any(a in PROMPT_CACHE_FLAGS or a.startswith("--cache-ram=") for a in extra):
+        return extra
+    return [*extra, "--cache-ram", str(prompt_cache_mib(min_memory_gb))]
 
 
 def llamacpp_launch(

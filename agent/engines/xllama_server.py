@@ -171,6 +171,7 @@ for _names, _setter in [
     (("--rope-freq-base",), _set("rope_freq_base", float)),
     (("--rope-freq-scale",), _set("rope_freq_scale", float)),
     (("--cache-reuse",), _set("n_cache_reuse", int)),
+    (("-cram", "--cache-ram"), _set("cache_ram_mib", int)),  # MiB of host memory for the prompt cache
     (("-lv", "--verbosity", "--log-verbosity"), _set("verbosity", int)),
     (("--sleep-idle-seconds",), _set("sleep_idle_seconds", int)),
 ]:

@@ -41,6 +41,14 @@ from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, UsageMe
 from llmgw.services.router.routing import Affinity, order, prefix_key
 from llmgw.services.router.state import KeyInfo, ModelInfo, ReplicaInfo, RouterState
 from llmgw.services.router.usage import StopReport, UsageConfig, UsagePublisher
+from llmgw.services.router.validation import (
+    Invalid,
+    RequestLimits,
+    check_body,
+    check_depth,
+    max_prompt_tokens,
+    prompt_text,
+)
 
 log = structlog.get_logger("llmgw.router")
 access_log = structlog.get_logger("llmgw.access")
@@ -63,6 +71,15 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     saturation: int = 4  # in-flight requests at which prefix affinity lets go (llama.cpp slots)
     gossip_s: float = 0.1
     max_attempts: int = 3
+    # Limits on what reaches an engine (docs/gateway.md, "Limits on requests").
+    max_messages: int = 2048  # messages (or batched prompts/inputs) in one request
+    max_json_depth: int = 64  # how deeply arrays and objects in a body may nest
+    max_prompt_tokens: int = 1_048_576  # the prompt's upper-bound estimate: one token per byte + 16 per message
+    max_output_tokens: int = 131_072  # max_tokens / max_completion_tokens above this are refused
+    # A connection that has not sent a whole request head within header_s is closed (also the idle
+    # keep-alive timeout); a body that has not arrived within body_s is answered 408.
+    header_s: float = 10.0
+    body_s: float = 30.0
     # usage records the bus has not acknowledged go to this directory (None: memory only, see docs/usage.md)
     usage_journal: str | None = None
     usage_memory_records: int = 10_000  # held in memory before they go to the journal
@@ -81,26 +98,38 @@ class ApiError(Exception):
         429: "rate_limit_error",
     }
 
-    def __init__(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
+    ) -> None:
         self.status = status
         self.message = message
         self.code = code
         self.headers = headers or {}
+        self.param = param
         super().__init__(message)
 
     def response(self, request_id: str) -> web.Response:
         body = {
             "error": {
                 "message": self.message,
-                "type": self.TYPES.get(self.status, "api_error"),
-                "param": None,
+                "type": self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error"),
+                "param": self.param,
                 "code": self.code,
             }
         }
         headers = {"x-request-id": request_id, **self.headers}
-        return web.Response(
+        close = headers.pop("Connection", None) == "close"
+        resp = web.Response(
             body=_enc.encode(body), status=self.status, headers=headers, content_type="application/json"
         )
+        if close:
+            resp.force_close()  # the rest of the body cannot be read: the client must not reuse the connection
+        return resp
 
 
 class Call(msgspec.Struct, kw_only=True):
@@ -165,6 +194,12 @@ class Router:
         self._demand_sent: dict[str, float] = {}
         self._caught_up = asyncio.Event()
         self._rng = random.Random()
+        self._request_limits = RequestLimits(
+            max_messages=self.cfg.max_messages,
+            max_json_depth=self.cfg.max_json_depth,
+            max_prompt_tokens=self.cfg.max_prompt_tokens,
+            max_output_tokens=self.cfg.max_output_tokens,
+        )
 
     def _usage_gauges(self) -> tuple[int, float | None, bool]:
         b = self.usage.backlog()
@@ -261,7 +296,14 @@ class Router:
     # -- the app -----------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes)
+        app = web.Application(
+            client_max_size=self.cfg.max_body_bytes,
+            middlewares=[self._errors],
+            # aiohttp arms this timer when a connection opens and again after each answer, and closes
+            # the connection if no whole request head has arrived by then: the header-read timeout
+            # (a slow-header client cannot hold a connection) and the idle keep-alive timeout in one.
+            handler_args={"keepalive_timeout": self.cfg.header_s},
+        )
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -291,6 +333,27 @@ class Router:
                 self.usage.metrics.refused.inc()
             raise ApiError(503, reason, "usage_unavailable", {"retry-after": "10"})
 
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every answer in OpenAI's error shape with a request id: aiohttp's own (no such route, a
+        method not allowed) and, for a fault in the gateway itself, a logged 500."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _http_error(exc, request).response(self._request_id(request))
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as exc:
+            rid = self._request_id(request)
+            log.exception("request failed", request_id=rid, path=request.path)
+            return ApiError(
+                500,
+                f"internal error in the gateway ({type(exc).__name__}); request id {rid} is in the gateway's log",
+                "internal_error",
+            ).response(rid)
+
     def _request_id(self, request: web.Request) -> str:
         given = request.headers.get("x-request-id")
         return given if given and _REQUEST_ID.match(given) else new_id()
@@ -305,6 +368,9 @@ class Router:
                 "missing_api_key",
             )
         secret = auth[7:].strip()
+        if not secret.isascii():
+            # aiohttp passes bytes that are not UTF-8 through as surrogates; a key is plain ASCII.
+            raise ApiError(401, "invalid API key: it has characters no key has", "invalid_api_key")
         prefix = A.key_prefix(secret)
         key = self.state.keys.get(prefix) if prefix else None
         if key is None or not hmac.compare_digest(key.secret_sha256, A.hash_api_key(secret)):
@@ -352,7 +418,7 @@ class Router:
             call.stream = bool(body.get("stream", False))
             model = self._model(call.key, call.model_asked)
             call.model = model
-            prompt = _prompt_text(body, endpoint)
+            prompt = prompt_text(body, endpoint)
             call.tokens_in = max(1, len(prompt) // 4)  # an estimate until the engine counts
             limit_headers = self._limits(call, body)
             await self._reserve(call, body)
@@ -361,7 +427,9 @@ class Router:
         except ApiError as exc:
             call.status, call.error = exc.status, exc.message
             return exc.response(call.request_id)
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionError):
+            # The client went away (ConnectionError covers aiohttp's "Connection lost" on a write
+            # waiting for the client to read, as well as a reset).
             call.status = 499
             raise
         except Exception as exc:
@@ -377,34 +445,41 @@ class Router:
             await self._finish(call)
 
     async def _body(self, request: web.Request, endpoint: str) -> tuple[dict[str, Any], bytes]:
+        encoding = request.headers.get("content-encoding", "identity")
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.cfg.body_s):
+                raw = await request.read()
+        except TimeoutError as exc:
+            raise ApiError(
+                408,
+                f"the request body did not arrive within {self.cfg.body_s:g}s; send it whole",
+                "body_timeout",
+                {"Connection": "close"},
+            ) from exc
         except web.HTTPRequestEntityTooLarge as exc:
             raise ApiError(
                 413, f"request body is larger than {self.cfg.max_body_bytes} bytes", "body_too_large"
             ) from exc
+        except web.RequestPayloadError as exc:
+            # A compressed body that does not decompress, or a chunked body cut short or malformed.
+            raise ApiError(
+                400,
+                f"the body could not be read (Content-Encoding: {encoding}): {exc.__cause__ or exc}",
+                "invalid_encoding",
+                {"Connection": "close"},
+            ) from exc
+        limits = self._request_limits
         try:
-            body = _dec.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise ApiError(400, f"the body is not valid JSON: {exc}", "invalid_json") from exc
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object", "invalid_body")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise ApiError(400, "`model` is required and must be a string", "invalid_model")
-        need = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}[endpoint]
-        value = body.get(need)
-        if endpoint == "/v1/chat/completions":
-            if not isinstance(value, list) or not value or not all(isinstance(m, dict) for m in value):
-                raise ApiError(400, "`messages` must be a non-empty list of message objects", "invalid_messages")
-        elif not isinstance(value, str | list) or (isinstance(value, list) and not value):
-            raise ApiError(400, f"`{need}` must be a string or a non-empty list", f"invalid_{need}")
-        if "stream" in body and not isinstance(body["stream"], bool):
-            raise ApiError(400, "`stream` must be true or false", "invalid_stream")
-        for field in ("max_tokens", "max_completion_tokens"):
-            v = body.get(field)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ApiError(400, f"`{field}` must be a positive integer", f"invalid_{field}")
+            check_depth(raw, limits)
+            try:
+                decoded = _dec.decode(raw)
+            except RecursionError as exc:  # past the decoder's own stack, should the depth limit be raised
+                raise Invalid(400, "the body nests too deeply to decode", "too_deeply_nested") from exc
+            except msgspec.DecodeError as exc:
+                raise Invalid(400, f"the body is not valid JSON: {exc}", "invalid_json") from exc
+            body = check_body(decoded, endpoint, limits)
+        except Invalid as exc:
+            raise ApiError(exc.status, exc.message, exc.code, param=exc.param) from exc
         return body, raw
 
     def _model(self, key: KeyInfo, asked: str) -> ModelInfo:
@@ -458,7 +533,7 @@ class Router:
             or self.cfg.default_max_tokens
         )
         amount = max_cost(
-            _max_prompt_tokens(body, call.endpoint), int(out), price.input_usd_per_m, price.output_usd_per_m
+            max_prompt_tokens(body, call.endpoint), int(out), price.input_usd_per_m, price.output_usd_per_m
         )
         for scope in scopes:
             b = self.state.budgets[scope]
@@ -598,9 +673,15 @@ class Router:
             except (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError, OSError) as exc:
                 raise _RetryElsewhere(str(exc) or type(exc).__name__) from exc
             try:
-                if upstream.status >= 500:
-                    text = (await upstream.read())[:300].decode(errors="replace")
-                    raise _RetryElsewhere(f"engine answered {upstream.status}: {text}")
+                if upstream.status >= 400:
+                    try:
+                        text = (await upstream.read())[:1000].decode(errors="replace")
+                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                        raise _RetryElsewhere(f"the engine failed while answering {upstream.status}: {exc}") from exc
+                    refusal = engine_refusal(upstream.status, text, replica.model, call.endpoint)
+                    if refusal is None:
+                        raise _RetryElsewhere(f"engine answered {upstream.status}: {text[:300]}")
+                    raise refusal  # the request's fault: the same on every replica, so not retried
                 if call.stream and upstream.status == 200:
                     return await self._stream(request, call, upstream, limit_headers)
                 return await self._whole(call, upstream, limit_headers)
@@ -677,7 +758,11 @@ class Router:
                             _count_chunk(call, line)
                         elif b'"content"' in line or b'"text"' in line:
                             call.tokens_out += 1  # one chunk per token, until the usage chunk says exactly
-                await resp.write(lines)
+                try:
+                    await resp.write(lines)
+                except ConnectionError as exc:
+                    # "Connection lost" while waiting for a client that stopped reading, or a reset.
+                    raise _ClientGone(str(exc)) from exc
                 idle = min(self.cfg.idle_s, deadline - time.monotonic())
                 if idle <= 0:
                     call.status, call.error = 504, "total timeout mid-stream"
@@ -687,13 +772,15 @@ class Router:
                 except TimeoutError:
                     call.status, call.error = 504, f"no token for {self.cfg.idle_s:.0f}s (idle timeout)"
                     break
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
+        except (_ClientGone, asyncio.CancelledError) as exc:
             # The client went away: leaving this block closes the engine connection, which stops its work.
             call.status, call.error = 499, "client closed the connection mid-stream"
+            if isinstance(exc, _ClientGone):
+                raise ConnectionResetError(str(exc)) from exc
             raise
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             call.status, call.error = 502, f"the engine failed mid-stream: {exc}"
-        with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
+        with contextlib.suppress(ConnectionError):
             await resp.write_eof()
         return resp
 
@@ -777,32 +864,59 @@ class _RetryElsewhere(Exception):
     """The replica failed before the first byte reached the client: another may be tried."""
 
 
-def _prompt_text(body: dict[str, Any], endpoint: str) -> str:
-    if endpoint == "/v1/chat/completions":
-        parts = []
-        for m in body.get("messages", []):
-            c = m.get("content")
-            if isinstance(c, str):
-                parts.append(c)
-            elif isinstance(c, list):
-                parts.extend(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-        return "\n".join(parts)
-    value = body.get("prompt" if endpoint == "/v1/completions" else "input")
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        return "\n".join(v for v in value if isinstance(v, str))
-    return ""
+class _ClientGone(Exception):
+    """Writing to the client failed: it went away mid-answer."""
 
 
-def _max_prompt_tokens(body: dict[str, Any], endpoint: str) -> int:
-    """An upper bound on the prompt's tokens, without a tokenizer: a token covers at least one byte,
-    and a chat template adds a few special tokens per message. Budgets reserve with it, so a request
-    can never cost more than was held for it."""
-    text = _prompt_text(body, endpoint)
-    messages = body.get("messages")
-    per_message = 16 * (len(messages) if isinstance(messages, list) else 1)
-    return len(text.encode()) + per_message + 16
+_ENDPOINT_WORDS = {
+    "/v1/chat/completions": "chat completions",
+    "/v1/completions": "text completions",
+    "/v1/embeddings": "embeddings",
+}
+
+
+def engine_refusal(status: int, text: str, model: str, endpoint: str) -> ApiError | None:
+    """What the client is told when an engine refuses a request, or None when the engine failed.
+
+    An engine's 4xx is about the request and 501 says the model does not serve this endpoint: both
+    would be the same on every replica, so they go back to the client as 400s (never 5xx, never
+    retried). 401/403 are the engine refusing the gateway's own key and every other 5xx is the
+    engine failing: those are retried elsewhere."""
+    if status == 501:
+        what = _ENDPOINT_WORDS.get(endpoint, endpoint)
+        enabled = "with embeddings enabled" if endpoint == "/v1/embeddings" else f"that serves {what}"
+        return ApiError(
+            400,
+            f"the model {model} does not serve {what}; use a model {enabled}",
+            "model_not_supported",
+        )
+    if status >= 500 or status in (401, 403):
+        return None
+    message = text
+    with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
+        error = _dec.decode(text.encode()).get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+    message = str(message or text).strip()[:500] or f"the engine answered {status}"
+    code = "request_too_large" if status == 413 else "engine_refused"
+    return ApiError(413 if status == 413 else 400, f"the model {model} refused the request: {message}", code)
+
+
+def _http_error(exc: web.HTTPException, request: web.Request) -> ApiError:
+    """aiohttp's own refusals (no such route, method not allowed, too large…) in the gateway's words."""
+    routes = "/v1/chat/completions, /v1/completions, /v1/embeddings (POST) and /v1/models (GET)"
+    if exc.status == 404:
+        return ApiError(404, f"no route {request.method} {request.path}: this gateway serves {routes}", "not_found")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return ApiError(
+            405,
+            f"method {request.method} is not allowed on {request.path} (allowed: {allowed})",
+            "method_not_allowed",
+            {"Allow": allowed},
+        )
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return ApiError(413, f"the request body is too large: {exc.text}", "body_too_large")
+    return ApiError(exc.status, exc.reason or f"HTTP {exc.status}", f"http_{exc.status}")
 
 
 _MAX_LINE = 1 << 17  # a longer line is passed on in pieces rather than buffered whole
