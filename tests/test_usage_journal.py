@@ -329,14 +329,22 @@ async def test_records_a_stopping_router_could_not_publish_are_journaled_and_pub
         await fleet.add_model("tiny", write_tiny_gguf(tmp_path / "tiny.gguf"))
         await fleet.wait_ready("tiny", 1)
         await fleet.router_caught_up()
-        nats.stop()
-        served = []
-        for i in range(5):
-            status, _ = await ask(http, fleet.port, key, f"unacked-{i}")
-            assert status == 200
-            served.append(f"unacked-{i}")
+        with structlog.testing.capture_logs() as logs:
+            nats.stop()
+            served = []
+            for i in range(5):
+                status, _ = await ask(http, fleet.port, key, f"unacked-{i}")
+                assert status == 200
+                served.append(f"unacked-{i}")
+            await fleet.stop()
     finally:
         await fleet.stop()
+
+    # Said in the log, with counts and the error: while it happened, and what the stop left behind.
+    retrying = [e for e in logs if e["event"] == "usage records not acknowledged by the bus; kept and retried"]
+    assert retrying and retrying[0]["records"] >= 1 and retrying[0]["errors"], logs
+    left = [e for e in logs if e["event"].startswith("usage records left in the journal at stop")]
+    assert left and left[0]["records"] == 5 and left[0]["log_level"] == "warning"
 
     kept = Journal(journal)
     in_journal = [msgspec.json.decode(r)["request_id"] for s in kept.segments() for r in kept.read(s)[0]]
