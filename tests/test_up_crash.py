@@ -20,12 +20,14 @@ import pytest
 
 from llmgw.agent.supervisor import pid_alive
 from llmgw.cli.natsd import port_candidates
+from llmgw.events import models as M
 from llmgw.events.catalog import default_registry
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import event_subject
 from llmgw.events.tenancy import OrgCreated
+from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
-from tests.support import free_port
+from tests.support import free_port, wait_until
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
 DEADLINE_S = 30.0
@@ -351,3 +353,29 @@ def test_an_engine_is_adopted_after_up_is_killed_and_stopped_by_an_up_without_an
     ups.append(third.start("--no-agent"))
     assert not pid_alive(engine["pid"], engine["proc_start"]), "no agent will adopt it: stopped"
     assert f"stopped engine {engine['replica_id']} (tiny, pid {engine['pid']})" in third.output()
+
+
+async def test_an_engine_whose_model_was_stopped_while_its_agent_was_away_is_stopped_when_the_agent_returns(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    agent = fleet.agent("n1")
+    await fleet.add_model("tiny", write_tiny_gguf(tmp_path / "tiny.gguf"))
+    [replica] = await fleet.wait_ready("tiny", 1)
+    agent.kill9()
+    await fleet.command("stop", M.StopModel(name="tiny"))
+
+    async def unwanted() -> bool:
+        return (await fleet.replicas())[replica["id"]]["state"] in ("draining", "stopped", "failed")
+
+    await wait_until(unwanted, what="the stopped model's replica to be unwanted in the log")
+    os.kill(replica["pid"], 0)  # nobody has stopped the engine yet: its agent is away
+    agent.start()
+
+    def engine_gone() -> bool:
+        try:
+            os.kill(replica["pid"], 0)
+        except ProcessLookupError:
+            return True
+        return not Path(f"/proc/{replica['pid']}/cmdline").read_bytes()  # a zombie waiting to be reaped
+
+    await wait_until(engine_gone, deadline_s=DEADLINE_S, what="the returning agent to stop the unwanted engine")
