@@ -14,6 +14,7 @@ import subprocess
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,12 @@ import structlog
 
 from llmgw.events.catalog import default_registry
 from llmgw.events.store import EventStore
+from llmgw.events.usage import UsageRecord
 from llmgw.projections.backends import open_backend
 from llmgw.projections.usage import UsageProjection
 from llmgw.services.router.app import RouterConfig
-from llmgw.services.router.journal import Journal, frame
+from llmgw.services.router.journal import Journal, JournalError, frame
+from llmgw.services.router.usage import UsageConfig, UsagePublisher
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import NatsServer, wait_until
@@ -165,6 +168,41 @@ def test_a_failed_journal_write_leaves_no_torn_record_behind(tmp_path: Path) -> 
         j.append([b"after"])
         assert [r for s in j.segments() for r in j.read(s)[0]] == [b"kept", b"after"]
         j.close()
+
+
+async def test_a_journal_directory_that_cannot_be_used_is_refused_at_start_in_one_sentence(
+    tmp_path: Path, store: EventStore
+) -> None:
+    not_a_dir = tmp_path / "journal"
+    not_a_dir.write_text("a file where the journal should be")
+    publisher = UsagePublisher(store.js, store.nc, UsageConfig(journal_dir=str(not_a_dir)))
+    with pytest.raises(JournalError) as refused:
+        await publisher.start()
+    assert str(refused.value) == f"the usage journal path {not_a_dir} is not a directory"
+
+
+async def test_without_a_journal_records_wait_in_memory_up_to_the_bound_and_then_requests_are_refused(
+    nats: NatsServer, store: EventStore
+) -> None:
+    publisher = UsagePublisher(store.js, store.nc, UsageConfig(memory_records=20, ack_timeout_s=0.5, retry_max_s=0.2))
+    await publisher.start()
+    nats.stop()
+    now = datetime.now(UTC)
+    for i in range(20):
+        assert publisher.refusal() is None
+        publisher.put(UsageRecord(request_id=f"mem-{i}", at=now, status=200, project_id="p1"))
+    await wait_until(lambda: publisher.refusal() is not None, what="the publisher to find the bus away")
+    reason = publisher.refusal()
+    assert reason is not None and reason.startswith("usage records cannot be kept: 20 wait in memory for the bus (")
+    assert reason.endswith("and no usage journal is configured; requests are refused until the bus acknowledges them")
+    assert publisher.backlog().state == "refusing" and publisher.backlog().in_memory == 20
+
+    nats.start()
+    await wait_until(lambda: publisher.backlog().records == 0, deadline_s=30, what="the records to be published")
+    assert publisher.refusal() is None
+    assert set(await usage_in_stream(store.js)) == {f"mem-{i}" for i in range(20)}
+    report = await publisher.stop()
+    assert (report.lost, report.journaled) == (0, 0)
 
 
 # -- through the gateway -----------------------------------------------------------------------

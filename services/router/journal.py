@@ -70,12 +70,13 @@ class Journal:
     def __init__(self, directory: str | Path, segment_bytes: int = 1 << 20) -> None:
         self.directory = Path(directory)
         self.segment_bytes = segment_bytes
+        if self.directory.exists() and not self.directory.is_dir():
+            raise JournalError(f"the usage journal path {self.directory} is not a directory")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise JournalError(f"the usage journal directory {self.directory} cannot be created: {exc}") from exc
-        if not self.directory.is_dir():
-            raise JournalError(f"the usage journal path {self.directory} is not a directory")
+            reason = exc.strerror or str(exc)
+            raise JournalError(f"the usage journal directory {self.directory} cannot be created ({reason})") from exc
         # Segments already here are from an earlier run: read back, never appended to.
         self._segments = sorted(
             int(p.name[: -len(SUFFIX)]) for p in self.directory.glob(f"*{SUFFIX}") if p.stem.isdigit()
