@@ -146,6 +146,19 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)  # `up` died before the prctl took effect: nobody would stop this server
 
 
+def _stop_leftover(record: ServerRecord, grace_s: float) -> None:
+    """Stop the recorded server (checked to be it by the caller): SIGTERM, then SIGKILL after ``grace_s``."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record.pid, sig)
+            os.kill(record.pid, signal.SIGCONT)  # a stopped (frozen) server acts on SIGTERM only once resumed
+        end = time.monotonic() + wait_s
+        while is_recorded_server(record) and time.monotonic() < end:
+            time.sleep(0.05)
+        if not is_recorded_server(record):
+            return
+
+
 def _try_lock(f: IO) -> bool:
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -228,22 +241,14 @@ class EmbeddedNats:
     def _take_store(self, lock: IO, grace_s: float) -> None:
         """Hold the store's lock; a server left running on it (its `up` crashed) is stopped first."""
         recorded = read_record(self.record_path)
-        leftover = recorded is not None and is_recorded_server(recorded)
-        if _try_lock(lock) and not leftover:
-            return
-        if recorded is not None and leftover:
+        if recorded is not None and is_recorded_server(recorded):
             log.warning("a nats-server of an earlier `up` still runs on this store; stopping it", pid=recorded.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(recorded.pid, signal.SIGTERM)
-                os.kill(recorded.pid, signal.SIGCONT)  # a stopped (frozen) server handles its SIGTERM only once resumed
-            if not _wait_lock(lock, grace_s):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(recorded.pid, signal.SIGKILL)
+            _stop_leftover(recorded, grace_s)
         if _wait_lock(lock, 5.0):
             return
         raise NatsStartError(
-            f"the NATS store {self.dir} is locked by another process that is not a nats-server this data directory "
-            f"started (see `fuser {self.dir / LOCK_FILE}`): stop it, or use another --data-dir"
+            f"the NATS store {self.dir} is locked by a process other than the nats-server {self.record_path} "
+            f"names: find it with `fuser {self.dir / LOCK_FILE}` and stop it, or use another --data-dir"
         )
 
     def _write_record(self) -> None:

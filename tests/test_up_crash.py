@@ -294,6 +294,34 @@ def test_a_data_directory_on_a_full_disk_is_refused_in_one_line_naming_it(tmp_pa
     ]
 
 
+def test_a_store_locked_by_another_process_is_refused_in_one_line(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "nats").mkdir(parents=True)
+    hold = (
+        "import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); "
+        "input()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(data / "nats" / "store.lock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        done = subprocess.run(Up(data).argv(), capture_output=True, text=True, timeout=60)
+    finally:
+        holder.kill()
+        holder.wait()
+
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"the NATS store {data / 'nats'} is locked by a process other than the nats-server" in lines[0]
+    assert f"fuser {data / 'nats' / 'store.lock'}" in lines[0]
+    assert nats_servers(data) == []
+
+
 def test_the_nats_port_asked_for_comes_first_then_the_one_used_last_then_the_default() -> None:
     assert port_candidates(None, None) == [4222]
     assert port_candidates(None, 40001) == [40001, 4222]
