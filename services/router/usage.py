@@ -476,6 +476,9 @@ class UsagePublisher:
         count, oldest = 0, None
         for segment in self._journal.segments():
             payloads, _ = self._journal.read(segment)
+            if not payloads:
+                self._journal.delete(segment)  # empty, or only a torn record: nothing to publish
+                continue
             count += len(payloads)
             if payloads and oldest is None:
                 try:
