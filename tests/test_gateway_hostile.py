@@ -23,7 +23,7 @@ from llmgw.agent.engines.commands import prompt_cache_mib, with_prompt_cache_bou
 from llmgw.agent.engines.xllama_server import ServerArgs, build_params
 from llmgw.events.store import EventStore
 from llmgw.events.usage import UsageRecord
-from llmgw.services.router.app import RouterConfig
+from llmgw.services.router.app import RouterConfig, engine_refusal
 from llmgw.services.router.validation import json_depth
 from tests.fleet import Fleet
 from tests.support import NatsServer, wait_until
@@ -171,6 +171,41 @@ def test_json_depth_counts_brackets_outside_strings_without_recursion() -> None:
     assert json_depth(b"[" * 100_000) == 100_000  # far past any recursion limit
     assert json_depth(b'"[[[' + b"\\" * 3) == 0, "an unterminated string hides what follows"
     assert json_depth(b"") == 0
+
+
+def _reference_depth(value: object) -> int:
+    if isinstance(value, list):
+        return 1 + max((_reference_depth(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return 1 + max((_reference_depth(v) for v in value.values()), default=0)
+    return 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    value=st.recursive(
+        st.none() | st.integers() | st.text(alphabet='[]{}"\\ab', max_size=8),
+        lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text('[]{}"\\', max_size=4), children),
+        max_leaves=20,
+    )
+)
+def test_json_depth_agrees_with_the_decoded_structure(value: object) -> None:
+    assert json_depth(json.dumps(value).encode()) == _reference_depth(value)
+
+
+def test_engine_refusals_are_client_errors_and_engine_failures_are_retried() -> None:
+    unsupported = engine_refusal(501, '{"error": {"message": "not supported"}}', "tiny", "/v1/embeddings")
+    assert unsupported is not None and (unsupported.status, unsupported.code) == (400, "model_not_supported")
+    assert unsupported.message == "the model tiny does not serve embeddings; use a model with embeddings enabled"
+    chat = engine_refusal(501, "", "emb", "/v1/chat/completions")
+    assert chat is not None and "does not serve chat completions" in chat.message
+    too_long = engine_refusal(400, '{"error": {"code": 400, "message": "exceeds the context size"}}', "tiny", CHAT)
+    assert too_long is not None and too_long.status == 400
+    assert too_long.message == "the model tiny refused the request: exceeds the context size"
+    large = engine_refusal(413, "too big", "tiny", CHAT)
+    assert large is not None and large.status == 413
+    for status in (500, 502, 503, 401, 403):
+        assert engine_refusal(status, "", "tiny", CHAT) is None, f"{status} is the engine's failure: retried"
 
 
 def test_the_default_limits_are_sensible() -> None:
