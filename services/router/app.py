@@ -675,9 +675,11 @@ class Router:
             try:
                 if upstream.status >= 400:
                     try:
-                        text = (await upstream.read())[:1000].decode(errors="replace")
-                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-                        raise _RetryElsewhere(f"the engine failed while answering {upstream.status}: {exc}") from exc
+                        async with asyncio.timeout(self.cfg.idle_s):
+                            text = (await upstream.read())[:1000].decode(errors="replace")
+                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+                        why = str(exc) or type(exc).__name__
+                        raise _RetryElsewhere(f"the engine failed while answering {upstream.status}: {why}") from exc
                     refusal = engine_refusal(upstream.status, text, replica.model, call.endpoint)
                     if refusal is None:
                         raise _RetryElsewhere(f"engine answered {upstream.status}: {text[:300]}")
