@@ -75,7 +75,7 @@ def load_agent_config(path: str | None) -> dict[str, Any]:
 
 
 @click.command("agent")
-@click.option("--nats", "nats_url", envvar="LLMGW_NATS_URL", required=True, help="NATS URL of the cluster.")
+@click.option("--nats", "nats_url", envvar="LLMGW_NATS_URL", required=True, help="NATS URL(s), comma-separated.")
 @click.option("--node-id", help="This node's id (default: the hostname).")
 @click.option("--config", "config_path", help="Agent YAML config (labels, port_range, llamacpp.threads, …).")
 @click.option("--data-dir", help="Where engine logs and state files live.")
@@ -144,7 +144,8 @@ def agent(
             store = await EventStore.connect(nats_url, default_registry())
         except StoreError as exc:
             raise click.ClickException(str(exc)) from exc
-        await store.ensure_streams()
+        # Only what is missing, at the cluster's size: an agent never changes a server's streams.
+        await store.ensure_streams(update=False)
         a = Agent(store, cfg, ring)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

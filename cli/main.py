@@ -34,6 +34,8 @@ from llmgw.cli.fleet_cmd import load_model_file
 from llmgw.cli.mirror_cmd import mirror
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError
 from llmgw.cli.runtime import ALL_SERVICES, DEMO_KEY_FILE, ServerConfig, serve
+from llmgw.events.commands import CommandError
+from llmgw.events.store import StoreError
 from llmgw.services.mirror.hub import DEFAULT_HUB
 from llmgw.services.router.app import RouterConfig
 
@@ -55,6 +57,37 @@ main.add_command(ctl)
 main.add_command(events)
 main.add_command(agent)
 main.add_command(mirror)
+
+
+@main.group()
+def streams() -> None:
+    """llmgw's JetStream streams and key-value buckets."""
+
+
+@streams.command("replicas")
+@click.argument("count", type=click.IntRange(min=1), required=False)
+@click.pass_context
+def streams_replicas(ctx: click.Context, count: int | None) -> None:
+    """Show each stream's and bucket's replicas; with COUNT, change them all to COUNT.
+
+    The only way replicas change: servers and agents create what is missing and never rescale.
+    JetStream copies the data to the new replicas itself; it refuses more replicas than nodes.
+    """
+
+    async def act(session: Session) -> int:
+        store = await session.store()
+        try:
+            if count is not None:
+                for name, before, after in await store.set_replicas(count):
+                    click.echo(f"{name}: {before} -> {after} replicas")
+            rows = await store.replica_counts()
+        except StoreError as exc:
+            raise CommandError(str(exc)) from exc
+        for name, n in rows:
+            click.echo(f"{name:<24} {n}")
+        return 0
+
+    run(ctx, act)
 
 
 def _hub_token() -> str | None:
@@ -283,7 +316,12 @@ def up(
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", default=8080, show_default=True)
 @click.option("--admin-port", default=8081, show_default=True)
-@click.option("--replicas", default=1, show_default=True, help="Stream replicas (3 in a JetStream cluster).")
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    help="Replicas of the streams and buckets this server creates (default: the cluster's size, at most 3). "
+    "Existing ones keep theirs: change them with `llmgw streams replicas N`.",
+)
 @click.option("--catalog", "catalog_file", help="Models declared in a YAML file (edited there, not at runtime).")
 @click.option("--mirror-dir", help="Where the mirror keeps models (default: DATA_DIR/mirror).")
 @click.option(
@@ -314,7 +352,7 @@ def server(
     host: str,
     port: int,
     admin_port: int,
-    replicas: int,
+    replicas: int | None,
     catalog_file: str | None,
     mirror_dir: str | None,
     mirror_peer_of: str | None,

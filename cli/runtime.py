@@ -7,8 +7,7 @@ database are. Services never import one another; this module is where they meet.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +67,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8080
     admin_port: int = 8081
-    stream_replicas: int = 1
+    stream_replicas: int | None = None  # None: the cluster's size, at most 3 (1 on a single server)
     declared_models: tuple[ModelSpec, ...] = ()
     demo_model: ModelSpec | None = None
     demo_marker: str | None = None
@@ -234,8 +233,9 @@ async def serve(
     finally:
         for p in processors:
             p.stop()
+        # Every step is bounded: a process told to stop exits, whatever NATS or the database do meanwhile.
         for site in sites:
-            await site.cleanup()
+            await _bounded("close a listener", site.cleanup())
         for router in routers:
             report = await router.stop()
             if report.lost:
@@ -243,14 +243,28 @@ async def serve(
             elif report.journaled:
                 log.warning("router stopped with usage records journaled", journaled=report.journaled)
         for j in jobs_services:
-            await j.close()
+            await _bounded("stop the jobs", j.close())
         for m in mirrors:
-            await m.close()
+            await _bounded("stop the mirror", m.close())
         for t in tasks:
             t.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        await runner.stop()
-        await backend.close()
-        await store.close()
+        if tasks:
+            await _bounded("stop the services", asyncio.gather(*tasks, return_exceptions=True))
+        await _bounded("stop the projections", runner.stop())
+        await _bounded("close the database", backend.close())
+        await _bounded("close the NATS connection", store.close(), timeout_s=STOP_STEP_S + 5.0)
         log.info("services stopped")
+
+
+STOP_STEP_S = 10.0
+
+
+async def _bounded(what: str, step: Awaitable[Any], timeout_s: float = STOP_STEP_S) -> None:
+    """Await one shutdown step for at most ``timeout_s``; a step that fails or hangs is logged and left behind."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await step
+    except TimeoutError:
+        log.error("a shutdown step did not finish in time; going on without it", step=what, timeout_s=timeout_s)
+    except Exception as exc:
+        log.warning("a shutdown step failed", step=what, error=str(exc))

@@ -29,6 +29,7 @@ from llmgw.events.codec import decode_event
 from llmgw.events.envelope import utc_now
 from llmgw.events.ids import new_id
 from llmgw.events.outcomes import CommandCompleted, CommandRejected
+from llmgw.events.retry import is_transient, keep_running
 from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
 
 log = structlog.get_logger("llmgw.events.commands")
@@ -123,8 +124,10 @@ class CommandClient:
                     msgspec.json.encode(command),
                     headers={S.HDR_MSG_ID: command.id},
                 )
-            except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError) as exc:
-                raise Unreachable(f"the command stream did not answer ({exc}); is `llmgw up` running?") from exc
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                raise Unreachable(f"the command stream did not answer ({exc!r}); is `llmgw up` running?") from exc
             deadline = asyncio.get_running_loop().time() + timeout
             while True:
                 left = deadline - asyncio.get_running_loop().time()
@@ -150,9 +153,14 @@ class CommandClient:
 
     async def _read_outcome(self, subject: str) -> tuple[bytes, int] | None:
         try:
-            msg = await self.store.js.get_last_msg(self.store.stream, subject, direct=True)
+            async with asyncio.timeout(2.0):  # within the caller's deadline, not the store's 10 s
+                msg = await self.store.js.get_last_msg(self.store.stream, subject, direct=True)
         except nats.js.errors.NotFoundError:
             return None
+        except Exception as exc:
+            if is_transient(exc):
+                return None  # NATS is busy electing or reconnecting: the deadline decides
+            raise
         return msg.data or b"", msg.seq or 0
 
     def _outcome(self, data: bytes, subject: str, seq: int) -> CommandCompleted:
@@ -214,6 +222,12 @@ class CommandProcessor:
         self.handled = 0
 
     async def run(self) -> None:
+        """Handle commands until :meth:`stop`; rides out NATS trouble (an election, a lost node) by retrying."""
+        await keep_running(
+            f"{self.service} commands", self._run_once, stop=self._stopping, closed=lambda: self.store.nc.is_closed
+        )
+
+    async def _run_once(self) -> None:
         durable = f"svc-{self.service}"
         sub = await self.store.js.pull_subscribe(
             f"{S.COMMANDS_ROOT}.{self.service}.>",
@@ -234,10 +248,21 @@ class CommandProcessor:
                 except (nats.errors.ConnectionClosedError, nats.errors.DrainTimeoutError):
                     return
                 for msg in msgs:
-                    await self._process(msg)
+                    try:
+                        await self._process(msg)
+                    except Exception as exc:
+                        if not is_transient(exc):
+                            raise
+                        # The store went away mid-command: hand it back to be delivered again soon.
+                        log.warning(
+                            "command interrupted; it will be delivered again", service=self.service, error=str(exc)
+                        )
+                        with contextlib.suppress(Exception):
+                            await msg.nak(delay=1.0)
         finally:
             with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+                async with asyncio.timeout(2.0):
+                    await sub.unsubscribe()
 
     def stop(self) -> None:
         self._stopping.set()

@@ -36,6 +36,7 @@ from nats.js.errors import APIError, NotFoundError
 from llmgw.events.codec import EventDecodeError, decode_event
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.registry import EventRegistry
+from llmgw.events.retry import backoff_delay, is_transient
 from llmgw.events.store import EventStore, Quarantined, StoreError
 
 JS_API = "$JS.API"  # the store's JetStream context uses the default API prefix (no domain)
@@ -70,6 +71,7 @@ class _Puller:
         self.received = 0  # messages delivered for the open request
         self.error: Exception | None = None
         self.closed = False
+        self.unanswered = 0  # consumer checks in a row that got no answer
         self.sub: Any = None
         self.request = _encode(
             {"batch": batch, "expires": int(REQUEST_S * 1e9), "idle_heartbeat": int(HEARTBEAT_S * 1e9)}
@@ -138,8 +140,14 @@ class _Puller:
             await self.store.js.consumer_info(self.store.stream, self.consumer)
         except NotFoundError as exc:
             raise _ConsumerGone("the consumer no longer exists") from exc
-        except Exception:
-            return  # the server is unreachable for now: asking again is all there is to do
+        except Exception as exc:
+            # Unreachable for now. Twice in a row: its node is likely gone (a consumer has one replica),
+            # so make a new one elsewhere rather than wait for that node.
+            self.unanswered += 1
+            if self.unanswered >= 2:
+                raise _ConsumerGone(f"the consumer does not answer ({type(exc).__name__})") from exc
+            return
+        self.unanswered = 0
 
 
 def _position(reply: str) -> tuple[int, int]:
@@ -179,8 +187,21 @@ async def read_log(
     if until is not None and until <= after:
         return
     position = after  # the last event delivered: a lost consumer is made again from the next one
+    attempt = 0
     while True:
-        info = await _consumer(store, subject, position)
+        try:
+            info = await _consumer(store, subject, position)
+        except Exception as exc:
+            # A follower outlives NATS trouble (an election, a lost node): wait, then read on from here.
+            if not follow or not is_transient(exc):
+                raise
+            attempt += 1
+            delay = backoff_delay(attempt)
+            log.warning(
+                "the log reader waits for NATS", subject=subject, after=position, error=str(exc), retry_in_s=delay
+            )
+            await asyncio.sleep(delay)
+            continue
         if not follow and info.num_pending == 0:
             with contextlib.suppress(Exception):
                 await store.js.delete_consumer(store.stream, info.name)
@@ -191,6 +212,7 @@ async def read_log(
             while True:
                 try:
                     msgs = await puller.take()
+                    attempt = 0
                 except _ConsumerGone as exc:
                     log.warning(
                         "the log reader's consumer is gone; reading on from where it was",
@@ -199,10 +221,23 @@ async def read_log(
                         reason=str(exc),
                     )
                     break
+                except Exception as exc:
+                    if not follow or not is_transient(exc):
+                        raise
+                    log.warning(
+                        "the log reader lost NATS; reading on from where it was", subject=subject, error=str(exc)
+                    )
+                    break
                 batch: list[RecordedEvent | Quarantined] = []
                 done = False
                 for msg in msgs:
                     seq, pending = _position(msg.reply)
+                    if seq <= position:
+                        # Delivered before (a consumer remade on a restarted node starts over).
+                        if not follow and pending == 0:
+                            done = True
+                            break
+                        continue
                     if until is not None and seq > until:
                         done = True
                         break
@@ -218,8 +253,11 @@ async def read_log(
                     return
         finally:
             await puller.close()
+            # Bounded: during an outage the request would wait its full timeout for nothing; an
+            # undeleted consumer goes by itself after INACTIVE_S.
             with contextlib.suppress(Exception):
-                await store.js.delete_consumer(store.stream, info.name)
+                async with asyncio.timeout(2.0):
+                    await store.js.delete_consumer(store.stream, info.name)
 
 
 async def _consumer(store: EventStore, subject: str, after: int) -> Any:

@@ -16,19 +16,16 @@ import os
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+from llmgw.events.buckets import open_bucket
 
 BUCKET = "llmgw_secrets"
 ENGINE_KEY_SECRET = "engine-key-secret"
 
 
-async def _bucket(js: JetStreamContext):
-    try:
-        return await js.key_value(BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        try:
-            return await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1, storage=StorageType.FILE))
-        except nats.js.errors.APIError:
-            return await js.key_value(BUCKET)  # created by another process meanwhile
+async def _bucket(js: JetStreamContext) -> KeyValue:
+    return await open_bucket(js, KeyValueConfig(bucket=BUCKET, history=1, storage=StorageType.FILE))
 
 
 async def engine_key_secret(js: JetStreamContext) -> bytes:

@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -36,6 +38,7 @@ from llmgw.events.envelope import Envelope, RecordedEvent, utc_now
 from llmgw.events.ids import new_id
 from llmgw.events.metrics import StoreMetrics
 from llmgw.events.registry import EventRegistry
+from llmgw.events.retry import is_transient, retrying
 
 log = structlog.get_logger("llmgw.events.store")
 
@@ -86,6 +89,31 @@ STREAMS: tuple[StreamSpec, ...] = (
 )
 
 
+def server_list(urls: str | Sequence[str]) -> list[str]:
+    """NATS URLs from a comma-separated string (``--nats nats://a:4222,nats://b:4222``) or a list."""
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    return [u.strip() for u in items if u and u.strip()]
+
+
+def cluster_replicas(connect_urls: Sequence[str] | None) -> int:
+    """The replicas a stream gets when none were configured: the cluster's size (1 alone), at most 3."""
+    return max(1, min(3, len(connect_urls or ())))
+
+
+class ReplicaMismatch(msgspec.Struct, frozen=True):
+    """A stream or bucket whose replica count is not the one this process was configured with."""
+
+    stream: str
+    configured: int
+    actual: int
+
+    def message(self) -> str:
+        return (
+            f"stream {self.stream} has {self.actual} replica(s), this process is configured for {self.configured}; "
+            f"it is left as it is: change it with `llmgw streams replicas {self.configured}`"
+        )
+
+
 class StoreError(Exception):
     """The event store could not do what was asked; the message says what to check."""
 
@@ -130,6 +158,40 @@ class AppendResult(msgspec.Struct, frozen=True):
         return self.seqs[-1] if self.seqs else 0
 
 
+def _differs(config: StreamConfig, spec: StreamSpec) -> bool:
+    """Whether a stream's settings (replicas aside) differ from its spec: only then is it updated."""
+    want = _stream_config(spec, config.num_replicas or 1)
+    fields = ("subjects", "max_age", "max_msgs_per_subject", "duplicate_window", "description", "allow_direct")
+    return any(_norm(getattr(config, f)) != _norm(getattr(want, f)) for f in fields) or bool(
+        config.allow_atomic
+    ) != bool(want.allow_atomic)
+
+
+def _norm(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, list):
+        return sorted(value)
+    return value
+
+
+def _connect_urls(nc: NATS) -> list[str]:
+    info = getattr(nc, "_server_info", None) or {}
+    return list(info.get("connect_urls") or [])
+
+
+async def _log_nats_error(exc: Exception) -> None:
+    log.warning("NATS connection trouble", error=f"{type(exc).__name__}: {exc}")
+
+
+async def _log_disconnected() -> None:
+    log.warning("NATS disconnected; reconnecting to another listed node")
+
+
+async def _log_reconnected() -> None:
+    log.info("NATS reconnected")
+
+
 def _stream_config(spec: StreamSpec, replicas: int) -> StreamConfig:
     return StreamConfig(
         name=spec.name,
@@ -155,23 +217,46 @@ class EventStore:
         nc: NATS,
         registry: EventRegistry,
         *,
-        replicas: int = 1,
+        replicas: int | None = None,
         metrics: StoreMetrics | None = None,
         stream: str = S.STREAM_EVENTS,
+        append_retry_s: float = 20.0,
     ) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream(timeout=10.0)
         self.registry = registry
-        self.replicas = replicas
+        # None: as many as the cluster has nodes (at most 3), as the connected server says.
+        self.replicas = replicas if replicas is not None else cluster_replicas(_connect_urls(nc))
+        self.append_retry_s = append_retry_s  # how long an append rides out a leader election or a lost node
         self.metrics = metrics or StoreMetrics()
         self.stream = stream
 
     @classmethod
-    async def connect(cls, url: str, registry: EventRegistry, **kwargs: Any) -> EventStore:
+    async def connect(cls, url: str | Sequence[str], registry: EventRegistry, **kwargs: Any) -> EventStore:
+        """Connect to NATS at ``url``: one URL or several (comma-separated), any of which will do.
+
+        With several, the client moves to another listed (or gossiped) node when its node goes away.
+        """
+        servers = server_list(url)
+        if not servers:
+            raise StoreError("no NATS URL given: pass --nats nats://HOST:4222 (a cluster: comma-separated)")
         try:
-            nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=-1, drain_timeout=5, name="llmgw")
+            nc = await nats.connect(
+                servers=servers,
+                connect_timeout=5,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                # A paused or wedged node keeps the socket open: pings notice it in seconds, not minutes.
+                ping_interval=5,
+                max_outstanding_pings=2,
+                drain_timeout=5,
+                name="llmgw",
+                error_cb=_log_nats_error,
+                disconnected_cb=_log_disconnected,
+                reconnected_cb=_log_reconnected,
+            )
         except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
-            raise StoreError(f"cannot reach NATS at {url}: {exc}; is `llmgw up` running?") from exc
+            raise StoreError(f"cannot reach NATS at {', '.join(servers)}: {exc}; is `llmgw up` running?") from exc
         return cls(nc, registry, **kwargs)
 
     def on_stream(self, stream: str) -> EventStore:
@@ -182,23 +267,118 @@ class EventStore:
         """
         if stream == self.stream:
             return self
-        return EventStore(self.nc, self.registry, replicas=self.replicas, metrics=self.metrics, stream=stream)
+        return EventStore(
+            self.nc,
+            self.registry,
+            replicas=self.replicas,
+            metrics=self.metrics,
+            stream=stream,
+            append_retry_s=self.append_retry_s,
+        )
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Drain and close the connection, in bounded time: a node that does not answer cannot hold the exit."""
         with contextlib.suppress(Exception):
-            await self.nc.drain()
+            async with asyncio.timeout(timeout_s):
+                await self.nc.drain()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(2.0):
+                await self.nc.close()
 
     # -- streams -----------------------------------------------------------------------------
 
-    async def ensure_streams(self, specs: Sequence[StreamSpec] = STREAMS) -> None:
-        """Create each stream, or bring its configuration up to date; safe to call from every process."""
+    async def ensure_streams(
+        self, specs: Sequence[StreamSpec] = STREAMS, *, update: bool = True
+    ) -> list[ReplicaMismatch]:
+        """Create each missing stream at the configured replicas; bring an existing one's other settings up
+        to date, keeping its replica count. Safe to call from every process.
+
+        Replicas change only by :meth:`set_replicas` (an operator's `llmgw streams replicas N`): a process
+        started with another count (an agent, a server without ``--replicas``) must never scale a
+        cluster's streams down. A difference is logged as a warning and returned. ``update=False`` (an
+        agent) creates what is missing and leaves existing streams entirely to the servers.
+        """
+        mismatches: list[ReplicaMismatch] = []
         for spec in specs:
-            config = _stream_config(spec, self.replicas)
             try:
-                await self.js.add_stream(config)
-            except nats.js.errors.BadRequestError:
-                # Exists with another configuration (10058): update what may be updated.
-                await self.js.update_stream(config)
+                info = await retrying(f"stream {spec.name}", lambda name=spec.name: self.js.stream_info(name))
+            except nats.js.errors.NotFoundError:
+                await self._add_stream(_stream_config(spec, self.replicas))
+                continue
+            actual = info.config.num_replicas or 1
+            if actual != self.replicas:
+                mismatches.append(ReplicaMismatch(spec.name, self.replicas, actual))
+            if update and _differs(info.config, spec):
+                await retrying(
+                    f"update stream {spec.name}",
+                    lambda spec=spec, n=actual: self.js.update_stream(_stream_config(spec, n)),
+                )
+        mismatches += await self._bucket_mismatches()
+        for m in mismatches:
+            log.warning(
+                "replica count differs from the configured one; left as it is",
+                stream=m.stream,
+                configured=m.configured,
+                actual=m.actual,
+                change_with=f"llmgw streams replicas {m.configured}",
+            )
+        return mismatches
+
+    async def _add_stream(self, config: StreamConfig) -> None:
+        try:
+            await retrying(f"create stream {config.name}", lambda: self.js.add_stream(config))
+        except nats.js.errors.BadRequestError:
+            pass  # another process created it meanwhile (10058): it is kept as that process made it
+
+    async def _bucket_mismatches(self) -> list[ReplicaMismatch]:
+        out: list[ReplicaMismatch] = []
+        for name in await self._kv_streams():
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                info = await retrying(f"bucket {name}", lambda name=name: self.js.stream_info(name))
+                actual = info.config.num_replicas or 1
+                if actual != self.replicas:
+                    out.append(ReplicaMismatch(name, self.replicas, actual))
+        return out
+
+    async def _kv_streams(self) -> list[str]:
+        names = await retrying("list streams", self.js.streams_info)
+        return sorted(i.config.name for i in names if (i.config.name or "").startswith("KV_llmgw"))
+
+    async def replica_counts(self, specs: Sequence[StreamSpec] = STREAMS) -> list[tuple[str, int]]:
+        """Each existing llmgw stream and bucket with its replica count."""
+        out: list[tuple[str, int]] = []
+        for name in [s.name for s in specs] + await self._kv_streams():
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                info = await retrying(f"stream {name}", lambda name=name: self.js.stream_info(name))
+                out.append((name, info.config.num_replicas or 1))
+        return out
+
+    async def set_replicas(self, replicas: int, specs: Sequence[StreamSpec] = STREAMS) -> list[tuple[str, int, int]]:
+        """An operator's change of every llmgw stream's and bucket's replica count; (name, before, after) each.
+
+        JetStream moves the data itself; on a cluster of fewer nodes than ``replicas`` the server refuses.
+        """
+        if replicas < 1:
+            raise StoreError(f"a stream needs at least 1 replica, not {replicas}")
+        changed: list[tuple[str, int, int]] = []
+        names = [s.name for s in specs] + await self._kv_streams()
+        for name in names:
+            try:
+                info = await retrying(f"stream {name}", lambda name=name: self.js.stream_info(name))
+            except nats.js.errors.NotFoundError:
+                continue
+            before = info.config.num_replicas or 1
+            if before == replicas:
+                continue
+            config = dataclasses.replace(info.config, num_replicas=replicas)
+            try:
+                await retrying(f"update stream {name}", lambda config=config: self.js.update_stream(config))
+            except nats.js.errors.APIError as exc:
+                raise StoreError(f"JetStream refused {replicas} replicas for {name}: {exc.description}") from exc
+            changed.append((name, before, replicas))
+            log.warning("stream replicas changed", stream=name, before=before, after=replicas)
+        self.replicas = replicas
+        return changed
 
     # -- append ------------------------------------------------------------------------------
 
@@ -273,16 +453,42 @@ class EventStore:
         headers = {S.HDR_MSG_ID: env.id}
         if expected is not None:
             headers[S.HDR_EXPECTED_LAST_SUBJECT_SEQ] = str(expected)
+        data = encode_envelope(env)
         try:
-            ack = await self.js.publish(subject, encode_envelope(env), headers=headers)
+            # Retried through an election or a lost node; Nats-Msg-Id makes a retry of a stored event a no-op.
+            ack = await retrying(
+                f"append to {subject}",
+                lambda: self.js.publish(subject, data, headers=headers),
+                deadline_s=self.append_retry_s,
+            )
         except nats.js.errors.APIError as exc:
             raise self._translate(exc, subject, expected) from exc
-        except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError) as exc:
-            raise StoreError(f"no acknowledgement from JetStream for {subject}: {exc}") from exc
+        except Exception as exc:
+            if is_transient(exc):
+                raise StoreError(f"no acknowledgement from JetStream for {subject}: {exc!r}") from exc
+            raise
         return AppendResult((ack.seq,), duplicate=bool(ack.duplicate))
 
     async def _publish_atomic(
         self, items: Sequence[tuple[str, Envelope, int | None]], fence: tuple[str, int] | None = None
+    ) -> AppendResult:
+        # Retried whole through an election or a lost node: the server drops a batch it never saw
+        # committed, and one it stored answers the retry as a duplicate.
+        try:
+            return await retrying(
+                f"append a batch of {len(items)}",
+                lambda: self._publish_batch(items, fence),
+                deadline_s=self.append_retry_s,
+            )
+        except StoreError:
+            raise
+        except Exception as exc:
+            if is_transient(exc):
+                raise StoreError(f"no acknowledgement from JetStream for a batch of {len(items)}: {exc!r}") from exc
+            raise
+
+    async def _publish_batch(
+        self, items: Sequence[tuple[str, Envelope, int | None]], fence: tuple[str, int] | None
     ) -> AppendResult:
         batch_id = new_id()
         n = len(items)
@@ -312,8 +518,8 @@ class EventStore:
                     code=err.get("code"), err_code=err.get("err_code"), description=err.get("description")
                 )
                 if fence is not None:
-                    raise self._translate(api_error, fence[0], fence[1])
-                raise self._translate(api_error, items[0][0], items[0][2])
+                    raise self._translate(api_error, fence[0], fence[1]) from api_error
+                raise self._translate(api_error, items[0][0], items[0][2]) from api_error
             last = int(resp["seq"])
             return AppendResult(tuple(range(last - n + 1, last + 1)))
         raise AssertionError("unreachable")

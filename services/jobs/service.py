@@ -41,6 +41,7 @@ from llmgw.events.commands import (
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.follow import LogFollower
 from llmgw.events.ids import new_id
+from llmgw.events.retry import backoff_delay, is_transient
 from llmgw.events.secrets import engine_key, engine_key_secret, mirror_token
 from llmgw.events.store import AppendConflict, EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
@@ -164,6 +165,14 @@ class JobsService:
         self.tasks[job_id] = asyncio.create_task(self._run(job_id), name=f"job-{job_id}")
 
     async def _run(self, job_id: str) -> None:
+        # NATS away for a while (an election, a lost node) pauses the job; it resumes from its log.
+        attempt = 0
+        while not await self._run_once(job_id):
+            attempt += 1
+            await asyncio.sleep(backoff_delay(attempt))
+
+    async def _run_once(self, job_id: str) -> bool:
+        """Run the job on; False when NATS trouble interrupted it and it should resume."""
         try:
             job = await self.load(job_id)
             while job.finished is None:
@@ -174,7 +183,7 @@ class JobsService:
                     if d.get("tokens_per_s") is not None:
                         summary += f"; it answered {d.get('answer', '')[:80]!r} at {d['tokens_per_s']} tokens/s"
                     await self._append(job, J.JobFinished(ok=True, summary=summary))
-                    return
+                    return True
                 if job.running != step:  # resumed mid-step: it runs again, announced once
                     await self._append(job, J.JobStep(step=step, status=J.STARTED, message=_STARTING.get(step, step)))
                     job.running = step
@@ -183,7 +192,7 @@ class JobsService:
                 except StepFailed as exc:
                     await self._append(job, J.JobStep(step=step, status=J.FAILED, message=exc.message, data=exc.data))
                     await self._append(job, J.JobFinished(ok=False, summary=f"{step}: {exc.message}"))
-                    return
+                    return True
                 await self._append(job, J.JobStep(step=step, status=J.DONE, message=result.message, data=result.data))
                 job.done[step] = dict(result.data)
                 job.running = None
@@ -191,8 +200,12 @@ class JobsService:
             log.warning("another runner wrote this job; leaving it to that one", job=job_id)
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as exc:
+            if is_transient(exc):
+                log.warning("job paused: NATS is not answering; resuming", job=job_id, error=str(exc))
+                return False
             log.exception("job runner failed; it resumes when the service starts again", job=job_id)
+        return True
 
     async def _do(self, step: str, job: JobState) -> StepResult:
         req = job.request

@@ -17,6 +17,8 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 
+from llmgw.events.buckets import open_bucket
+
 BUCKET = "llmgw_budgets"
 
 
@@ -60,15 +62,7 @@ class BudgetBook:
 
     async def _bucket(self):
         if self._kv is None:
-            try:
-                self._kv = await self.js.key_value(BUCKET)
-            except nats.js.errors.BucketNotFoundError:
-                try:
-                    self._kv = await self.js.create_key_value(
-                        KeyValueConfig(bucket=BUCKET, history=1, storage=StorageType.FILE)
-                    )
-                except nats.js.errors.APIError:
-                    self._kv = await self.js.key_value(BUCKET)
+            self._kv = await open_bucket(self.js, KeyValueConfig(bucket=BUCKET, history=1, storage=StorageType.FILE))
         return self._kv
 
     async def _update(self, key: str, change) -> Entry:

@@ -18,14 +18,17 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry
 
 from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events import scheduler as SCH
 from llmgw.events import subjects as S
+from llmgw.events.buckets import open_bucket
 from llmgw.events.envelope import RecordedEvent, utc_now
 from llmgw.events.ids import new_id
+from llmgw.events.retry import is_transient, keep_running, retrying
 from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
 from llmgw.events.subjects import event_subject
 from llmgw.services.scheduler.explain import explain
@@ -115,7 +118,14 @@ class SchedulerService:
     # -- folding -----------------------------------------------------------------------------
 
     async def _follow_events(self) -> None:
-        async for batch in self.store.subscribe(f"{S.EVENTS_ROOT}.>", after=0, follow=True):
+        await keep_running("scheduler log", self._follow_events_once, stop=self._stop, closed=self._closed)
+
+    def _closed(self) -> bool:
+        return self.store.nc.is_closed
+
+    async def _follow_events_once(self) -> None:
+        # From where the fold is: a reader started again never applies an event twice.
+        async for batch in self.store.subscribe(f"{S.EVENTS_ROOT}.>", after=self.state.position, follow=True):
             for e in batch:
                 if isinstance(e, RecordedEvent) and e.subject.split(".")[2] in FOLDED:
                     self.state.apply(e)
@@ -154,22 +164,22 @@ class SchedulerService:
 
     # -- leadership --------------------------------------------------------------------------
 
-    async def _lease(self):
-        try:
-            return await self.store.js.key_value(LEASE_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            return await self.store.js.create_key_value(
-                KeyValueConfig(bucket=LEASE_BUCKET, ttl=self.lease_ttl_s, storage=StorageType.FILE, history=1)
-            )
+    async def _lease(self) -> KeyValue:
+        config = KeyValueConfig(bucket=LEASE_BUCKET, ttl=self.lease_ttl_s, storage=StorageType.FILE, history=1)
+        return await open_bucket(self.store.js, config, self.store.replicas)
 
     async def _lead(self) -> None:
+        # An election or a lost node fails the lease's requests for a while: stand by, then try again.
+        await keep_running("scheduler leadership", self._lead_once, stop=self._stop, closed=self._closed)
+
+    async def _lead_once(self) -> None:
         kv = await self._lease()
         revision = 0
         while not self._stop.is_set():
             if not self.leader:
                 try:
                     revision = await kv.create(LEASE_KEY, self.instance.encode())
-                except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
+                except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError, nats.errors.TimeoutError):
                     await asyncio.sleep(self.lease_ttl_s / 4)
                     continue
                 await self._become_leader(revision)
@@ -177,12 +187,18 @@ class SchedulerService:
                 try:
                     while self.leader and not self._stop.is_set():
                         await asyncio.sleep(self.lease_ttl_s / 3)
+                        if pass_task.done():
+                            # The passes ended on an error of their own: stand down, let a leader start afresh.
+                            log.warning("scheduler passes ended; standing down", instance=self.instance)
+                            self.leader = False
+                            break
                         try:
                             revision = await kv.update(LEASE_KEY, self.instance.encode(), last=revision)
                         except (
                             nats.js.errors.KeyWrongLastSequenceError,
                             nats.js.errors.APIError,
-                            nats.errors.TimeoutError,
+                            nats.errors.Error,
+                            TimeoutError,
                         ) as exc:
                             log.warning("scheduler lost its lease", instance=self.instance, error=str(exc))
                             self.leader = False
@@ -207,7 +223,8 @@ class SchedulerService:
     # -- passes ------------------------------------------------------------------------------
 
     async def _passes(self) -> None:
-        await self._wait_folded(await self.store.stream_last_seq())
+        last = await retrying("scheduler position", self.store.stream_last_seq, stop=self._stop)
+        await self._wait_folded(last, timeout=60.0)
         # The folded cluster lives as long as the process: keep it out of later collections, which at
         # 5,000 nodes cost a third of a placing pass (docs/benchmarks.md, Scheduler).
         gc.collect()
@@ -226,8 +243,9 @@ class SchedulerService:
                     self.leader = False
                     return
                 log.warning("reconcile conflict; deciding again", error=str(exc))
-            except (StoreError, TimeoutError) as exc:
-                log.error("reconcile pass failed", error=str(exc))
+            except (StoreError, TimeoutError, nats.errors.Error) as exc:
+                # NATS away for a while (an election, a lost node): the next pass decides again.
+                log.log(30 if is_transient(exc) else 40, "reconcile pass failed", error=str(exc))
 
     async def reconcile_once(self) -> list[Decision]:
         clock = Clock(monotonic=time.monotonic(), epoch=time.time(), started=self.started)

@@ -1,0 +1,249 @@
+"""A three-node JetStream cluster: services ride out a node's loss and a paused leader; nothing rescales.
+
+Real nats-servers on loopback (tests/cluster.py), killed with SIGKILL and paused with SIGSTOP while
+services run. Every wait is for a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+
+from llmgw.cli.runtime import ServerConfig, serve
+from llmgw.events import subjects as S
+from llmgw.events import tenancy as T
+from llmgw.events.catalog import default_registry
+from llmgw.events.commands import CommandClient, CommandError
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.secrets import engine_key_secret
+from llmgw.events.store import STREAMS, EventStore, NewEvent, StoreError
+from llmgw.events.subjects import event_subject
+from llmgw.events.tenancy import OrgCreated
+from tests.cluster import NatsCluster, nats_cluster
+from tests.support import free_port, wait_until
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.timeout(400)]
+
+STREAM_NAMES = {s.name for s in STREAMS}
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+    with nats_cluster(tmp_path / "cluster") as c:
+        yield c
+
+
+@pytest.fixture
+async def r3(cluster: NatsCluster) -> AsyncIterator[EventStore]:
+    """A store on the whole cluster whose streams were made with three replicas."""
+    store = await EventStore.connect(cluster.urls, default_registry(), replicas=3)
+    await store.ensure_streams()
+    yield store
+    await store.close()
+
+
+def probe(i: int) -> NewEvent:
+    return NewEvent(payload=OrgCreated(org_id=f"p{i}", name=f"probe-{i}"), actor="user:test")
+
+
+async def replicas(store: EventStore) -> dict[str, int]:
+    return dict(await store.replica_counts())
+
+
+async def all_at(store: EventStore, n: int) -> bool:
+    try:
+        counts = await replicas(store)
+    except (StoreError, Exception):
+        return False
+    return bool(counts) and all(v == n for v in counts.values())
+
+
+async def test_an_agent_with_one_replica_leaves_a_clusters_r3_streams_at_r3_and_says_so(
+    cluster: NatsCluster, r3: EventStore
+) -> None:
+    await engine_key_secret(r3.js)  # the secrets bucket, made by the first process that needs it
+    agent = await EventStore.connect(cluster.urls, default_registry(), replicas=1)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            as_agent = await agent.ensure_streams(update=False)
+            as_server = await agent.ensure_streams()  # a server started with --replicas 1: the same
+    finally:
+        await agent.close()
+    counts = await replicas(r3)
+    assert STREAM_NAMES <= set(counts)
+    assert "KV_llmgw_secrets" in counts
+    assert set(counts.values()) == {3}
+    for found in (as_agent, as_server):
+        assert {(m.stream, m.configured, m.actual) for m in found} == {(name, 1, 3) for name in counts}
+    warned = [e for e in logs if e.get("log_level") == "warning" and e.get("stream") == S.STREAM_EVENTS]
+    assert warned and warned[0]["actual"] == 3 and warned[0]["configured"] == 1
+    assert "llmgw streams replicas" in warned[0]["change_with"]
+
+
+async def test_a_process_without_a_replica_count_creates_streams_and_buckets_at_the_clusters_size(
+    cluster: NatsCluster,
+) -> None:
+    store = await EventStore.connect(cluster.urls, default_registry())
+    try:
+        await store.ensure_streams()
+        await engine_key_secret(store.js)
+        assert await all_at(store, 3), await replicas(store)
+    finally:
+        await store.close()
+
+
+async def test_the_replicas_command_is_the_one_way_replicas_change(cluster: NatsCluster, r3: EventStore) -> None:
+    changed = await r3.set_replicas(1)
+    assert {name for name, before, after in changed} >= STREAM_NAMES
+    assert await all_at(r3, 1)
+    await r3.set_replicas(3)
+    await wait_until(lambda: all_at(r3, 3), deadline_s=30, what="every stream back at three replicas")
+
+
+async def test_a_store_given_several_urls_keeps_appending_when_its_node_is_killed(
+    cluster: NatsCluster, r3: EventStore
+) -> None:
+    acked: list[str] = []
+    subject = event_subject("probe", "killed")
+    stop = asyncio.Event()
+
+    async def load() -> None:
+        i = 0
+        while not stop.is_set():
+            event = probe(i)
+            with contextlib.suppress(StoreError):
+                await r3.append(subject, [event])
+                acked.append(event.id)
+            i += 1
+
+    writer = asyncio.create_task(load())
+    try:
+        await wait_until(lambda: len(acked) >= 20, deadline_s=30, what="appends before the kill")
+        connected = next(n for n in cluster.nodes if str(n.port) in str(r3.nc.connected_url.port))
+        cluster.kill(connected)
+        before = len(acked)
+        await wait_until(lambda: len(acked) >= before + 50, deadline_s=60, what="appends after the node was killed")
+        assert r3.nc.connected_url.port != connected.port
+        cluster.start_node(connected)
+        cluster.wait_for_leader()
+    finally:
+        stop.set()
+        await writer
+    ids = [e.id for e in await r3.read(subject)]
+    assert len(ids) == len(set(ids)), "an event was stored twice"
+    lost = set(acked) - set(ids)
+    assert not lost, (
+        f"{len(lost)} of {len(acked)} acknowledged events not read back; {await r3.js.stream_info(S.STREAM_EVENTS)}"
+    )
+
+
+async def _serving(config: ServerConfig, stop: asyncio.Event, handles: dict) -> asyncio.Task:
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve(config, stop, on_ready=ready.set, handles=handles))
+    done, _ = await asyncio.wait([task, asyncio.create_task(ready.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        task.result()
+    return task
+
+
+async def test_two_servers_ride_out_each_node_killed_and_the_meta_leader_paused(
+    cluster: NatsCluster, r3: EventStore, tmp_path: Path
+) -> None:
+    await engine_key_secret(r3.js)  # the secrets bucket, as a router or an agent would make it
+    services = ("tenancy", "access", "catalog", "fleet", "scheduler", "projections", "api", "accountant")
+    stop = asyncio.Event()
+    servers = []
+    for i in range(2):
+        config = ServerConfig(
+            nats_url=cluster.urls,
+            db_dsn=f"sqlite:///{tmp_path / f'server{i}.db'}",
+            services=services,
+            admin_port=free_port(),
+            port=free_port(),
+        )
+        servers.append(await _serving(config, stop, {}))
+
+    client = CommandClient(r3)
+    answered: list[str] = []
+    acked: list[str] = []
+    failed: list[str] = []  # attempts that got an error: the load felt the fault
+    subject = event_subject("probe", "load")
+    running = asyncio.Event()
+    running.set()
+
+    async def commands() -> None:
+        i = 0
+        while running.is_set():
+            try:
+                await client.send(
+                    T.SERVICE, "create", T.CreateScope(kind="org", path=f"org{i}"), actor="user:t", timeout=5
+                )
+                answered.append(f"org{i}")
+            except (CommandError, StoreError) as exc:
+                failed.append(str(exc))
+            i += 1
+
+    async def appends() -> None:
+        i = 0
+        while running.is_set():
+            event = probe(i)
+            with contextlib.suppress(StoreError):
+                await r3.append(subject, [event])
+                acked.append(event.id)
+            i += 1
+            await asyncio.sleep(0.02)  # a steady load, not a flood: the two CPUs are shared
+
+    async def answered_again() -> None:
+        n = len(answered)
+        await wait_until(lambda: len(answered) > n + 2, deadline_s=90, what="commands answered after the fault")
+        m = len(acked)
+        await wait_until(lambda: len(acked) > m + 5, deadline_s=90, what="appends acknowledged after the fault")
+
+    load = [asyncio.create_task(commands()), asyncio.create_task(appends())]
+    try:
+        await answered_again()
+        for node in list(cluster.nodes):
+            cluster.kill(node)
+            await answered_again()  # two of three nodes are a quorum
+            cluster.start_node(node)
+            cluster.wait_for_leader(60)
+            await wait_until(lambda node=node: _current(cluster, node), deadline_s=90, what=f"{node.name} caught up")
+            await answered_again()
+        leader = cluster.wait_for_leader()
+        cluster.pause(leader)
+        try:
+            # Paused until the load feels it (or shows it does not have to); then it comes back.
+            n, f = len(answered), len(failed)
+            await wait_until(
+                lambda: len(failed) > f or len(answered) > n + 20, deadline_s=60, what="the pause felt by the load"
+            )
+        finally:
+            cluster.resume(leader)
+        cluster.wait_for_leader(60)
+        await answered_again()
+    finally:
+        running.clear()
+        await asyncio.gather(*load)
+    assert not any(s.done() for s in servers), [s.exception() for s in servers if s.done()]
+    ids = [e.id for e in await r3.read(subject)]
+    assert len(ids) == len(set(ids)), "an event was stored twice"
+    assert set(acked) <= set(ids), f"{len(set(acked) - set(ids))} acknowledged events lost"
+    outcomes = [e for e in await r3.read(f"{S.EVENTS_ROOT}.command.>") if isinstance(e, RecordedEvent)]
+    assert len({e.subject for e in outcomes}) == len(outcomes), "a command has two outcomes"
+    counts = await replicas(r3)
+    assert {"KV_llmgw_leases", "KV_llmgw_secrets"} <= set(counts)
+    assert set(counts.values()) == {3}, counts
+    stop.set()
+    async with asyncio.timeout(90):  # a deadline: every shutdown step is bounded
+        await asyncio.gather(*servers)
+
+
+def _current(cluster: NatsCluster, node) -> bool:
+    """The restarted node is back in the meta group and has every stream's replica caught up."""
+    jsz = node.jsz()
+    return bool(jsz and (jsz.get("meta_cluster") or {}).get("leader") and jsz.get("streams", 0) >= len(STREAMS))
