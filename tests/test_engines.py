@@ -119,9 +119,9 @@ def test_a_key_smuggled_into_argv_or_an_empty_key_is_refused() -> None:
 
 
 def test_a_short_key_is_only_refused_as_a_whole_argument() -> None:
-    # "k" is inside "/work/…"; that is a coincidence, not the key on the command line.
+    # "k" is inside "/srv/k.gguf" and the python's path; that is a coincidence, not the key on the command line.
     launch = llamacpp_launch(
-        "/work/k.gguf", host="h", port=1, threads=1, ctx_size=0, key="k", llama_server_binary=None, python="/work/py"
+        "/srv/k.gguf", host="h", port=1, threads=1, ctx_size=0, key="k", llama_server_binary=None, python="/srv/pkgs/py"
     )
     assert launch.env == {XLLAMA_KEY_ENV: "k"}
     for extra in (["k"], ["--api-key=k"]):
