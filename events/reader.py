@@ -44,6 +44,7 @@ REQUEST_S = 30.0  # a pull request's life on the server; renewed when it ends
 INACTIVE_S = 600.0  # the server deletes a consumer nobody pulled from for this long (a crashed reader)
 HEARTBEAT_S = 5.0  # an open request is idle-heartbeated this often; silence for SILENCE_S means it was lost
 SILENCE_S = HEARTBEAT_S * 3
+LAGGING_WAIT_S = 30.0  # how long a read that ends waits for a replica catching up before it ends short
 _encode = msgspec.json.Encoder().encode
 log = structlog.get_logger("llmgw.events.reader")
 
@@ -187,6 +188,12 @@ async def read_log(
     if until is not None and until <= after:
         return
     position = after  # the last event delivered: a lost consumer is made again from the next one
+    # A read that ends reads up to the last event on the subject as the stream's leader knows it: the
+    # consumer may sit on a replica still catching up (a node just back), which knows fewer events.
+    head = await _leader_head(store, subject) if not follow else 0
+    if not follow and head <= after:
+        return
+    behind = False  # the consumer said "nothing more" short of the head: its replica is catching up
     attempt = 0
     while True:
         try:
@@ -203,15 +210,30 @@ async def read_log(
             await asyncio.sleep(delay)
             continue
         if not follow and info.num_pending == 0:
-            with contextlib.suppress(Exception):
-                await store.js.delete_consumer(store.stream, info.name)
-            return
+            if position >= head:
+                with contextlib.suppress(Exception):
+                    await store.js.delete_consumer(store.stream, info.name)
+                return
+            behind = True
         puller = _Puller(store, info.name, batch_size)
         try:
             await puller.start()
             while True:
                 try:
-                    msgs = await puller.take()
+                    if behind:
+                        try:
+                            async with asyncio.timeout(LAGGING_WAIT_S):
+                                msgs = await puller.take()
+                        except TimeoutError:
+                            log.warning(
+                                "the log reader's replica did not catch up; the read ends short of the head",
+                                subject=subject,
+                                position=position,
+                                head=head,
+                            )
+                            return
+                    else:
+                        msgs = await puller.take()
                     attempt = 0
                 except _ConsumerGone as exc:
                     log.warning(
@@ -235,18 +257,20 @@ async def read_log(
                     if seq <= position:
                         # Delivered before (a consumer remade on a restarted node starts over).
                         if not follow and pending == 0:
-                            done = True
-                            break
+                            done, behind = position >= head, True
+                            if done:
+                                break
                         continue
                     if until is not None and seq > until:
                         done = True
                         break
                     batch.append(await _decode(store, msg.subject, msg.data, seq, decode))
                     position = seq
-                    # Nothing was left after this one when it was sent: caught up.
-                    if (until is not None and seq >= until) or (not follow and pending == 0):
+                    # Nothing was left after this one when it was sent: caught up (if the replica is).
+                    if (until is not None and seq >= until) or (not follow and pending == 0 and seq >= head):
                         done = True
                         break
+                    behind = not follow and pending == 0
                 if batch:
                     yield batch
                 if done:
@@ -258,6 +282,17 @@ async def read_log(
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(2.0):
                     await store.js.delete_consumer(store.stream, info.name)
+
+
+async def _leader_head(store: EventStore, subject: str) -> int:
+    """The sequence of the last event on ``subject`` (wildcards too) as the stream's leader knows it; 0: none."""
+    try:
+        msg = await store.js.get_last_msg(store.stream, subject)  # not direct: only the leader answers
+    except NotFoundError:
+        return 0
+    except APIError as exc:
+        raise StoreError(f"cannot read {subject} from {store.stream}: {exc.description} ({exc.err_code})") from exc
+    return msg.seq or 0
 
 
 async def _consumer(store: EventStore, subject: str, after: int) -> Any:

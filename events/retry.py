@@ -48,8 +48,6 @@ _TRANSIENT_TEXT = (
     "leader",
     "quorum",
     "reconnecting",
-    "no suitable peers",
-    "insufficient resources",
 )
 
 

@@ -180,16 +180,26 @@ def _connect_urls(nc: NATS) -> list[str]:
     return list(info.get("connect_urls") or [])
 
 
-async def _log_nats_error(exc: Exception) -> None:
-    log.warning("NATS connection trouble", error=f"{type(exc).__name__}: {exc}")
+class _ConnectionLog:
+    """What happens to the connection, logged; quiet once it is being closed on purpose."""
 
+    def __init__(self) -> None:
+        self.nc: NATS | None = None
 
-async def _log_disconnected() -> None:
-    log.warning("NATS disconnected; reconnecting to another listed node")
+    def closing(self) -> bool:
+        return self.nc is not None and (self.nc.is_closed or self.nc.is_draining)
 
+    async def error(self, exc: Exception) -> None:
+        if not self.closing():
+            log.warning("NATS connection trouble", error=f"{type(exc).__name__}: {exc}")
 
-async def _log_reconnected() -> None:
-    log.info("NATS reconnected")
+    async def disconnected(self) -> None:
+        if not self.closing():
+            log.warning("NATS disconnected; reconnecting to another listed node")
+
+    async def reconnected(self) -> None:
+        url = self.nc.connected_url if self.nc is not None else None
+        log.info("NATS reconnected", server=f"{url.hostname}:{url.port}" if url else None)
 
 
 def _stream_config(spec: StreamSpec, replicas: int) -> StreamConfig:
@@ -240,6 +250,7 @@ class EventStore:
         servers = server_list(url)
         if not servers:
             raise StoreError("no NATS URL given: pass --nats nats://HOST:4222 (a cluster: comma-separated)")
+        events = _ConnectionLog()
         try:
             nc = await nats.connect(
                 servers=servers,
@@ -251,12 +262,13 @@ class EventStore:
                 max_outstanding_pings=2,
                 drain_timeout=5,
                 name="llmgw",
-                error_cb=_log_nats_error,
-                disconnected_cb=_log_disconnected,
-                reconnected_cb=_log_reconnected,
+                error_cb=events.error,
+                disconnected_cb=events.disconnected,
+                reconnected_cb=events.reconnected,
             )
         except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
             raise StoreError(f"cannot reach NATS at {', '.join(servers)}: {exc}; is `llmgw up` running?") from exc
+        events.nc = nc
         return cls(nc, registry, **kwargs)
 
     def on_stream(self, stream: str) -> EventStore:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import nats.errors
+import nats.js.errors
 import pytest
 import structlog
 
@@ -20,6 +23,7 @@ from llmgw.events import tenancy as T
 from llmgw.events.catalog import default_registry
 from llmgw.events.commands import CommandClient, CommandError
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.retry import backoff_delay, is_transient
 from llmgw.events.secrets import engine_key_secret
 from llmgw.events.store import STREAMS, EventStore, NewEvent, StoreError
 from llmgw.events.subjects import event_subject
@@ -27,9 +31,10 @@ from llmgw.events.tenancy import OrgCreated
 from tests.cluster import NatsCluster, nats_cluster
 from tests.support import free_port, wait_until
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = pytest.mark.timeout(400)
 
 STREAM_NAMES = {s.name for s in STREAMS}
+LLMGW = str(Path(sys.executable).parent / "llmgw")
 
 
 @pytest.fixture
@@ -97,12 +102,61 @@ async def test_a_process_without_a_replica_count_creates_streams_and_buckets_at_
         await store.close()
 
 
-async def test_the_replicas_command_is_the_one_way_replicas_change(cluster: NatsCluster, r3: EventStore) -> None:
-    changed = await r3.set_replicas(1)
-    assert {name for name, before, after in changed} >= STREAM_NAMES
+async def llmgw(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        LLMGW, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    out, _ = await proc.communicate()
+    return proc.returncode or 0, out.decode()
+
+
+async def test_the_streams_replicas_command_is_the_one_way_an_operator_changes_replicas(
+    cluster: NatsCluster, r3: EventStore
+) -> None:
+    await engine_key_secret(r3.js)
+    code, out = await llmgw("--nats", cluster.urls, "streams", "replicas", "1")
+    assert code == 0, out
+    assert f"{S.STREAM_EVENTS}: 3 -> 1 replicas" in out
+    assert "KV_llmgw_secrets: 3 -> 1 replicas" in out
     assert await all_at(r3, 1)
-    await r3.set_replicas(3)
+    code, out = await llmgw("--nats", cluster.urls, "streams", "replicas", "3")
+    assert code == 0, out
     await wait_until(lambda: all_at(r3, 3), deadline_s=30, what="every stream back at three replicas")
+    code, out = await llmgw("--nats", cluster.urls, "streams", "replicas")
+    assert code == 0 and "->" not in out
+    assert {line.split()[0]: line.split()[1] for line in out.splitlines() if line.strip()}[S.STREAM_EVENTS] == "3"
+
+
+async def test_more_replicas_than_nodes_is_refused_with_a_reason(cluster: NatsCluster, r3: EventStore) -> None:
+    code, out = await llmgw("--nats", cluster.urls, "streams", "replicas", "5")
+    assert code != 0
+    assert "error: JetStream refused 5 replicas" in out and "Traceback" not in out
+    assert await all_at(r3, 3)
+
+
+@pytest.mark.parametrize(
+    ("error", "transient"),
+    [
+        (nats.js.errors.ServiceUnavailableError(), True),
+        (nats.errors.NoRespondersError(), True),
+        (nats.errors.TimeoutError(), True),
+        (nats.errors.ConnectionReconnectingError(), True),
+        (nats.js.errors.APIError(code=500, description="JetStream system temporarily unavailable"), True),
+        (nats.js.errors.APIError(code=400, err_code=10071, description="wrong last sequence: 4"), False),
+        (nats.errors.ConnectionClosedError(), False),
+        (ValueError("a bug"), False),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, Exception) else str(v),
+)
+def test_what_counts_as_nats_saying_not_now(error: Exception, transient: bool) -> None:
+    assert is_transient(error) is transient
+    wrapped = StoreError("no acknowledgement")
+    wrapped.__cause__ = error
+    assert is_transient(wrapped) is transient
+
+
+def test_the_backoff_doubles_and_is_capped() -> None:
+    assert [backoff_delay(n, 0.2, 5.0) for n in range(1, 8)] == [0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]
 
 
 async def test_a_store_given_several_urls_keeps_appending_when_its_node_is_killed(
@@ -151,6 +205,7 @@ async def _serving(config: ServerConfig, stop: asyncio.Event, handles: dict) -> 
     return task
 
 
+@pytest.mark.slow  # about a minute or two: three nodes killed and one paused, each waited back
 async def test_two_servers_ride_out_each_node_killed_and_the_meta_leader_paused(
     cluster: NatsCluster, r3: EventStore, tmp_path: Path
 ) -> None:
