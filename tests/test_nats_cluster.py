@@ -302,3 +302,26 @@ def _current(cluster: NatsCluster, node) -> bool:
     """The restarted node is back in the meta group and has every stream's replica caught up."""
     jsz = node.jsz()
     return bool(jsz and (jsz.get("meta_cluster") or {}).get("leader") and jsz.get("streams", 0) >= len(STREAMS))
+
+
+async def test_a_server_told_to_stop_while_every_nats_node_is_gone_exits(
+    cluster: NatsCluster, r3: EventStore, tmp_path: Path
+) -> None:
+    stop = asyncio.Event()
+    config = ServerConfig(
+        nats_url=cluster.urls,
+        db_dsn=f"sqlite:///{tmp_path / 'server.db'}",
+        services=("tenancy", "access", "catalog", "fleet", "scheduler", "projections", "api", "accountant"),
+        admin_port=free_port(),
+        port=free_port(),
+    )
+    handles: dict = {}
+    server = await _serving(config, stop, handles)
+    for node in cluster.nodes:
+        cluster.kill(node)
+    await wait_until(lambda: not handles["store"].nc.is_connected, deadline_s=30, what="the server to lose NATS")
+    stop.set()
+    # A deadline, not a measurement: it used to close its ports and hang, alive and unlistening.
+    async with asyncio.timeout(120):
+        await server
+    assert server.done() and server.exception() is None
