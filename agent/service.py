@@ -27,6 +27,7 @@ from llmgw.agent.weights.cache import WeightsCache, WeightsError
 from llmgw.agent.weights.local import MAX_FILES, ModelDirs
 from llmgw.events import models as M
 from llmgw.events import nodes as N
+from llmgw.events import replica_fold as F
 from llmgw.events import replicas as R
 from llmgw.events import subjects as S
 from llmgw.events.envelope import RecordedEvent, sanitize_actor
@@ -183,22 +184,16 @@ class Agent:
         rid = getattr(p, "replica_id", None)
         if rid is None or rid not in self.desired:
             return
-        state = {
-            R.ReplicaStarting: "starting",
-            R.ReplicaReady: "ready",
-            R.ReplicaFailed: "failed",
-            R.ReplicaStopRequested: "draining",
-            R.ReplicaStopped: "stopped",
-        }.get(type(p))
-        if state is None:
-            return
         current = self.desired[rid].state
         if current in ("stopped", "failed"):
-            return  # terminal
-        if current == "draining" and state in ("starting", "ready"):
-            return  # a late report of our own must not undo a stop request
+            return  # terminal here, whatever the log says next: the engine is gone or going
+        # The move is the shared fold's (events/replica_fold.py), from what this agent already knows,
+        # which may be ahead of the log: a late report of our own never undoes a stop request.
         if isinstance(p, R.ReplicaStopRequested):
-            self.grace[rid] = p.grace_s
+            self.grace[rid] = p.grace_s  # a later request's grace holds, even for one already draining
+        state = F.transition(current, p)
+        if state is None:
+            return
         self.desired[rid] = Desired(replica_id=rid, state=state)
         if state in ("stopped", "failed"):
             # Keep terminal entries briefly only: the plan needs them to stop strays, not forever.

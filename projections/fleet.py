@@ -6,7 +6,7 @@ import msgspec
 
 from llmgw.events import models as M
 from llmgw.events import nodes as N
-from llmgw.events import replicas as R
+from llmgw.events import replica_fold as F
 from llmgw.events import scheduler as SCH
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.models import spec_hash
@@ -198,57 +198,49 @@ class FleetProjection(Projection):
         await tx.execute("UPDATE {models} SET unplaceable = NULL WHERE name = ?", p.model)
 
     async def replica_state(self, tx: Tx, e: RecordedEvent) -> None:
+        """The row moves as the shared fold moves it (``events/replica_fold.py``), as the scheduler's state does."""
         p = e.payload
-        at = e.envelope.at.isoformat()
-        row = await tx.fetchone("SELECT state, model FROM {replicas} WHERE id = ?", p.replica_id)
+        at = e.envelope.at
+        row = await tx.fetchone(
+            "SELECT model, node_id, state, spec_hash, pid, port, url, reason FROM {replicas} WHERE id = ?",
+            p.replica_id,
+        )
         if row is None:
             return
-        state, model = row
-        match p:
-            case R.ReplicaStarting():
-                if state in ("placed", "starting"):
-                    await tx.execute(
-                        "UPDATE {replicas} SET state = 'starting', pid = ?, port = ?, updated_at = ? WHERE id = ?",
-                        p.pid,
-                        p.port,
-                        at,
-                        p.replica_id,
-                    )
-            case R.ReplicaReady():
-                if state in ("placed", "starting", "ready"):
-                    await tx.execute(
-                        "UPDATE {replicas} SET state = 'ready', pid = ?, port = ?, url = ?, "
-                        "updated_at = ? WHERE id = ?",
-                        p.pid,
-                        p.port,
-                        p.url,
-                        at,
-                        p.replica_id,
-                    )
-                    await tx.execute("UPDATE {models} SET failures = 0 WHERE name = ?", model)
-            case R.ReplicaFailed():
-                if state != "stopped":
-                    await tx.execute(
-                        "UPDATE {replicas} SET state = 'failed', reason = ?, updated_at = ? WHERE id = ?",
-                        p.reason,
-                        at,
-                        p.replica_id,
-                    )
-                    if state in ("placed", "starting") and not p.node_lost:
-                        await tx.execute(
-                            "UPDATE {models} SET failures = failures + 1, last_error = ? WHERE name = ?",
-                            p.reason,
-                            model,
-                        )
-            case R.ReplicaStopRequested():
-                if state in R.ACTIVE:
-                    await tx.execute(
-                        "UPDATE {replicas} SET state = 'draining', reason = ?, updated_at = ? WHERE id = ?",
-                        p.reason,
-                        at,
-                        p.replica_id,
-                    )
-            case R.ReplicaStopped():
-                await tx.execute(
-                    "UPDATE {replicas} SET state = 'stopped', updated_at = ? WHERE id = ?", at, p.replica_id
-                )
+        model, node_id, state, hash_, pid, port, url, reason = row
+        before = F.Replica(
+            id=p.replica_id,
+            model=model,
+            node_id=node_id,
+            state=state,
+            spec_hash=hash_ or "",
+            pid=pid,
+            port=port,
+            url=url,
+            reason=reason or "",
+        )
+        after = F.fold_replica(before, p, at.timestamp())
+        if after is None or after is before:
+            return
+        await tx.execute(
+            "UPDATE {replicas} SET state = ?, pid = ?, port = ?, url = ?, reason = ?, updated_at = ? WHERE id = ?",
+            after.state,
+            after.pid,
+            after.port,
+            after.url,
+            after.reason,
+            at.isoformat(),
+            p.replica_id,
+        )
+        found = await tx.fetchone("SELECT failures, last_error, spec_hash FROM {models} WHERE name = ?", model)
+        if found is None:
+            return
+        starts = F.StartFailures(spec_hash=found[2] or "", count=int(found[0]), last_error=found[1] or "")
+        folded = F.fold_start_failures(starts, p, at.timestamp(), before)
+        if folded != starts:
+            await tx.execute(
+                "UPDATE {models} SET failures = ?, last_error = ? WHERE name = ?",
+                folded.count,
+                folded.last_error,
+                model,
+            )

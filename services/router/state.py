@@ -13,6 +13,7 @@ import msgspec
 
 from llmgw.events import access as A
 from llmgw.events import models as M
+from llmgw.events import replica_fold as F
 from llmgw.events import replicas as R
 from llmgw.events import scheduler as SCH
 from llmgw.events import tenancy as T
@@ -167,25 +168,31 @@ class RouterState:
                 m = self.models.get(p.model)
                 if m:
                     m.unplaceable = None
-            case R.ReplicaStarting():
+            case (
+                R.ReplicaStarting()
+                | R.ReplicaReady()
+                | R.ReplicaFailed()
+                | R.ReplicaStopRequested()
+                | R.ReplicaStopped()
+            ):
                 r = self.replicas.get(p.replica_id)
-                if r and r.state == "placed":
-                    r.state = "starting"
-            case R.ReplicaReady():
-                r = self.replicas.get(p.replica_id)
-                if r and r.state in ("placed", "starting", "ready"):
-                    r.state, r.url = "ready", p.url
-                    self.ready_by_model.setdefault(r.model, {})[r.replica_id] = r
-                    self.ready_event(r.model).set()
-            case R.ReplicaFailed() | R.ReplicaStopRequested() | R.ReplicaStopped():
-                r = self.replicas.get(p.replica_id)
-                if r:
-                    r.state = {R.ReplicaFailed: "failed", R.ReplicaStopRequested: "draining"}.get(type(p), "stopped")
-                    self.ready_by_model.get(r.model, {}).pop(r.replica_id, None)
-                    if r.state in ("failed", "stopped"):
-                        del self.replicas[r.replica_id]
-                    if not self.ready_by_model.get(r.model):
-                        self.ready_event(r.model).clear()
+                # The move is the shared fold's (events/replica_fold.py); a router keeps only what routes.
+                state = F.transition(r.state, p) if r else None
+                if r is not None and state is not None:
+                    self._move(r, state, p)
+
+    def _move(self, r: ReplicaInfo, state: str, p: msgspec.Struct) -> None:
+        r.state = state
+        if isinstance(p, R.ReplicaReady):
+            r.url = p.url
+            self.ready_by_model.setdefault(r.model, {})[r.replica_id] = r
+            self.ready_event(r.model).set()
+        elif state != "starting":
+            self.ready_by_model.get(r.model, {}).pop(r.replica_id, None)
+            if state in ("failed", "stopped"):
+                del self.replicas[r.replica_id]  # a router keeps only what may serve or soon will
+            if not self.ready_by_model.get(r.model):
+                self.ready_event(r.model).clear()
 
     def _reindex_aliases(self) -> None:
         self.aliases = {a: m.name for m in self.models.values() for a in m.spec.aliases}

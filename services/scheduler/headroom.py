@@ -30,7 +30,10 @@ def headroom(state: ClusterState, model: str, clock: Clock, cfg: Config, cap: in
     wanted = current + cap
     ghost_status = msgspec.structs.replace(m.status, min=wanted, max=wanted, stopped=False, parked=None)
     ghost = copy.copy(state)
-    ghost.models = {**state.models, model: msgspec.structs.replace(m, status=ghost_status, failures=0)}
+    ghost.models = {
+        **state.models,
+        model: msgspec.structs.replace(m, status=ghost_status, starts=msgspec.structs.replace(m.starts, count=0)),
+    }
     decisions = reconcile(ghost, clock, cfg)
     where: dict[str, int] = {}
     for d in decisions:

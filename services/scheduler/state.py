@@ -12,9 +12,9 @@ import msgspec
 
 from llmgw.events import models as M
 from llmgw.events import nodes as N
+from llmgw.events import replica_fold as F
 from llmgw.events import replicas as R
 from llmgw.events.envelope import RecordedEvent
-from llmgw.events.models import spec_hash
 from llmgw.events.subjects import aggregate_of
 
 GiB = 1024**3
@@ -53,33 +53,28 @@ class ModelState(msgspec.Struct, M.ModelStatusView, kw_only=True):
 
     name: str
     status: M.ModelStatus
-    failures: int = 0  # consecutive start failures since the last ready replica or edit
-    last_error: str = ""
-    last_failure_at: float | None = None  # event time, seconds since the epoch
-    spec_hash: str = ""
-
-
-class ReplicaState(msgspec.Struct, kw_only=True):
-    id: str
-    model: str
-    node_id: str
-    state: str
-    spec_hash: str
-    profile: M.Profile
-    source: str
-    cores: int = 0
-    memory_bytes: int = 0
-    gpus: list[int] = []
-    placed_at: float = 0.0
-    pid: int | None = None
-    port: int | None = None
-    url: str | None = None
-    reason: str = ""
-    log_tail: list[str] = []
+    starts: F.StartFailures = F.StartFailures()  # the shared fold of its start failures (parking, backoff)
 
     @property
-    def active(self) -> bool:
-        return self.state in R.ACTIVE
+    def failures(self) -> int:
+        """Consecutive start failures since the last ready replica of its definition, an edit or a retry."""
+        return self.starts.count
+
+    @property
+    def last_error(self) -> str:
+        return self.starts.last_error
+
+    @property
+    def last_failure_at(self) -> float | None:
+        return self.starts.last_failure_at
+
+    @property
+    def spec_hash(self) -> str:
+        return self.starts.spec_hash
+
+
+# A replica as the shared fold (``events/replica_fold.py``) keeps it: every reader moves it the same way.
+ReplicaState = F.Replica
 
 
 class ClusterState:
@@ -126,52 +121,26 @@ class ClusterState:
                 if n.drain_requested_at is None:  # a second drain of the same node does not restart the clock
                     n.drain_requested_at = at
                 n.cordon_reason = n.cordon_reason or "draining"
-            case R.ReplicaPlaced():
-                self._index(
-                    ReplicaState(
-                        id=p.replica_id,
-                        model=p.model,
-                        node_id=p.node_id,
-                        state="placed",
-                        spec_hash=p.spec_hash,
-                        profile=p.profile,
-                        source=p.source,
-                        cores=p.cores,
-                        memory_bytes=p.memory_bytes,
-                        gpus=list(p.gpus),
-                        placed_at=at,
-                    )
-                )
-            case R.ReplicaStarting():
-                r = self.replicas.get(p.replica_id)
-                if r and r.state in ("placed", "starting"):
-                    r.state, r.pid, r.port = "starting", p.pid, p.port
-            case R.ReplicaReady():
-                r = self.replicas.get(p.replica_id)
-                if r and r.state in ("placed", "starting", "ready"):
-                    r.state, r.pid, r.port, r.url = "ready", p.pid, p.port, p.url
-                    m = self.models.get(r.model)
-                    if m and r.spec_hash == m.spec_hash:
-                        m.failures, m.last_failure_at = 0, None
-            case R.ReplicaFailed():
-                r = self.replicas.get(p.replica_id)
-                if r and r.state != "stopped":
-                    was_starting = r.state in ("placed", "starting")
-                    r.state, r.reason, r.log_tail = "failed", p.reason, list(p.log_tail)
-                    m = self.models.get(r.model)
-                    # A lost node is not the model's fault: only start failures count towards parking.
-                    if m and was_starting and not p.node_lost:
-                        m.failures += 1
-                        m.last_error = p.reason
-                        m.last_failure_at = at
-            case R.ReplicaStopRequested():
-                r = self.replicas.get(p.replica_id)
-                if r and r.active:
-                    r.state, r.reason = "draining", p.reason
-            case R.ReplicaStopped():
-                r = self.replicas.get(p.replica_id)
-                if r:
-                    r.state, r.reason = "stopped", p.reason or r.reason
+            case (
+                R.ReplicaPlaced()
+                | R.ReplicaStarting()
+                | R.ReplicaReady()
+                | R.ReplicaFailed()
+                | R.ReplicaStopRequested()
+                | R.ReplicaStopped()
+            ):
+                self._apply_replica(p, at)
+
+    def _apply_replica(self, p: msgspec.Struct, at: float) -> None:
+        """One replica event through the shared folds: the replica's, then its model's start failures."""
+        before = self.replicas.get(p.replica_id)  # type: ignore[attr-defined]
+        after = F.fold_replica(before, p, at)
+        if after is None or after is before:
+            return
+        self._index(after)
+        m = self.models.get(after.model)
+        if m is not None:
+            m.starts = F.fold_start_failures(m.starts, p, at, before)
 
     def _index(self, r: ReplicaState) -> None:
         old = self.replicas.get(r.id)
@@ -197,18 +166,13 @@ class ClusterState:
         if status is None:
             self.models.pop(name, None)
             return
+        at = event.envelope.at.timestamp()
         if old is None or isinstance(p, M.ModelAdded):
-            self.models[name] = ModelState(name=name, status=status, spec_hash=spec_hash(status.spec))
+            starts = F.fold_start_failures(F.StartFailures(), M.ModelAdded(spec=status.spec), at)
+            self.models[name] = ModelState(name=name, status=status, starts=starts)
             return
         old.status = status
-        match p:
-            case M.ModelChanged():
-                old.spec_hash = spec_hash(p.spec)
-                old.failures, old.last_failure_at = 0, None  # a new definition starts counting again
-            case M.ModelParked():
-                old.last_error = p.reason
-            case M.ModelRetried():
-                old.failures, old.last_failure_at = 0, None
+        old.starts = F.fold_start_failures(old.starts, p, at)
 
     def node(self, node_id: str) -> NodeState:
         n = self.nodes.get(node_id)
