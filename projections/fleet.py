@@ -40,6 +40,8 @@ _REPLICA_INSERT = (
 
 class FleetProjection(Projection):
     name = "fleet"
+    # 2: replicas and failure counts folded by events/replica_fold.py; rows folded before are rebuilt from the log
+    version = 2
     subject = f"{EVENTS_ROOT}.>"
     tables = {
         "nodes": "id TEXT PRIMARY KEY, address TEXT, cpus INTEGER, memory_total_bytes BIGINT, gpus TEXT, "
