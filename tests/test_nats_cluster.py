@@ -14,6 +14,7 @@ from pathlib import Path
 
 import nats.errors
 import nats.js.errors
+import openai
 import pytest
 import structlog
 
@@ -28,8 +29,13 @@ from llmgw.events.secrets import engine_key_secret
 from llmgw.events.store import STREAMS, EventStore, NewEvent, StoreError
 from llmgw.events.subjects import event_subject
 from llmgw.events.tenancy import OrgCreated
+from llmgw.projections.usage import decode_usage
+from llmgw.services.router.app import RouterConfig
 from tests.cluster import NatsCluster, nats_cluster
+from tests.fleet import FAST, Fleet
+from tests.gguf_tiny import write_tiny_gguf
 from tests.support import free_port, wait_until
+from tests.test_gateway import make_key, make_tenant
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -298,6 +304,21 @@ async def test_two_servers_ride_out_each_node_killed_and_the_meta_leader_paused(
         await asyncio.gather(*servers)
 
 
+async def billed(store: EventStore, request_ids: list[str]) -> bool:
+    """Whether every one of ``request_ids`` has its usage record in the usage stream (False while NATS heals)."""
+    usage = store.on_stream(S.STREAM_USAGE)
+    seen: set[str] = set()
+    try:
+        for seq in range(1, await usage.stream_last_seq() + 1):
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                seen.add(decode_usage((await store.js.get_msg(S.STREAM_USAGE, seq)).data or b"").request_id)
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        return False
+    return set(request_ids) <= seen
+
+
 def _current(cluster: NatsCluster, node) -> bool:
     """The restarted node is back in the meta group and has every stream's replica caught up."""
     jsz = node.jsz()
@@ -325,3 +346,117 @@ async def test_a_server_told_to_stop_while_every_nats_node_is_gone_exits(
     async with asyncio.timeout(120):
         await server
     assert server.done() and server.exception() is None
+
+
+@pytest.mark.slow  # an engine on the tiny GGUF behind two routers, each NATS node killed in turn
+async def test_two_routers_keep_answering_while_each_nats_node_is_killed_and_brought_back(
+    cluster: NatsCluster, r3: EventStore, tmp_path: Path
+) -> None:
+    await engine_key_secret(r3.js)
+    services = ("tenancy", "access", "catalog", "fleet", "scheduler", "projections", "api", "accountant", "router")
+    stop = asyncio.Event()
+    servers, ports = [], []
+    for i in range(2):
+        port = free_port()
+        config = ServerConfig(
+            nats_url=cluster.urls,
+            db_dsn=f"sqlite:///{tmp_path / f'server{i}.db'}",
+            services=services,
+            admin_port=free_port(),
+            port=port,
+            scheduler=FAST,
+            router=RouterConfig(
+                activation_s=30.0,
+                first_token_s=20.0,
+                idle_s=20.0,
+                total_s=60.0,
+                usage_journal=str(tmp_path / f"journal{i}"),
+            ),
+        )
+        servers.append(await _serving(config, stop, {}))
+        ports.append(port)
+    fleet = Fleet(r3, cluster.urls, tmp_path / "fleet")
+    fleet.agent("n1")
+    answered: list[str] = []
+    refused: list[str] = []  # a router that did not take the connection
+    failed: list[int] = []
+    running = asyncio.Event()
+    running.set()
+    try:
+        tenant = await make_tenant(r3)
+        key, _ = await make_key(r3, tenant)
+        await fleet.add_model("tiny", write_tiny_gguf(tmp_path / "tiny.gguf"))
+        await fleet.wait_ready("tiny", 1, deadline_s=120)
+        clients = [
+            openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key=key, max_retries=0, timeout=30)
+            for p in ports
+        ]
+
+        async def ask(c: openai.AsyncOpenAI) -> bool:
+            rid = f"req-{len(answered) + len(failed) + len(refused)}-{id(c)}"
+            try:
+                await c.chat.completions.create(
+                    model="tiny",
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=2,
+                    extra_headers={"x-request-id": rid},
+                )
+            except openai.APIConnectionError as exc:
+                refused.append(str(exc))
+                return False
+            except openai.APIStatusError as exc:
+                failed.append(exc.status_code)
+                return False
+            answered.append(rid)
+            return True
+
+        for c in clients:
+            await wait_until(lambda c=c: ask(c), deadline_s=60, what="a router answering")
+        refused.clear()
+        failed.clear()
+
+        async def load() -> None:
+            i = 0
+            while running.is_set():
+                await ask(clients[i % 2])
+                i += 1
+
+        async def answered_again() -> None:
+            for c in clients:
+                await wait_until(lambda c=c: ask(c), deadline_s=90, what="both routers answering after the fault")
+
+        loader = asyncio.create_task(load())
+        try:
+            for node in list(cluster.nodes):
+                cluster.kill(node)
+                await answered_again()
+                cluster.start_node(node)
+                cluster.wait_for_leader(60)
+                await wait_until(lambda node=node: _current(cluster, node), deadline_s=90, what=f"{node.name} back")
+                await answered_again()
+            leader = cluster.wait_for_leader()
+            cluster.pause(leader)
+            try:
+                n, f = len(answered), len(failed) + len(refused)
+                await wait_until(
+                    lambda: len(failed) + len(refused) > f or len(answered) > n + 20,
+                    deadline_s=60,
+                    what="the pause felt by the load",
+                )
+            finally:
+                cluster.resume(leader)
+            cluster.wait_for_leader(60)
+            await answered_again()
+        finally:
+            running.clear()
+            await loader
+        # Every answered request is billed: its usage record reaches the usage stream.
+        await wait_until(lambda: billed(r3, answered), deadline_s=90, what="a usage record for every answered request")
+    finally:
+        await fleet.stop()
+        stop.set()
+        async with asyncio.timeout(120):
+            await asyncio.gather(*servers, return_exceptions=True)
+    assert not refused, refused[:3]
+    assert 500 not in failed, failed
+    assert set((await replicas(r3)).values()) == {3}
