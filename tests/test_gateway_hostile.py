@@ -521,7 +521,25 @@ def _server_fault(status: int | None) -> bool:
 async def test_hostile_bodies_headers_and_encodings_never_get_a_500(hostile: Gateway, tiny: Path) -> None:  # noqa: F811
     await with_engine(hostile, tiny)
     seen: set[int | None] = set()
-    for request in _drawn(hostile_requests(hostile.key, hostile.port), 150):
+    # Two fixed requests first, so every run surely sees a refusal by the key layer and by the body layer.
+    valid = json.dumps({"model": "tiny", "messages": HI, "max_tokens": 1}).encode()
+    reaches = [
+        http_request(
+            "POST",
+            CHAT,
+            hostile.port,
+            [(b"Authorization", b"Bearer sk-not-a-key"), (b"Content-Length", str(len(valid)).encode())],
+            valid,
+        ),
+        http_request(
+            "POST",
+            CHAT,
+            hostile.port,
+            [(b"Authorization", f"Bearer {hostile.key}".encode()), (b"Content-Length", b"100")],
+            b"[" * 100,
+        ),
+    ]
+    for request in reaches + _drawn(hostile_requests(hostile.key, hostile.port), 150):
         status, headers, body = await raw_exchange(hostile.port, request)
         seen.add(status)
         assert not _server_fault(status), f"{request[:300]!r} → {status} {body[:300]!r}"
