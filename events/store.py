@@ -466,20 +466,37 @@ class EventStore:
         if expected is not None:
             headers[S.HDR_EXPECTED_LAST_SUBJECT_SEQ] = str(expected)
         data = encode_envelope(env)
+        tries = 0
+
+        async def publish() -> Any:
+            nonlocal tries
+            tries += 1
+            return await self.js.publish(subject, data, headers=headers)
+
         try:
             # Retried through an election or a lost node; Nats-Msg-Id makes a retry of a stored event a no-op.
-            ack = await retrying(
-                f"append to {subject}",
-                lambda: self.js.publish(subject, data, headers=headers),
-                deadline_s=self.append_retry_s,
-            )
+            ack = await retrying(f"append to {subject}", publish, deadline_s=self.append_retry_s)
         except nats.js.errors.APIError as exc:
+            if tries > 1 and exc.err_code == ERR_WRONG_LAST_SEQUENCE:
+                # The server checks the expected sequence before duplicates: a retry whose first try
+                # was stored (its answer lost in the election) looks like a conflict. It is not one.
+                stored = await self._stored_last(subject, env.id)
+                if stored:
+                    return AppendResult((stored,), duplicate=True)
             raise self._translate(exc, subject, expected) from exc
         except Exception as exc:
             if is_transient(exc):
                 raise StoreError(f"no acknowledgement from JetStream for {subject}: {exc!r}") from exc
             raise
         return AppendResult((ack.seq,), duplicate=bool(ack.duplicate))
+
+    async def _stored_last(self, subject: str, event_id: str) -> int:
+        """The sequence of the last message on ``subject`` when it is event ``event_id``; else 0."""
+        try:
+            msg = await self.js.get_last_msg(self.stream, subject)
+        except Exception:  # best effort: without an answer, the conflict stands
+            return 0
+        return (msg.seq or 0) if (msg.headers or {}).get(S.HDR_MSG_ID) == event_id else 0
 
     async def _publish_atomic(
         self, items: Sequence[tuple[str, Envelope, int | None]], fence: tuple[str, int] | None = None

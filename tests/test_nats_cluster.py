@@ -460,3 +460,26 @@ async def test_two_routers_keep_answering_while_each_nats_node_is_killed_and_bro
     assert not refused, refused[:3]
     assert 500 not in failed, failed
     assert set((await replicas(r3)).values()) == {3}
+
+
+async def test_an_append_whose_acknowledgement_was_lost_is_not_mistaken_for_a_conflict_when_retried(
+    store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The one thing a real cluster cannot do on cue: store the event, then lose the answer (its
+    # leader killed between the two). The server checks the expected sequence before duplicates.
+    publish = store.js.publish
+    calls = 0
+
+    async def stored_then_lost(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        ack = await publish(*args, **kwargs)
+        if calls == 1:
+            raise nats.errors.TimeoutError
+        return ack
+
+    monkeypatch.setattr(store.js, "publish", stored_then_lost)
+    subject = event_subject("probe", "lost-ack")
+    result = await store.append(subject, [probe(1)], expected=0)
+    assert calls == 2 and result.duplicate
+    assert [e.payload.org_id for e in await store.read(subject)] == ["p1"]
