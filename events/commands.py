@@ -48,6 +48,12 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     correlation: str | None = None
     data: msgspec.Raw = msgspec.Raw(b"{}")
 
+    @property
+    def thread(self) -> str:
+        """The correlation of every event the command causes: the one it carries (a job's id when a job
+        sent it), else its own id (docs/decisions.md, "One command-handling shell")."""
+        return self.correlation or self.id
+
 
 _command_decoder = msgspec.json.Decoder(Command)
 
@@ -312,7 +318,7 @@ class CommandProcessor:
         try:
             await self.store.append(
                 outcome_subject,
-                [NewEvent(payload=outcome, actor=self.actor, causation=command.id, correlation=command.correlation)],
+                [NewEvent(payload=outcome, actor=self.actor, causation=command.id, correlation=command.thread)],
                 expected=0,
             )
         except AppendConflict:
