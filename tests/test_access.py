@@ -274,7 +274,7 @@ async def test_a_key_is_never_created_for_a_project_deleted_while_it_was_decided
     await access.send("delete", T.DeleteScope(kind="project", path="acme/ml/chat"), service=T.SERVICE)
     events = [NewEvent(payload=p, actor="user:test") for p in decision.payloads]
     with pytest.raises(AppendConflict):
-        await racer._append(decision, events)
+        await racer.shell._append(racer.decision(decision), events)
     assert await store.read(f"{EVENTS_ROOT}.{A.KEY_AGGREGATE}.>") == []
 
 
