@@ -1,4 +1,7 @@
-"""The catalog service: owns model aggregates and handles `ctl model …` commands."""
+"""The catalog service: owns model aggregates and handles `ctl model …` commands.
+
+Its rules are :mod:`.rules` (pure); :class:`~llmgw.events.command_shell.CommandShell` does the rest.
+"""
 
 from __future__ import annotations
 
@@ -7,48 +10,49 @@ from pathlib import Path
 import structlog
 
 from llmgw.events import models as M
-from llmgw.events.commands import Accepted, Command, CommandProcessor, Rejected
-from llmgw.events.store import AppendConflict, EventStore, NewEvent
+from llmgw.events.command_shell import CommandShell, Decision, LogFold
+from llmgw.events.commands import Command, CommandProcessor
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.catalog.rules import Catalog, decide
 
 log = structlog.get_logger("llmgw.services.catalog")
-
-MAX_ATTEMPTS = 5
 
 
 class CatalogService:
     def __init__(self, store: EventStore) -> None:
         self.store = store
         self.catalog = Catalog()
+        # Each model subject's last sequence, a removed model's too: adding it again expects that.
+        self.seqs: dict[str, int] = {}
+        self.fold = LogFold(store, [f"{EVENTS_ROOT}.{M.AGGREGATE}.>"], self._apply)
+        self.shell = CommandShell(
+            store,
+            service=M.SERVICE,
+            what="the catalog",
+            fold=self.fold,
+            decide=self.decide,
+            payload_type=M.CatalogCommand,
+        )
+
+    def _apply(self, event: RecordedEvent) -> None:
+        _, name = aggregate_of(event.subject)
+        self.seqs[name] = event.seq
+        self.catalog.apply(name, event)
 
     async def catch_up(self) -> None:
-        after = self.catalog.position
-        async for batch in self.store.subscribe(f"{EVENTS_ROOT}.{M.AGGREGATE}.>", after=after, follow=False):
-            for e in batch:
-                if hasattr(e, "envelope"):
-                    _, name = aggregate_of(e.subject)
-                    self.catalog.apply(name, e)
-                else:
-                    self.catalog.position = max(self.catalog.position, e.seq)
+        await self.fold.catch_up()
 
-    async def handle(self, command: Command, payload: M.CatalogCommand) -> Accepted:
-        for _ in range(MAX_ATTEMPTS):
-            await self.catch_up()
-            if command.id in self.catalog.applied_commands:
-                return Accepted(message="already applied", last_seq=self.catalog.applied_commands[command.id])
-            name, payloads, message = decide(self.catalog, payload)
-            entry = self.catalog.models.get(name)
-            expected = entry.seq if entry else await self.store.last_seq(event_subject(M.AGGREGATE, name))
-            events = [NewEvent(payload=p, actor=command.actor, causation=command.id) for p in payloads]
-            try:
-                result = await self.store.append(event_subject(M.AGGREGATE, name), events, expected=expected)
-            except AppendConflict:
-                continue
-            return Accepted(
-                message=message, events=[e.id for e in events], last_seq=result.last_seq, result={"model": name}
-            )
-        raise Rejected("the catalog kept changing while this command was decided; send it again", "busy")
+    def decide(self, command: Command, payload: M.CatalogCommand) -> Decision:
+        name, payloads, message = decide(self.catalog, payload)
+        return Decision(
+            subject=event_subject(M.AGGREGATE, name),
+            payloads=payloads,
+            expected=self.seqs.get(name, 0),
+            message=message,
+            result={"model": name},
+        )
 
     async def sync_declared(self, specs: list[M.ModelSpec]) -> None:
         """Bring models declared in the catalog file into the log (CAT-3): added or changed as declared."""
@@ -93,4 +97,4 @@ class CatalogService:
         return True
 
     def processor(self) -> CommandProcessor:
-        return CommandProcessor(self.store, M.SERVICE, M.CatalogCommand, self.handle)
+        return self.shell.processor()
