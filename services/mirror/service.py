@@ -23,6 +23,7 @@ from aiohttp import web
 
 from llmgw.events import mirror as E
 from llmgw.events.commands import Accepted, Command, CommandProcessor, Rejected
+from llmgw.events.retry import keep_running
 from llmgw.events.secrets import engine_key_secret, mirror_token
 from llmgw.events.store import AppendConflict, EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
@@ -145,9 +146,13 @@ class MirrorService:
             self._apply(batch)
 
     async def _follow(self) -> None:
-        # Keeps the fold (and so the file server) current with what the tasks write.
-        async for batch in self.store.subscribe(f"{EVENTS_ROOT}.{E.AGGREGATE}.>", after=self.state.position):
-            self._apply(batch)
+        # Keeps the fold (and so the file server) current with what the tasks write. The reader rides
+        # out NATS trouble itself; any other failure starts it again from the fold's position.
+        async def follow_once() -> None:
+            async for batch in self.store.subscribe(f"{EVENTS_ROOT}.{E.AGGREGATE}.>", after=self.state.position):
+                self._apply(batch)
+
+        await keep_running("mirror log", follow_once, stop=self._stopped, closed=lambda: self.store.nc.is_closed)
 
     def _apply(self, batch: list) -> None:
         for e in batch:
