@@ -1,7 +1,8 @@
 """The fleet service: `ctl cordon|uncordon|drain NODE` (SPEC FLEET-4) as node events.
 
 The scheduler acts on them: a cordoned node takes no new replicas; a draining node's replicas
-are replaced elsewhere first, then stopped with the drain's grace.
+are replaced elsewhere first, then stopped with the drain's grace. :func:`decide` is the rules;
+:class:`~llmgw.events.command_shell.CommandShell` does the rest.
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 import msgspec
 
 from llmgw.events import nodes as N
-from llmgw.events.commands import Accepted, Command, CommandProcessor, Rejected
-from llmgw.events.store import AppendConflict, EventStore, NewEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.command_shell import CommandShell, Decision, LogFold
+from llmgw.events.commands import Command, CommandProcessor, Rejected
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.store import EventStore
+from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 
 
 def decide(history: list[msgspec.Struct], command: N.FleetCommand) -> tuple[list[msgspec.Struct], str]:
@@ -51,21 +54,27 @@ def decide(history: list[msgspec.Struct], command: N.FleetCommand) -> tuple[list
 class FleetService:
     def __init__(self, store: EventStore) -> None:
         self.store = store
+        self.histories: dict[str, list[msgspec.Struct]] = {}  # node id -> its events' payloads, in order
+        self.seqs: dict[str, int] = {}  # node id -> last sequence on its subject
+        self.fold = LogFold(store, [f"{EVENTS_ROOT}.{N.AGGREGATE}.>"], self._apply)
+        self.shell = CommandShell(
+            store, service=N.SERVICE, what="the node", fold=self.fold, decide=self.decide, payload_type=N.FleetCommand
+        )
 
-    async def handle(self, command: Command, payload: N.FleetCommand) -> Accepted:
-        subject = event_subject(N.AGGREGATE, payload.node_id)
-        for _ in range(5):
-            history = await self.store.read(subject)
-            if any(e.envelope.causation == command.id for e in history):
-                return Accepted(message="already applied", last_seq=history[-1].seq)
-            payloads, message = decide([e.payload for e in history], payload)
-            events = [NewEvent(payload=p, actor=command.actor, causation=command.id) for p in payloads]
-            try:
-                result = await self.store.append(subject, events, expected=history[-1].seq if history else 0)
-            except AppendConflict:
-                continue
-            return Accepted(message=message, events=[e.id for e in events], last_seq=result.last_seq)
-        raise Rejected("the node kept changing while this command was decided; send it again", "busy")
+    def _apply(self, event: RecordedEvent) -> None:
+        _, node = aggregate_of(event.subject)
+        self.histories.setdefault(node, []).append(event.payload)
+        self.seqs[node] = event.seq
+
+    def decide(self, command: Command, payload: N.FleetCommand) -> Decision:
+        node = payload.node_id
+        payloads, message = decide(self.histories.get(node, []), payload)
+        return Decision(
+            subject=event_subject(N.AGGREGATE, node),
+            payloads=payloads,
+            expected=self.seqs.get(node, 0),
+            message=message,
+        )
 
     def processor(self) -> CommandProcessor:
-        return CommandProcessor(self.store, N.SERVICE, N.FleetCommand, self.handle)
+        return self.shell.processor()
