@@ -57,6 +57,14 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     result: dict[str, Any] = {}
 
 
+class Cause(msgspec.Struct, frozen=True):
+    """On whose behalf a follow-on event is written (a download's progress): the command that started
+    the work, and that command's correlation."""
+
+    causation: str | None = None
+    correlation: str | None = None
+
+
 def stamp(command: Command, payloads: Iterable[msgspec.Struct]) -> list[NewEvent]:
     """The command's events, by the one rule: its actor, causation its id, correlation its thread."""
     return [

@@ -22,10 +22,11 @@ import structlog
 from aiohttp import web
 
 from llmgw.events import mirror as E
-from llmgw.events.commands import Accepted, Command, CommandProcessor, Rejected
+from llmgw.events.command_shell import Cause, CommandShell, Decision, LogFold
+from llmgw.events.commands import Command, CommandProcessor, Rejected
 from llmgw.events.retry import keep_running
 from llmgw.events.secrets import engine_key_secret, mirror_token
-from llmgw.events.store import AppendConflict, EventStore, NewEvent
+from llmgw.events.store import AppendResult, EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.mirror.download import DiskGuard, DownloadError, download
 from llmgw.services.mirror.files import file_server
@@ -37,7 +38,6 @@ from llmgw.services.mirror.state import FETCHING, MirrorState, VersionState
 log = structlog.get_logger("llmgw.services.mirror")
 
 ACTOR = f"svc:{E.SERVICE}"
-MAX_ATTEMPTS = 5
 
 
 class MirrorConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,6 +70,17 @@ class MirrorService:
         self._processor: CommandProcessor | None = None
         self.peer: PeerMirror | None = None
         self._stopped = asyncio.Event()
+        self.fold = LogFold(store, [f"{EVENTS_ROOT}.{E.AGGREGATE}.>"], lambda event: self._apply([event]))
+        self.shell = CommandShell(
+            store,
+            service=E.SERVICE,
+            what="the mirror",
+            fold=self.fold,
+            decide=self.decide,
+            payload_type=E.MirrorCommand,
+            before_append=self._before_append,
+            after_append=self._after_append,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -105,7 +116,7 @@ class MirrorService:
 
     def processor(self) -> CommandProcessor:
         if self._processor is None:
-            self._processor = CommandProcessor(self.store, E.SERVICE, E.MirrorCommand, self.handle)
+            self._processor = self.shell.processor()
         return self._processor
 
     async def run(self) -> None:
@@ -140,10 +151,7 @@ class MirrorService:
     # -- the log -----------------------------------------------------------------------------
 
     async def catch_up(self) -> None:
-        async for batch in self.store.subscribe(
-            f"{EVENTS_ROOT}.{E.AGGREGATE}.>", after=self.state.position, follow=False
-        ):
-            self._apply(batch)
+        await self.fold.catch_up()
 
     async def _follow(self) -> None:
         # Keeps the fold (and so the file server) current with what the tasks write. The reader rides
@@ -160,31 +168,25 @@ class MirrorService:
                 _, model = aggregate_of(e.subject)
                 self.state.apply(model, e)
 
-    async def _append(self, model: str, payload: msgspec.Struct, causation: str | None) -> int:
-        event = NewEvent(payload=payload, actor=ACTOR, causation=causation, correlation=causation)
+    async def _append(self, model: str, payload: msgspec.Struct, cause: Cause) -> int:
+        # A fetch's later events are on behalf of the command that started it, in its thread.
+        event = NewEvent(payload=payload, actor=ACTOR, causation=cause.causation, correlation=cause.correlation)
         result = await self.store.append(event_subject(E.AGGREGATE, model), [event])
         return result.last_seq
 
     # -- commands ----------------------------------------------------------------------------
 
-    async def handle(self, command: Command, payload: E.MirrorCommand) -> Accepted:
-        for _ in range(MAX_ATTEMPTS):
-            await self.catch_up()
-            if command.id in self.state.applied_commands:
-                return Accepted(message="already applied", last_seq=self.state.applied_commands[command.id])
-            try:
-                if isinstance(payload, E.MirrorFetch):
-                    return await self._fetch(command, payload)
-                return await self._remove(command, payload)
-            except AppendConflict:
-                continue
-        raise Rejected("the mirror kept changing while this command was decided; send it again", "busy")
+    async def decide(self, command: Command, payload: E.MirrorCommand) -> Decision:
+        """The rules' decision (:mod:`.rules`), once the hub has said what the repository holds."""
+        if isinstance(payload, E.MirrorFetch):
+            return await self._decide_fetch(payload)
+        return self._decide_remove(payload)
 
     def _reserved(self) -> int:
         """Bytes that fetches under way will still write: promised already, so not free."""
         return sum(max(f.size - f.done, 0) for v in self.state.fetching() for f in v.files.values() if not f.verified)
 
-    async def _fetch(self, command: Command, p: E.MirrorFetch) -> Accepted:
+    async def _decide_fetch(self, p: E.MirrorFetch) -> Decision:
         model = check_model(p.model)
         repo = check_repo(p.repo)
         revision = p.revision.strip() or "main"
@@ -200,7 +202,7 @@ class MirrorService:
         result = {"model": model, "version": plan.version, "commit": info.commit}
         if plan.already:
             held = self.state.version(model, plan.version)
-            return Accepted(message=plan.message, result={**result, "state": held.state if held else FETCHING})
+            return Decision(message=plan.message, result={**result, "state": held.state if held else FETCHING})
         if info.gated:
             # A token is configured, but has its owner accepted the terms? Ask before promising a fetch.
             await self._preflight(repo, info.commit, plan.files[0])
@@ -212,20 +214,58 @@ class MirrorService:
             files=plan.files,
             hub=self.hub.endpoint,
         )
-        event = NewEvent(payload=started, actor=command.actor, causation=command.id, correlation=command.id)
-        subject = event_subject(E.AGGREGATE, model)
-        appended = await self.store.append(subject, [event], expected=self.state.seqs.get(model, 0))
-        await self.catch_up()  # in order: the fold must never skip past events it has not seen
-        held = self.state.version(model, plan.version)
-        assert held is not None
-        self._spawn(held)
-        log.info("fetch started", model=model, version=plan.version, repo=repo, files=len(plan.files))
-        return Accepted(
+        return Decision(
+            subject=event_subject(E.AGGREGATE, model),
+            payloads=[started],
+            expected=self.state.seqs.get(model, 0),
             message=plan.message,
-            events=[event.id],
-            last_seq=appended.last_seq,
             result={**result, "state": FETCHING, "files": len(plan.files), "bytes": sum(f.size for f in plan.files)},
         )
+
+    def _targets(self, p: E.MirrorRemove) -> list[VersionState]:
+        versions = self.state.models.get(p.model)
+        if not versions:
+            held = ", ".join(sorted(self.state.models)) or "nothing"
+            raise Rejected(f"the mirror holds no model {p.model!r} (it holds: {held})", "not_found")
+        if p.version is not None and p.version not in versions:
+            raise Rejected(
+                f"the mirror holds no {p.model}/{p.version}; versions of {p.model}: {', '.join(sorted(versions))}",
+                "not_found",
+            )
+        return [versions[p.version]] if p.version is not None else list(versions.values())
+
+    def _decide_remove(self, p: E.MirrorRemove) -> Decision:
+        targets = self._targets(p)
+        what = f"{p.model}/{p.version}" if p.version else f"{p.model} ({', '.join(v.version for v in targets)})"
+        files = sum(len(v.files) for v in targets)
+        size = sum(v.size for v in targets)
+        return Decision(
+            subject=event_subject(E.AGGREGATE, p.model),
+            payloads=[E.MirrorRemoved(version=p.version)],
+            expected=self.state.seqs.get(p.model, 0),
+            message=f"removed {what} from the mirror: {files} file(s), {human(size)}",
+            result={"model": p.model, "versions": [v.version for v in targets]},
+        )
+
+    async def _before_append(self, command: Command, payload: E.MirrorCommand, decision: Decision) -> None:
+        # A removal stops the downloads it removes before it is written, so none writes after it.
+        if isinstance(payload, E.MirrorRemove):
+            for v in self._targets(payload):
+                await self._cancel(payload.model, v.version)
+
+    async def _after_append(
+        self, command: Command, payload: E.MirrorCommand, decision: Decision, appended: AppendResult
+    ) -> None:
+        if isinstance(payload, E.MirrorRemove):
+            await asyncio.to_thread(self._delete, payload.model, payload.version)
+            log.info("removed", model=payload.model, version=payload.version)
+            return
+        await self.catch_up()  # in order: the fold must never skip past events it has not seen
+        model, version = decision.result["model"], decision.result["version"]
+        held = self.state.version(model, version)
+        assert held is not None
+        self._spawn(held)
+        log.info("fetch started", model=model, version=version, repo=held.repo, files=len(held.fetch_files))
 
     async def _preflight(self, repo: str, commit: str, f: E.MirrorFile) -> None:
         assert self._session is not None
@@ -243,36 +283,6 @@ class MirrorService:
             raise Rejected(
                 f"the hub did not answer for {repo} ({exc}); send the fetch again", "hub_unreachable"
             ) from exc
-
-    async def _remove(self, command: Command, p: E.MirrorRemove) -> Accepted:
-        versions = self.state.models.get(p.model)
-        if not versions:
-            held = ", ".join(sorted(self.state.models)) or "nothing"
-            raise Rejected(f"the mirror holds no model {p.model!r} (it holds: {held})", "not_found")
-        if p.version is not None and p.version not in versions:
-            raise Rejected(
-                f"the mirror holds no {p.model}/{p.version}; versions of {p.model}: {', '.join(sorted(versions))}",
-                "not_found",
-            )
-        targets = [versions[p.version]] if p.version is not None else list(versions.values())
-        for v in targets:
-            await self._cancel(p.model, v.version)
-        payload = E.MirrorRemoved(version=p.version)
-        event = NewEvent(payload=payload, actor=command.actor, causation=command.id, correlation=command.id)
-        appended = await self.store.append(
-            event_subject(E.AGGREGATE, p.model), [event], expected=self.state.seqs.get(p.model, 0)
-        )
-        await asyncio.to_thread(self._delete, p.model, p.version)
-        what = f"{p.model}/{p.version}" if p.version else f"{p.model} ({', '.join(v.version for v in targets)})"
-        files = sum(len(v.files) for v in targets)
-        size = sum(v.size for v in targets)
-        log.info("removed", model=p.model, version=p.version)
-        return Accepted(
-            message=f"removed {what} from the mirror: {files} file(s), {human(size)}",
-            events=[event.id],
-            last_seq=appended.last_seq,
-            result={"model": p.model, "versions": [v.version for v in targets]},
-        )
 
     # -- files on disk -----------------------------------------------------------------------
 
@@ -306,8 +316,9 @@ class MirrorService:
             if (f := v.files.get(name)) is not None and not f.verified
         ]
         key = (v.model, v.version)
+        cause = Cause(v.causation, v.correlation)
         self.tasks[key] = asyncio.create_task(
-            self._run_fetch(v.model, v.version, v.repo, v.commit, files, v.causation), name=f"mirror-{v.model}"
+            self._run_fetch(v.model, v.version, v.repo, v.commit, files, cause), name=f"mirror-{v.model}"
         )
 
     async def _cancel(self, model: str, version: str) -> None:
@@ -318,17 +329,17 @@ class MirrorService:
                 await task
 
     async def _run_fetch(
-        self, model: str, version: str, repo: str, commit: str, files: list[E.MirrorFile], causation: str | None
+        self, model: str, version: str, repo: str, commit: str, files: list[E.MirrorFile], cause: Cause
     ) -> None:
         loop = asyncio.get_running_loop()
         began = loop.time()
         downloaded = 0
         try:
             for f in files:
-                reason, code, got = await self._fetch_file(model, version, repo, commit, f, causation)
+                reason, code, got = await self._fetch_file(model, version, repo, commit, f, cause)
                 if reason is not None:
                     await self._append(
-                        model, E.FetchFailed(version=version, reason=reason, file=f.name, code=code), causation
+                        model, E.FetchFailed(version=version, reason=reason, file=f.name, code=code), cause
                     )
                     log.warning("fetch failed", model=model, version=version, file=f.name, reason=reason)
                     return
@@ -344,7 +355,7 @@ class MirrorService:
                     downloaded=downloaded,
                     seconds=round(loop.time() - began, 3),
                 ),
-                causation,
+                cause,
             )
             log.info("fetch completed", model=model, version=version, downloaded=downloaded)
         except asyncio.CancelledError:
@@ -360,14 +371,14 @@ class MirrorService:
                         "see its log, then fetch again",
                         code="internal",
                     ),
-                    causation,
+                    cause,
                 )
         finally:
             if self.tasks.get((model, version)) is asyncio.current_task():
                 self.tasks.pop((model, version), None)
 
     async def _fetch_file(
-        self, model: str, version: str, repo: str, commit: str, f: E.MirrorFile, causation: str | None
+        self, model: str, version: str, repo: str, commit: str, f: E.MirrorFile, cause: Cause
     ) -> tuple[str | None, str, int]:
         """(why it failed or None, failure code, bytes downloaded)."""
         assert self._session is not None
@@ -391,9 +402,7 @@ class MirrorService:
                 step=self.config.progress_step,
             ):
                 last[0], last[1] = done, now
-                await self._append(
-                    model, E.FileProgress(version=version, file=f.name, done=done, size=f.size), causation
-                )
+                await self._append(model, E.FileProgress(version=version, file=f.name, done=done, size=f.size), cause)
 
         self.guard.refresh()
         try:
@@ -442,7 +451,7 @@ class MirrorService:
             E.FileVerified(
                 version=version, file=f.name, size=got.size, sha256=got.sha256, resumed_from=got.resumed_from
             ),
-            causation,
+            cause,
         )
         return None, "", got.downloaded
 

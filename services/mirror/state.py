@@ -38,6 +38,7 @@ class VersionState(msgspec.Struct, kw_only=True):
     error: str | None = None
     error_code: str | None = None
     causation: str | None = None  # the command of the latest fetch
+    correlation: str | None = None  # that command's correlation: its later events carry it too
     fetch_files: list[str] = []  # names the latest fetch downloads, in order
     updated_at: str = ""
 
@@ -77,6 +78,7 @@ class MirrorState:
                     )
                 v.state, v.error, v.error_code = FETCHING, None, None
                 v.causation = event.envelope.causation
+                v.correlation = event.envelope.correlation
                 v.fetch_files = [f.name for f in p.files]
                 for f in p.files:
                     old = v.files.get(f.name)
