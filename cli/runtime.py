@@ -237,7 +237,13 @@ async def serve(
         for site in sites:
             await _bounded("close a listener", site.cleanup())
         for router in routers:
-            report = await router.stop()
+            try:
+                # The router publishes for up to 10 s, then journals the rest: a little more than that.
+                async with asyncio.timeout(STOP_STEP_S + 10.0):
+                    report = await router.stop()
+            except TimeoutError:
+                log.error("the router did not stop in time; usage records it still held may be lost")
+                continue
             if report.lost:
                 log.error("router stopped with usage records lost", lost=report.lost, error=report.error)
             elif report.journaled:
