@@ -30,8 +30,8 @@ from llmgw.events import mirror as MI
 from llmgw.events import models as M
 from llmgw.events import replicas as R
 from llmgw.events import scheduler as SCH
+from llmgw.events.command_shell import CommandShell, Decision, LogFold
 from llmgw.events.commands import (
-    Accepted,
     Command,
     CommandClient,
     CommandError,
@@ -40,10 +40,9 @@ from llmgw.events.commands import (
 )
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.follow import LogFollower
-from llmgw.events.ids import new_id
 from llmgw.events.retry import backoff_delay, is_transient
 from llmgw.events.secrets import engine_key, engine_key_secret, mirror_token
-from llmgw.events.store import AppendConflict, EventStore, NewEvent
+from llmgw.events.store import AppendConflict, AppendResult, EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.jobs import rules
 from llmgw.services.jobs.rules import StepFailed, StepResult
@@ -77,6 +76,17 @@ class JobsService:
         self.client = CommandClient(store)
         self.tasks: dict[str, asyncio.Task] = {}
         self._processor: CommandProcessor | None = None
+        # Only which commands started a job is folded: a redelivered serve command starts none.
+        self.shell = CommandShell(
+            store,
+            service=J.SERVICE,
+            what="the job",
+            fold=LogFold(store, [f"{EVENTS_ROOT}.{J.AGGREGATE}.>"], lambda event: None),
+            decide=self.decide,
+            payload_type=J.JobCommand,
+            after_append=self._started,
+            applied_result=lambda command, payload: {"job": command.id},
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -89,7 +99,7 @@ class JobsService:
 
     def processor(self) -> CommandProcessor:
         if self._processor is None:
-            self._processor = CommandProcessor(self.store, J.SERVICE, J.JobCommand, self.handle)
+            self._processor = self.shell.processor()
         return self._processor
 
     async def run(self) -> None:
@@ -130,12 +140,9 @@ class JobsService:
 
     # -- commands ----------------------------------------------------------------------------
 
-    async def handle(self, command: Command, payload: J.ServeModel) -> Accepted:
+    def decide(self, command: Command, payload: J.ServeModel) -> Decision:
+        """A job whose id is the command's, so a redelivered command finds the job it started."""
         rules.check_request(payload)
-        for job in (await self._jobs()).values():
-            if job.command_id == command.id:  # a redelivery: the job exists already
-                return Accepted(message=f"job {job.id}", result={"job": job.id})
-        job_id = new_id()
         started = J.JobStarted(
             kind="serve",
             repo=payload.repo,
@@ -147,15 +154,18 @@ class JobsService:
             cores=payload.cores,
             requested_by=command.actor,
         )
-        event = NewEvent(payload=started, actor=command.actor, causation=command.id, correlation=job_id)
-        result = await self.store.append(event_subject(J.AGGREGATE, job_id), [event], expected=0)
-        self._spawn(job_id)
-        return Accepted(
-            message=f"job {job_id}: serving {payload.repo}",
-            events=[event.id],
-            last_seq=result.last_seq,
-            result={"job": job_id},
+        return Decision(
+            subject=event_subject(J.AGGREGATE, command.id),
+            payloads=[started],
+            expected=0,
+            message=f"job {command.id}: serving {payload.repo}",
+            result={"job": command.id},
         )
+
+    async def _started(
+        self, command: Command, payload: J.ServeModel, decision: Decision, appended: AppendResult
+    ) -> None:
+        self._spawn(command.id)
 
     # -- running a job -----------------------------------------------------------------------
 
@@ -219,7 +229,7 @@ class JobsService:
                 case "pick":
                     return await self._pick(req)
                 case "fetch":
-                    return await self._fetch(req, d)
+                    return await self._fetch(job, req, d)
                 case "inspect":
                     header = await self._header(d)
                     return rules.check_architecture(header.architecture)
@@ -248,10 +258,10 @@ class JobsService:
         result = rules.pick(req, files)
         return StepResult(message=result.message, data={**result.data, "commit": info.commit})
 
-    async def _fetch(self, req: J.JobStarted, d: dict[str, Any]) -> StepResult:
+    async def _fetch(self, job: JobState, req: J.JobStarted, d: dict[str, Any]) -> StepResult:
         model = d["model"]
         cmd = MI.MirrorFetch(model=model, repo=req.repo, revision=d["commit"], files=list(d["files"]))
-        out = await self.client.send(MI.SERVICE, "fetch", cmd, actor=ACTOR, timeout=60)
+        out = await self.client.send(MI.SERVICE, "fetch", cmd, actor=ACTOR, correlation=job.id, timeout=60)
         version = out.result["version"]
         subject = event_subject(MI.AGGREGATE, model)
         deadline = time.monotonic() + self.config.fetch_s
