@@ -1,0 +1,149 @@
+"""The one command-handling shell (events/command_shell.py), with a real nats-server and real services.
+
+A rival writer appends to the same aggregate between a decision and its append, the way a second
+service instance would; a redelivery is a command published again after its events were written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+
+from llmgw.events import nodes as N
+from llmgw.events import subjects as S
+from llmgw.events import tenancy as T
+from llmgw.events.command_shell import Decision
+from llmgw.events.commands import Command, CommandClient, CommandProcessor, CommandRejectedError, command_subject
+from llmgw.events.envelope import RecordedEvent, utc_now
+from llmgw.events.ids import new_id
+from llmgw.events.store import EventStore, NewEvent
+from llmgw.events.subjects import EVENTS_ROOT, event_subject
+from llmgw.services.fleet.service import FleetService
+from llmgw.services.tenancy.service import TenancyService
+from tests.support import wait_until
+
+pytestmark = pytest.mark.asyncio
+
+TREE = event_subject(T.AGGREGATE, T.TREE_ID)
+
+
+@contextlib.asynccontextmanager
+async def running(processor: CommandProcessor) -> AsyncIterator[CommandProcessor]:
+    task = asyncio.create_task(processor.run())
+    try:
+        yield processor
+    finally:
+        processor.stop()
+        await asyncio.wait_for(task, 10)
+
+
+def with_rival(store: EventStore, service: TenancyService, races: int | None) -> list[int]:
+    """Make a rival create an org after each of the first ``races`` decisions (None: after every one)."""
+    decided: list[int] = []
+
+    async def decide(command: Command, payload: T.TenancyCommand) -> Decision:
+        decision = service.decide(command, payload)
+        decided.append(decision.expected)
+        if races is None or len(decided) <= races:
+            rival = T.OrgCreated(org_id=new_id(), name=f"rival{len(decided)}")
+            await store.append(TREE, [NewEvent(payload=rival, actor="user:rival")])
+        return decision
+
+    service.shell.decide = decide
+    return decided
+
+
+async def org_names(store: EventStore) -> list[str]:
+    return [e.payload.name for e in await store.read(TREE) if isinstance(e.payload, T.OrgCreated)]
+
+
+async def test_a_command_that_loses_a_race_is_decided_again_and_applied_once(store: EventStore) -> None:
+    service = TenancyService(store)
+    decided = with_rival(store, service, races=1)
+    async with running(service.processor()):
+        out = await CommandClient(store).send(
+            T.SERVICE, "create", T.CreateScope(kind="org", path="acme"), actor="user:alice"
+        )
+    assert out.message == "org acme created"
+    assert await org_names(store) == ["rival1", "acme"]
+    assert len(decided) == 2 and decided[1] > decided[0], "decided again on the rival's event"
+
+
+async def test_a_command_that_keeps_losing_races_is_refused_as_busy_with_what_to_do(store: EventStore) -> None:
+    service = TenancyService(store)
+    decided = with_rival(store, service, races=None)
+    async with running(service.processor()):
+        with pytest.raises(CommandRejectedError) as caught:
+            await CommandClient(store).send(
+                T.SERVICE, "create", T.CreateScope(kind="org", path="acme"), actor="user:alice"
+            )
+    assert caught.value.code == "busy"
+    assert caught.value.reason == (
+        "the tenancy tree changed 5 times while this tenancy.create command was being decided (other writers are "
+        "busy on it): nothing was written; send the command again in a moment; "
+        f"`llmgw events tail --aggregate {T.AGGREGATE}` shows who is changing it"
+    )
+    assert len(decided) == 5
+    assert "acme" not in await org_names(store)
+
+
+async def test_a_command_redelivered_after_its_events_but_before_its_outcome_is_already_applied(
+    store: EventStore,
+) -> None:
+    """A fleet service stopped between appending a cordon and writing its outcome; the command comes again."""
+    node = event_subject(N.AGGREGATE, "n1")
+    await store.append(
+        node,
+        [NewEvent(payload=N.NodeRegistered(node_id="n1", capacity=N.NodeCapacity(address="n1:9")), actor="node:n1")],
+    )
+    command = Command(
+        id=new_id(),
+        kind="fleet.cordon",
+        actor="user:ops",
+        at=utc_now(),
+        data=msgspec.Raw(msgspec.json.encode(N.CordonNode(node_id="n1", reason="maintenance"))),
+    )
+    cordoned = N.NodeCordoned(node_id="n1", reason="maintenance")
+    await store.append(node, [NewEvent(payload=cordoned, actor="user:ops", causation=command.id)])
+    async with running(FleetService(store).processor()):
+        await store.js.publish(
+            command_subject(N.SERVICE, "cordon"), msgspec.json.encode(command), headers={S.HDR_MSG_ID: command.id}
+        )
+        outcome = S.command_outcome_subject(command.id)
+        await wait_until(lambda: store.last_seq(outcome), what="the redelivered command's outcome")
+        [written] = await store.read(outcome)
+        assert written.type == "command.completed" and written.payload.message == "already applied"
+        assert [e.type for e in await store.read(node)] == ["node.registered", "node.cordoned"]
+        # The fold holds the cordon: cordoning again is refused for what it is, not applied twice.
+        with pytest.raises(CommandRejectedError) as caught:
+            await CommandClient(store).send(N.SERVICE, "cordon", N.CordonNode(node_id="n1"), actor="user:ops")
+    assert caught.value.reason == "node n1 is already cordoned"
+
+
+async def _outcomes(store: EventStore) -> list[RecordedEvent]:
+    return await store.read(f"{EVENTS_ROOT}.command.>")
+
+
+async def test_a_command_s_events_name_it_as_cause_and_carry_its_own_id_or_its_job_s_as_correlation(
+    store: EventStore,
+) -> None:
+    client = CommandClient(store)
+    async with running(TenancyService(store).processor()):
+        await client.send(T.SERVICE, "create", T.CreateScope(kind="org", path="acme"), actor="user:alice")
+        await client.send(
+            T.SERVICE, "create", T.CreateScope(kind="team", path="acme/ml"), actor="svc:jobs", correlation="job-7"
+        )
+    plain, by_job = await store.read(TREE)
+    plain_outcome, job_outcome = await _outcomes(store)
+    # A plain command: caused by it, and a thread of its own.
+    assert plain_outcome.subject == S.command_outcome_subject(plain.envelope.causation or "")
+    assert plain.envelope.correlation == plain.envelope.causation
+    assert plain_outcome.envelope.correlation == plain.envelope.causation
+    # A command a job sent: still caused by the command, in the job's thread.
+    assert job_outcome.subject == S.command_outcome_subject(by_job.envelope.causation or "")
+    assert by_job.envelope.correlation == "job-7" and by_job.envelope.causation != "job-7"
+    assert job_outcome.envelope.correlation == "job-7"
