@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgspec
 import pytest
 
+from llmgw.events import mirror as MI
 from llmgw.events import nodes as N
 from llmgw.events import subjects as S
 from llmgw.events import tenancy as T
@@ -23,7 +25,10 @@ from llmgw.events.ids import new_id
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, event_subject
 from llmgw.services.fleet.service import FleetService
+from llmgw.services.mirror.service import MirrorConfig, MirrorService
 from llmgw.services.tenancy.service import TenancyService
+from tests.fakehub import FakeHub
+from tests.gguf_tiny import write_tiny_gguf
 from tests.support import wait_until
 
 pytestmark = pytest.mark.asyncio
@@ -147,3 +152,36 @@ async def test_a_command_s_events_name_it_as_cause_and_carry_its_own_id_or_its_j
     assert job_outcome.subject == S.command_outcome_subject(by_job.envelope.causation or "")
     assert by_job.envelope.correlation == "job-7" and by_job.envelope.causation != "job-7"
     assert job_outcome.envelope.correlation == "job-7"
+
+
+async def test_a_fetch_a_job_asked_for_keeps_the_job_s_correlation_to_its_last_event(
+    store: EventStore, tmp_path: Path
+) -> None:
+    """The mirror's later events (each verified file, the end) stay in the thread of whoever asked."""
+    hub = await FakeHub().start()
+    mirror = MirrorService(store, MirrorConfig(dir=str(tmp_path / "mirror"), hub=hub.url, retry_backoff_s=0.01))
+    try:
+        hub.add_repo("acme/tiny-GGUF")
+        hub.add_file("acme/tiny-GGUF", "tiny-Q8_0.gguf", write_tiny_gguf(tmp_path / "tiny.gguf"))
+        await mirror.start()
+        async with running(mirror.processor()):
+            await CommandClient(store).send(
+                MI.SERVICE,
+                "fetch",
+                MI.MirrorFetch(model="tiny", repo="acme/tiny-GGUF"),
+                actor="svc:jobs",
+                correlation="job-7",
+            )
+
+            async def ended() -> list[RecordedEvent] | None:
+                events = await store.read(event_subject(MI.AGGREGATE, "tiny"))
+                return events if events[-1].type in ("mirror.fetch_completed", "mirror.fetch_failed") else None
+
+            events = await wait_until(ended, deadline_s=30, what="the fetch to end")
+    finally:
+        await mirror.close()
+        await hub.stop()
+    assert events[-1].type == "mirror.fetch_completed"
+    [outcome] = await _outcomes(store)
+    command_id = outcome.envelope.causation
+    assert {(e.envelope.causation, e.envelope.correlation) for e in events} == {(command_id, "job-7")}
