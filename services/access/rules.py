@@ -89,7 +89,6 @@ class AccessState:
         self.prices: dict[str, A.PriceSet] = {}
         self.budgets: dict[str, A.BudgetSet] = {}
         self.subject_seqs: dict[str, int] = {}  # aggregate subject -> its last sequence (the expected one)
-        self.applied_commands: dict[str, int] = {}
 
     # -- fold --------------------------------------------------------------------------------
 
@@ -130,8 +129,6 @@ class AccessState:
                 else:
                     self.budgets[p.scope] = p
         self.subject_seqs[event.subject] = max(self.subject_seqs.get(event.subject, 0), event.seq)
-        if event.envelope.causation:
-            self.applied_commands[event.envelope.causation] = event.seq
 
     # -- queries -----------------------------------------------------------------------------
 

@@ -29,12 +29,9 @@ class Catalog:
     def __init__(self) -> None:
         self.models: dict[str, CatalogEntry] = {}
         self.position = 0
-        self.applied_commands: dict[str, int] = {}
 
     def apply(self, name: str, event: RecordedEvent) -> None:
         self.position = max(self.position, event.seq)
-        if event.envelope.causation:
-            self.applied_commands[event.envelope.causation] = event.seq
         p = event.payload
         entry = self.models.get(name)
         if isinstance(p, M.MODEL_EVENTS):

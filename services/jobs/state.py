@@ -12,7 +12,6 @@ class JobState:
     def __init__(self, job_id: str) -> None:
         self.id = job_id
         self.request: J.JobStarted | None = None
-        self.command_id: str | None = None
         self.seq = 0  # the last event's sequence: the next append expects it
         self.done: dict[str, dict[str, Any]] = {}  # step -> its data, in order
         self.running: str | None = None  # a step started and not ended
@@ -31,7 +30,6 @@ class JobState:
         p = event.payload
         if isinstance(p, J.JobStarted):
             self.request = p
-            self.command_id = event.envelope.causation
         elif isinstance(p, J.JobStep):
             if p.status == J.STARTED:
                 self.running = p.step

@@ -56,7 +56,6 @@ class MirrorState:
         self.models: dict[str, dict[str, VersionState]] = {}
         self.position = 0
         self.seqs: dict[str, int] = {}  # last sequence on each model's subject
-        self.applied_commands: dict[str, int] = {}
         self.tombstones: dict[str, dict[str | None, int]] = {}  # model -> version (None: all) -> seq
 
     def apply(self, model: str, event: RecordedEvent) -> None:
@@ -64,8 +63,6 @@ class MirrorState:
             return  # seen already (the follower and a catch-up both read the log)
         self.position = event.seq
         self.seqs[model] = event.seq
-        if event.envelope.causation:
-            self.applied_commands.setdefault(event.envelope.causation, event.seq)
         p = event.payload
         at = event.envelope.at.isoformat()
         versions = self.models.setdefault(model, {})

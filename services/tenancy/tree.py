@@ -40,7 +40,6 @@ class TenancyTree:
     def __init__(self) -> None:
         self.scopes: dict[str, Scope] = {}
         self.last_seq = 0
-        self.applied_commands: dict[str, int] = {}
         self.live_keys: dict[str, dict[str, str]] = {}  # project id -> {key id: name (or id)}
         self.key_projects: dict[str, str] = {}  # key id -> project id
         self.keys_seq = 0  # position in the key events folded so far
@@ -61,8 +60,6 @@ class TenancyTree:
                     self.scopes[sid].name = p.name
             case T.OrgDeleted(org_id=sid) | T.TeamDeleted(team_id=sid) | T.ProjectDeleted(project_id=sid):
                 self.scopes.pop(sid, None)
-        if event.envelope.causation:
-            self.applied_commands[event.envelope.causation] = event.seq
         self.last_seq = max(self.last_seq, event.seq)
 
     def apply_key(self, event: RecordedEvent) -> None:
