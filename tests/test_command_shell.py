@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from llmgw.events import jobs as J
 from llmgw.events import mirror as MI
 from llmgw.events import nodes as N
 from llmgw.events import subjects as S
@@ -25,6 +26,7 @@ from llmgw.events.ids import new_id
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, event_subject
 from llmgw.services.fleet.service import FleetService
+from llmgw.services.jobs.service import JobsConfig, JobsService
 from llmgw.services.mirror.service import MirrorConfig, MirrorService
 from llmgw.services.tenancy.service import TenancyService
 from tests.fakehub import FakeHub
@@ -185,3 +187,28 @@ async def test_a_fetch_a_job_asked_for_keeps_the_job_s_correlation_to_its_last_e
     [outcome] = await _outcomes(store)
     command_id = outcome.envelope.causation
     assert {(e.envelope.causation, e.envelope.correlation) for e in events} == {(command_id, "job-7")}
+
+
+async def test_a_serve_command_redelivered_after_its_job_started_answers_with_that_job_and_starts_no_other(
+    store: EventStore,
+) -> None:
+    """The jobs service stopped between starting a job and writing the command's outcome."""
+    command = Command(
+        id=new_id(),
+        kind="jobs.serve",
+        actor="user:a",
+        at=utc_now(),
+        data=msgspec.Raw(msgspec.json.encode(J.ServeModel(repo="acme/tiny-GGUF"))),
+    )
+    started = J.JobStarted(kind="serve", repo="acme/tiny-GGUF", requested_by="user:a")
+    job = event_subject(J.AGGREGATE, command.id)
+    await store.append(job, [NewEvent(payload=started, actor="user:a", causation=command.id)], expected=0)
+    async with running(JobsService(store, JobsConfig()).processor()):
+        await store.js.publish(
+            command_subject(J.SERVICE, "serve"), msgspec.json.encode(command), headers={S.HDR_MSG_ID: command.id}
+        )
+        outcome = S.command_outcome_subject(command.id)
+        await wait_until(lambda: store.last_seq(outcome), what="the redelivered command's outcome")
+    [written] = await store.read(outcome)
+    assert written.payload.message == "already applied" and written.payload.result == {"job": command.id}
+    assert [e.subject for e in await store.read(f"{EVENTS_ROOT}.{J.AGGREGATE}.>")] == [job]
