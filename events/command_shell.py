@@ -149,7 +149,7 @@ class CommandShell(Generic[P]):
         self.attempts = attempts
 
     async def handle(self, command: Command, payload: P) -> Accepted:
-        subject = ""
+        moved = ""  # the subject that moved last: named in the busy message
         for _ in range(self.attempts):
             await self.fold.catch_up()
             seq = self.fold.applied(command.id)
@@ -163,14 +163,14 @@ class CommandShell(Generic[P]):
             assert isinstance(decision, Decision)
             if not decision.payloads:
                 return Accepted(message=decision.message, result=decision.result)
-            subject = decision.subject
             events = stamp(command, decision.payloads)
             if self.before_append is not None:
                 await self.before_append(command, payload, decision)
             try:
                 appended = await self._append(decision, events)
-            except AppendConflict as exc:
+            except AppendConflict as exc:  # for a fenced append, the fence moved
                 log.info("decided on a stale fold; deciding again", command=command.id, subject=exc.subject)
+                moved = exc.subject
                 continue
             result = dict(decision.result)
             if self.after_append is not None:
@@ -178,7 +178,7 @@ class CommandShell(Generic[P]):
             return Accepted(
                 message=decision.message, events=[e.id for e in events], last_seq=appended.last_seq, result=result
             )
-        raise Rejected(busy_message(self.what, command, self.attempts, subject), "busy")
+        raise Rejected(busy_message(self.what, command, self.attempts, moved), "busy")
 
     async def _append(self, decision: Decision, events: list[NewEvent]) -> AppendResult:
         if decision.fence is not None:
