@@ -10,6 +10,7 @@ requests still running plus its own maximum fits. A hold whose router died expir
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import msgspec
@@ -50,13 +51,15 @@ def cost(tokens_in: int, tokens_out: int, input_per_m: float, output_per_m: floa
     return (tokens_in * input_per_m + tokens_out * output_per_m) / 1e6
 
 
-def _kv_key(scope: str, period: str, now: float) -> str:
-    return f"{scope.replace(':', '_')}.{period_key(period, now)}"
+def _kv_key(scope: str, when: str) -> str:
+    """The book's entry for a scope in one period (``when``: a ``period_key``)."""
+    return f"{scope.replace(':', '_')}.{when}"
 
 
 class BudgetBook:
-    def __init__(self, js: JetStreamContext, hold_ttl_s: float = 900.0) -> None:
+    def __init__(self, js: JetStreamContext, hold_ttl_s: float = 900.0, clock: Callable[[], float] = time.time) -> None:
         self.js = js
+        self.clock = clock
         self.hold_ttl_s = hold_ttl_s
         self._kv = None
 
@@ -73,7 +76,7 @@ class BudgetBook:
                 entry, rev = msgspec.json.decode(got.value or b"{}", type=Entry), got.revision
             except nats.js.errors.KeyNotFoundError:
                 entry, rev = Entry(), None
-            now = time.time()
+            now = self.clock()
             entry.holds = {rid: h for rid, h in entry.holds.items() if h[1] > now}
             change(entry)
             data = msgspec.json.encode(entry)
@@ -87,8 +90,10 @@ class BudgetBook:
                 continue  # another router changed it: read again
         raise RuntimeError(f"budget entry {key} kept changing; try again")
 
-    async def reserve(self, scope: str, budget: float, period: str, request_id: str, amount: float) -> None:
-        now = time.time()
+    async def reserve(self, scope: str, budget: float, period: str, request_id: str, amount: float) -> str:
+        """Hold ``amount`` for a request; returns the period it was held in, which its settle names."""
+        now = self.clock()
+        when = period_key(period, now)
 
         def change(e: Entry) -> None:
             held = sum(h[0] for h in e.holds.values())
@@ -96,19 +101,23 @@ class BudgetBook:
                 raise BudgetExceeded(scope, budget, period, e.spent, held, amount)
             e.holds[request_id] = (amount, now + self.hold_ttl_s)
 
-        await self._update(_kv_key(scope, period, now), change)
+        await self._update(_kv_key(scope, when), change)
+        return when
 
-    async def settle(self, scope: str, period: str, request_id: str, actual: float, reserved_at: float) -> None:
+    async def settle(self, scope: str, when: str, request_id: str, actual: float) -> None:
+        """Release a request's hold and count what it cost, in the period the hold was taken in
+        (``when``, from ``reserve``): a request that ends after midnight is still the day it began."""
+
         def change(e: Entry) -> None:
             e.holds.pop(request_id, None)
             e.spent += actual
 
-        await self._update(_kv_key(scope, period, reserved_at), change)
+        await self._update(_kv_key(scope, when), change)
 
     async def spent(self, scope: str, period: str) -> float:
         kv = await self._bucket()
         try:
-            got = await kv.get(_kv_key(scope, period, time.time()))
+            got = await kv.get(_kv_key(scope, period_key(period, self.clock())))
         except nats.js.errors.KeyNotFoundError:
             return 0.0
         return msgspec.json.decode(got.value or b"{}", type=Entry).spent

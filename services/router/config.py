@@ -1,0 +1,31 @@
+"""The router's settings (docs/gateway.md names each)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
+    first_token_s: float = 60.0
+    idle_s: float = 30.0
+    total_s: float = 600.0
+    connect_s: float = 5.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    activation_s: float = 60.0  # how long a request waits for an on-demand replica
+    default_max_tokens: int = 4096  # what a request without max_tokens may cost, for budgets
+    saturation: int = 4  # in-flight requests at which prefix affinity lets go (llama.cpp slots)
+    gossip_s: float = 0.1
+    max_attempts: int = 3
+    # Limits on what reaches an engine (docs/gateway.md, "Limits on requests").
+    max_messages: int = 2048  # messages (or batched prompts/inputs) in one request
+    max_json_depth: int = 64  # how deeply arrays and objects in a body may nest
+    max_prompt_tokens: int = 1_048_576  # the prompt's upper-bound estimate: one token per byte + 16 per message
+    max_output_tokens: int = 131_072  # max_tokens / max_completion_tokens above this are refused
+    # A connection that has not sent a whole request head within header_s is closed (also the idle
+    # keep-alive timeout); a body that has not arrived within body_s is answered 408.
+    header_s: float = 10.0
+    body_s: float = 30.0
+    # usage records the bus has not acknowledged go to this directory (None: memory only, see docs/usage.md)
+    usage_journal: str | None = None
+    usage_memory_records: int = 10_000  # held in memory before they go to the journal
+    usage_ack_timeout_s: float = 5.0  # a usage record not acknowledged within this is retried
