@@ -24,6 +24,7 @@ from llmgw.events import scheduler as SCH
 from llmgw.events import subjects as S
 from llmgw.events import tenancy as T
 from llmgw.events.envelope import utc_now
+from llmgw.events.live_fold import FoldRegistry, health_body
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import encode_token, event_subject
 from llmgw.projections.access import scope_path, tenancy_paths
@@ -68,6 +69,8 @@ class AdminApi:
         self._recreating = asyncio.Lock()
         # Set where a router runs in this process: its usage backlog (a UsageBacklog) joins /healthz.
         self.usage_backlog: Callable[[], Any] | None = None
+        # The process's live folds (events/live_fold.py): any not live makes /healthz 503, naming it.
+        self.folds: FoldRegistry | None = None
 
     def app(self, *, full: bool = True) -> web.Application:
         """The admin API; with ``full=False`` only ``/healthz`` and ``/metrics``, which every process
@@ -118,6 +121,10 @@ class AdminApi:
             usage = self.usage_backlog()
             body["usage"] = msgspec.to_builtins(usage)
             ok = ok and usage.refusing is None  # refusing billable requests: usage cannot be kept
+        if self.folds is not None:
+            folds = self.folds.health()
+            body.update(health_body(folds))
+            ok = ok and all(h.live for h in folds)  # a fold not live answers from stale state
         body = {"status": "ok" if ok else "degraded", **body}
         return web.json_response(body, status=200 if ok else 503)
 

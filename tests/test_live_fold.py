@@ -1,0 +1,207 @@
+"""The supervised live fold (events/live_fold.py), broken on purpose against a real nats-server.
+
+Each test breaks one thing a process's fold lives through — its consumer deleted, the server
+restarted or paused, an event its handler raises on, a handler that blocks — and checks what a
+user of that process would notice: every event applied once and in order afterwards, and a
+``/healthz`` that says 503 naming the fold while it is not live, then 200 again by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from llmgw.events import access as A
+from llmgw.events import subjects as S
+from llmgw.events.catalog import default_registry
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.live_fold import FoldRegistry, LiveFold
+from llmgw.events.store import EventStore, NewEvent
+from llmgw.services.api.app import AdminApi
+from tests.support import NatsServer, wait_until
+
+SUBJECT = f"{S.EVENTS_ROOT}.{A.KEY_AGGREGATE}.>"
+
+
+class Revocations:
+    """A fold that records which keys were revoked, in the order it saw them (and every sequence it applied)."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.revoked: list[str] = []
+        self.seqs: list[int] = []
+
+    def apply(self, e: RecordedEvent) -> None:
+        assert isinstance(e.payload, A.KeyRevoked)
+        if e.payload.reason == "poison":
+            raise ValueError(f"cannot fold key {e.payload.key_id}")
+        self.revoked.append(e.payload.key_id)
+        self.seqs.append(e.seq)
+        self.position = e.seq
+
+
+async def revoke(store: EventStore, *keys: str, reason: str = "") -> list[int]:
+    seqs = []
+    for k in keys:
+        result = await store.append(
+            S.event_subject(A.KEY_AGGREGATE, k),
+            [NewEvent(payload=A.KeyRevoked(key_id=k, reason=reason), actor="system:test")],
+        )
+        seqs.append(result.last_seq)
+    return seqs
+
+
+@pytest.fixture
+async def healthz(store: EventStore) -> AsyncIterator[tuple[FoldRegistry, str]]:
+    """A process's admin ``/healthz`` over a fold registry: (the registry, the URL)."""
+    folds = FoldRegistry()
+    api = AdminApi(store, None, None, folds.metrics)  # type: ignore[arg-type]  # /healthz reads neither
+    api.folds = folds
+    server = TestServer(api.app(full=False))
+    await server.start_server()
+    try:
+        yield folds, str(server.make_url("/healthz"))
+    finally:
+        await server.close()
+
+
+async def get_health(url: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        return r.status, await r.json()
+
+
+async def test_a_fold_whose_consumer_is_deleted_reads_on_with_nothing_skipped_and_nothing_twice(store: EventStore):
+    fold = Revocations()
+    live = LiveFold(store, SUBJECT, fold, name="keys").start()
+    try:
+        first = await revoke(store, "k1", "k2", "k3")
+        assert await live.wait_caught_up(30)
+        await wait_until(lambda: fold.seqs == first, what="the first revocations folded")
+        for c in await store.js.consumers_info(store.stream):
+            await store.js.delete_consumer(store.stream, c.name)
+        then = await revoke(store, "k4", "k5")
+        await wait_until(lambda: len(fold.seqs) >= 5, deadline_s=60, what="the revocations after the deletion")
+        assert fold.revoked == ["k1", "k2", "k3", "k4", "k5"]
+        assert fold.seqs == first + then
+        await wait_until(lambda: live.health().state == "live", what="the fold live again")
+    finally:
+        await live.close()
+
+
+async def test_a_fold_reads_on_after_the_nats_server_restarts(nats: NatsServer, tmp_path: Path):
+    store = await EventStore.connect(nats.url, default_registry())
+    await store.ensure_streams()
+    fold = Revocations()
+    live = LiveFold(store, SUBJECT, fold, name="keys").start()
+    try:
+        before = await revoke(store, "k1", "k2")
+        await wait_until(lambda: fold.seqs == before, what="the revocations before the restart")
+        nats.stop()
+        nats.start()  # same port, same store: the stream is back, the fold's consumer is not
+        after = await wait_until(lambda: _try(revoke(store, "k3", "k4")), deadline_s=30, what="appending again")
+        await wait_until(lambda: len(fold.seqs) >= 4, deadline_s=60, what="the revocations after the restart")
+        assert fold.revoked == ["k1", "k2", "k3", "k4"]
+        assert fold.seqs == before + after
+    finally:
+        await live.close()
+        await store.close()
+
+
+async def _try(step) -> object:
+    try:
+        return await step
+    except Exception:
+        return None
+
+
+async def test_an_event_the_handler_raises_on_is_quarantined_and_later_events_are_still_applied(
+    store: EventStore, healthz: tuple[FoldRegistry, str]
+):
+    folds, url = healthz
+    fold = Revocations()
+    live = LiveFold(store, SUBJECT, fold, name="keys", registry=folds).start()
+    try:
+        [bad] = await revoke(store, "k-bad", reason="poison")
+        good = await revoke(store, "k1", "k2")
+        await wait_until(lambda: fold.seqs == good, what="the revocations after the poisoned event")
+        assert fold.revoked == ["k1", "k2"]
+        assert folds.metrics.get_sample_value("llmgw_fold_quarantined_total", {"fold": "keys"}) == 1
+        kept = await store.js.get_last_msg(S.STREAM_QUARANTINE, f"{S.QUARANTINE_ROOT}.>")
+        assert kept.headers["Llmgw-Origin-Seq"] == str(bad)
+        assert "cannot fold key k-bad" in kept.headers["Llmgw-Error"]
+        # The fold goes on, so the process stays healthy: the event is kept, not lost, and counted.
+        _status, body = await wait_until(lambda: _live_health(url), what="/healthz 200")
+        assert body["folds"]["keys"]["quarantined"] == 1
+    finally:
+        await live.close()
+
+
+async def _live_health(url: str) -> tuple[int, dict] | None:
+    status, body = await get_health(url)
+    return (status, body) if status == 200 else None
+
+
+async def _unhealthy(url: str) -> tuple[int, dict] | None:
+    status, body = await get_health(url)
+    return (status, body) if status == 503 else None
+
+
+async def test_a_fold_that_cannot_advance_is_stalled_on_healthz_and_recovers_by_itself(
+    store: EventStore, healthz: tuple[FoldRegistry, str]
+):
+    folds, url = healthz
+    gate = asyncio.Event()
+    applied: list[int] = []
+
+    async def apply(e: RecordedEvent) -> None:
+        if e.payload.reason == "slow":
+            await gate.wait()  # a handler stuck on one event: everything after it waits
+        applied.append(e.seq)
+
+    live = LiveFold(store, SUBJECT, apply, name="keys", registry=folds, stall_s=1.0).start()
+    try:
+        assert await live.wait_caught_up(30)
+        await wait_until(lambda: _live_health(url), what="/healthz 200 at first")
+        seqs = await revoke(store, "k1", reason="slow") + await revoke(store, "k2")
+        _status, body = await wait_until(lambda: _unhealthy(url), deadline_s=30, what="/healthz 503")
+        assert body["folds"]["keys"]["state"] == "stalled"
+        assert any(r.startswith("keys is stalled") for r in body["unhealthy_folds"])
+        assert folds.metrics.get_sample_value("llmgw_fold_healthy", {"fold": "keys"}) == 0
+        gate.set()
+        await wait_until(lambda: _live_health(url), deadline_s=30, what="/healthz 200 again")
+        assert applied == seqs
+        assert folds.metrics.get_sample_value("llmgw_fold_healthy", {"fold": "keys"}) == 1
+    finally:
+        gate.set()
+        await live.close()
+
+
+async def test_a_fold_whose_nats_server_is_paused_is_stalled_then_live_when_it_resumes(
+    nats: NatsServer, store: EventStore, healthz: tuple[FoldRegistry, str]
+):
+    folds, url = healthz
+    fold = Revocations()
+    live = LiveFold(store, SUBJECT, fold, name="keys", registry=folds, stall_s=1.0).start()
+    assert nats.proc is not None
+    try:
+        before = await revoke(store, "k1")
+        await wait_until(lambda: fold.seqs == before, what="the first revocation")
+        os.kill(nats.proc.pid, signal.SIGSTOP)
+        try:
+            _status, body = await wait_until(lambda: _unhealthy(url), deadline_s=30, what="/healthz 503")
+            assert body["folds"]["keys"]["state"] == "stalled"
+            assert "head" in body["folds"]["keys"]["error"]
+        finally:
+            os.kill(nats.proc.pid, signal.SIGCONT)
+        after = await wait_until(lambda: _try(revoke(store, "k2")), deadline_s=30, what="appending again")
+        await wait_until(lambda: fold.seqs == before + after, deadline_s=60, what="the revocation after the pause")
+        await wait_until(lambda: _live_health(url), deadline_s=30, what="/healthz 200 again")
+    finally:
+        await live.close()
