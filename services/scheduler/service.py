@@ -28,6 +28,7 @@ from llmgw.events import subjects as S
 from llmgw.events.buckets import open_bucket
 from llmgw.events.envelope import RecordedEvent, utc_now
 from llmgw.events.ids import new_id
+from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.retry import is_transient, keep_running, retrying
 from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
 from llmgw.events.subjects import event_subject
@@ -67,6 +68,7 @@ class SchedulerService:
         lease_ttl_s: float = 6.0,
         tick_s: float = 1.0,
         registry: CollectorRegistry | None = None,
+        folds: FoldRegistry | None = None,
     ) -> None:
         self.store = store
         self.cfg = config or Config()
@@ -92,6 +94,10 @@ class SchedulerService:
         self._seen_position = asyncio.Condition()
         self._blocked: dict[str, tuple[str, float]] = {}
         self._placed_total = 0
+        # The view of the fleet, kept current by the process's one supervised fold of the log.
+        self.fold = LiveFold(
+            store, f"{S.EVENTS_ROOT}.>", self._apply, name="scheduler", after=0, registry=folds, on_batch=self._folded
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -114,26 +120,26 @@ class SchedulerService:
 
     def stop(self) -> None:
         self._stop.set()
+        self.fold.stop()
 
     # -- folding -----------------------------------------------------------------------------
 
     async def _follow_events(self) -> None:
-        await keep_running("scheduler log", self._follow_events_once, stop=self._stop, closed=self._closed)
+        await self.fold.run()
 
     def _closed(self) -> bool:
         return self.store.nc.is_closed
 
-    async def _follow_events_once(self) -> None:
-        # From where the fold is: a reader started again never applies an event twice.
-        async for batch in self.store.subscribe(f"{S.EVENTS_ROOT}.>", after=self.state.position, follow=True):
-            for e in batch:
-                if isinstance(e, RecordedEvent) and e.subject.split(".")[2] in FOLDED:
-                    self.state.apply(e)
-                elif e.seq > self.state.position:
-                    self.state.position = e.seq
-            async with self._seen_position:
-                self._seen_position.notify_all()
-            self._wake.set()
+    def _apply(self, e: RecordedEvent) -> None:
+        if e.subject.split(".")[2] in FOLDED:
+            self.state.apply(e)
+
+    async def _folded(self) -> None:
+        # Events the scheduler does not fold move its position too: _wait_folded waits on it.
+        self.state.position = max(self.state.position, self.fold.position)
+        async with self._seen_position:
+            self._seen_position.notify_all()
+        self._wake.set()
 
     async def _follow_heartbeats(self) -> None:
         decoder = msgspec.json.Decoder(N.NodeHeartbeat)
