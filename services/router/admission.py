@@ -11,7 +11,7 @@ model is wanted — so a request that is refused early never spends a limit slot
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import msgspec
@@ -88,7 +88,7 @@ def admit(
             status=503, code="usage_unavailable", message=usage_refusal, headers={"retry-after": "10"}, layer="usage"
         )
         return Verdict(key=key, refusal=refusal)
-    model = choose_model(key, asked, view.resolve(asked), list(view.models))
+    model = choose_model(key, asked, view.resolve(asked), view.models)  # names read only to refuse
     if isinstance(model, Refusal):
         return Verdict(key=key, refusal=msgspec.structs.replace(model, layer="model"))
     chain = chain_of(model, view)
@@ -142,7 +142,7 @@ def authenticate(authorization: str, keys: Mapping[str, KeyInfo], now: float) ->
 # -- model ----------------------------------------------------------------------------------------
 
 
-def choose_model(key: KeyInfo, asked: str, model: ModelInfo | None, names: list[str]) -> ModelInfo | Refusal:
+def choose_model(key: KeyInfo, asked: str, model: ModelInfo | None, names: Iterable[str]) -> ModelInfo | Refusal:
     """The model a request asked for (``model``: what ``asked`` resolves to; ``names``: every model)."""
     if model is None:
         visible = ", ".join(sorted(m for m in names if not key.models or m in key.models)[:20])

@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 from llmgw.events import subjects as S
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.ids import new_id
+from llmgw.events.retry import keep_running
 from llmgw.events.secrets import engine_key_secret
 from llmgw.events.store import EventStore
 from llmgw.services.router import admission as adm
@@ -151,14 +152,21 @@ class Router:
     async def _follow(self, target: int) -> None:
         if target == 0:
             self._caught_up.set()
-        async for batch in self.store.subscribe(f"{S.EVENTS_ROOT}.>", after=0, follow=True):
-            for e in batch:
-                if isinstance(e, RecordedEvent):
-                    self.state.apply(e)
-                else:
-                    self.state.position = max(self.state.position, e.seq)
-            if self.state.position >= target:
-                self._caught_up.set()
+
+        async def follow_once() -> None:
+            # From where the fold is: a reader started again never applies an event twice.
+            async for batch in self.store.subscribe(f"{S.EVENTS_ROOT}.>", after=self.state.position, follow=True):
+                for e in batch:
+                    if isinstance(e, RecordedEvent):
+                        self.state.apply(e)
+                    else:
+                        self.state.position = max(self.state.position, e.seq)
+                if self.state.position >= target:
+                    self._caught_up.set()
+
+        # The reader rides out NATS trouble itself; any other failure starts it again, logged, so the
+        # router's view of the fleet never silently stops moving. Cancelled by stop().
+        await keep_running("router log", follow_once, stop=asyncio.Event(), closed=lambda: self.store.nc.is_closed)
 
     # -- the app -----------------------------------------------------------------------------
 
