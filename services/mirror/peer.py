@@ -29,6 +29,7 @@ import structlog
 
 from llmgw.events import mirror as E
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.mirror.download import DiskGuard, DownloadError, download
@@ -124,8 +125,10 @@ class PeerMirror:
         chunk_bytes: int,
         retries: int,
         backoff_s: float,
+        folds: FoldRegistry | None = None,
     ) -> None:
         self.store = store
+        self.folds = folds if folds is not None else FoldRegistry()
         self.root = root
         self.primary_url = primary_url.rstrip("/")
         self.name = name
@@ -140,6 +143,7 @@ class PeerMirror:
         self._wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
+        self._follower: LiveFold | None = None
 
     @property
     def subject(self) -> str:
@@ -150,12 +154,21 @@ class PeerMirror:
         await self._catch_up()
         await asyncio.to_thread(self.sweep)
         self._wake.set()
-        self._tasks = [
-            asyncio.create_task(self._follow(), name="mirror-peer-follow"),
-            asyncio.create_task(self._reconcile_forever(), name="mirror-peer-sync"),
-        ]
+        # The primary's events, followed by the supervised fold; each batch wakes the copier.
+        self._follower = LiveFold(
+            self.store,
+            f"{EVENTS_ROOT}.{E.AGGREGATE}.>",
+            lambda event: self._apply([event]),
+            name="mirror-peer",
+            after=self.state.position,
+            registry=self.folds,
+            on_batch=self._wake.set,
+        ).start()
+        self._tasks = [asyncio.create_task(self._reconcile_forever(), name="mirror-peer-sync")]
 
     async def close(self) -> None:
+        if self._follower is not None:
+            await self._follower.close()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -177,11 +190,6 @@ class PeerMirror:
             if hasattr(e, "envelope"):
                 _, model = aggregate_of(e.subject)
                 self.state.apply(model, e)
-
-    async def _follow(self) -> None:
-        async for batch in self.store.subscribe(f"{EVENTS_ROOT}.{E.AGGREGATE}.>", after=self.state.position):
-            self._apply(batch)
-            self._wake.set()
 
     async def _record(self, payload: msgspec.Struct) -> None:
         result = await self.store.append(self.subject, [NewEvent(payload=payload, actor=ACTOR)])

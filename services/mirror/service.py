@@ -24,7 +24,7 @@ from aiohttp import web
 from llmgw.events import mirror as E
 from llmgw.events.command_shell import Cause, CommandShell, Decision, LogFold
 from llmgw.events.commands import Command, CommandProcessor, Rejected
-from llmgw.events.retry import keep_running
+from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.secrets import engine_key_secret, mirror_token
 from llmgw.events.store import AppendResult, EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
@@ -56,8 +56,16 @@ class MirrorConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class MirrorService:
-    def __init__(self, store: EventStore, config: MirrorConfig, *, guard: DiskGuard | None = None) -> None:
+    def __init__(
+        self,
+        store: EventStore,
+        config: MirrorConfig,
+        *,
+        guard: DiskGuard | None = None,
+        folds: FoldRegistry | None = None,
+    ) -> None:
         self.store = store
+        self.folds = folds if folds is not None else FoldRegistry()
         self.config = config
         self.root = Path(config.dir)
         self.state = MirrorState()
@@ -66,7 +74,7 @@ class MirrorService:
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
         self.token: str | None = None  # what the file server accepts, derived from the cluster secret
         self._session: aiohttp.ClientSession | None = None
-        self._follower: asyncio.Task | None = None
+        self._follower: LiveFold | None = None
         self._processor: CommandProcessor | None = None
         self.peer: PeerMirror | None = None
         self._stopped = asyncio.Event()
@@ -103,6 +111,7 @@ class MirrorService:
                 chunk_bytes=self.config.chunk_bytes,
                 retries=self.config.retries,
                 backoff_s=self.config.retry_backoff_s,
+                folds=self.folds,
             )
             self.state = self.peer.state
             await self.peer.start(self._session)
@@ -112,7 +121,15 @@ class MirrorService:
         for v in self.state.fetching():
             log.info("resuming a fetch", model=v.model, version=v.version)
             self._spawn(v)
-        self._follower = asyncio.create_task(self._follow(), name="mirror-follow")
+        # Keeps the fold (and so the file server) current with what the tasks write, supervised.
+        self._follower = LiveFold(
+            self.store,
+            f"{EVENTS_ROOT}.{E.AGGREGATE}.>",
+            lambda event: self._apply([event]),
+            name="mirror",
+            after=self.state.position,
+            registry=self.folds,
+        ).start()
 
     def processor(self) -> CommandProcessor:
         if self._processor is None:
@@ -135,7 +152,9 @@ class MirrorService:
         self.stop()
         if self.peer is not None:
             await self.peer.close()
-        tasks = [*self.tasks.values(), *([self._follower] if self._follower else [])]
+        if self._follower is not None:
+            await self._follower.close()
+        tasks = list(self.tasks.values())
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -152,15 +171,6 @@ class MirrorService:
 
     async def catch_up(self) -> None:
         await self.fold.catch_up()
-
-    async def _follow(self) -> None:
-        # Keeps the fold (and so the file server) current with what the tasks write. The reader rides
-        # out NATS trouble itself; any other failure starts it again from the fold's position.
-        async def follow_once() -> None:
-            async for batch in self.store.subscribe(f"{EVENTS_ROOT}.{E.AGGREGATE}.>", after=self.state.position):
-                self._apply(batch)
-
-        await keep_running("mirror log", follow_once, stop=self._stopped, closed=lambda: self.store.nc.is_closed)
 
     def _apply(self, batch: list) -> None:
         for e in batch:
