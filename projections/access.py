@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from llmgw.events import access as A
+from llmgw.events import key_fold as K
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.subjects import EVENTS_ROOT
 from llmgw.projections.backends import Backend
@@ -41,6 +42,8 @@ _BUDGET_UPSERT = (
 
 class AccessProjection(Projection):
     name = "access"
+    # 2: rows folded by events/key_fold.py (a key is created once; revoking is final); rows folded before are rebuilt
+    version = 2
     subject = f"{EVENTS_ROOT}.>"
     tables = {
         "keys": "id TEXT PRIMARY KEY, prefix TEXT NOT NULL, project_id TEXT NOT NULL, name TEXT NOT NULL, "
@@ -64,48 +67,72 @@ class AccessProjection(Projection):
     }
 
     async def key_created(self, tx: Tx, e: RecordedEvent) -> None:
-        p: A.KeyCreated = e.payload  # type: ignore[assignment]
+        """A key is created once (the insert does nothing for an id already there), as the shared fold says."""
+        key = K.fold_key(None, e.payload)
+        assert key is not None
         await tx.execute(
             _KEY_INSERT,
-            p.key_id,
-            p.prefix,
-            p.project_id,
-            p.name,
-            p.user,
-            p.rpm,
-            p.tpm,
-            msgspec.json.encode(p.models).decode(),
-            p.expires_at.isoformat() if p.expires_at else None,
+            key.id,
+            key.prefix,
+            key.project_id,
+            key.name,
+            key.user,
+            key.rpm,
+            key.tpm,
+            msgspec.json.encode(key.models).decode(),
+            key.expires_at.isoformat() if key.expires_at else None,
             e.envelope.at.isoformat(),
             e.envelope.actor,
         )
 
+    async def _key(self, tx: Tx, key_id: str) -> K.Key | None:
+        """A key's row as the shared fold's record (the secret's hash is never in a table)."""
+        row = await tx.fetchone("SELECT prefix, project_id, rpm, tpm, revoked FROM {keys} WHERE id = ?", key_id)
+        if row is None:
+            return None
+        prefix, project_id, rpm, tpm, revoked = row
+        return K.Key(
+            id=key_id, prefix=prefix, secret_sha256="", project_id=project_id, rpm=rpm, tpm=tpm, revoked=bool(revoked)
+        )
+
     async def key_revoked(self, tx: Tx, e: RecordedEvent) -> None:
+        """Revoking is final: the row moves only as the shared fold (``events/key_fold.py``) moves the key."""
         p: A.KeyRevoked = e.payload  # type: ignore[assignment]
-        await tx.execute(_KEY_REVOKE, e.envelope.at.isoformat(), e.envelope.actor, p.reason, p.key_id)
+        before = await self._key(tx, p.key_id)
+        after = K.fold_key(before, p)
+        if after is None or after is before:
+            return
+        await tx.execute(_KEY_REVOKE, e.envelope.at.isoformat(), e.envelope.actor, after.revoke_reason, p.key_id)
 
     async def limit_set(self, tx: Tx, e: RecordedEvent) -> None:
         p: A.LimitSet = e.payload  # type: ignore[assignment]
-        if p.rpm is None and p.tpm is None:
+        limit = K.fold_limit(p)
+        if limit is None:
             await tx.execute("DELETE FROM {limits} WHERE scope = ?", p.scope)
         else:
-            await tx.execute(_LIMIT_UPSERT, p.scope, p.rpm, p.tpm, e.envelope.at.isoformat(), e.envelope.actor)
-        kind, _, key_id = p.scope.partition(":")
-        if kind == "key":  # a key's own limits: the latest of its creation and its `limit.set`
-            await tx.execute(_KEY_LIMITS, p.rpm, p.tpm, key_id)
+            at = e.envelope.at.isoformat()
+            await tx.execute(_LIMIT_UPSERT, p.scope, limit.rpm, limit.tpm, at, e.envelope.actor)
+        key_id = K.key_of_scope(p.scope)
+        if key_id is not None:  # a key's own limits: the latest of its creation and its `limit.set`
+            before = await self._key(tx, key_id)
+            after = K.fold_key(before, p)
+            if after is not None and after is not before:
+                await tx.execute(_KEY_LIMITS, after.rpm, after.tpm, key_id)
 
     async def price_set(self, tx: Tx, e: RecordedEvent) -> None:
         p: A.PriceSet = e.payload  # type: ignore[assignment]
-        await tx.execute(
-            _PRICE_UPSERT, p.model, p.input_usd_per_m, p.output_usd_per_m, e.envelope.at.isoformat(), e.envelope.actor
-        )
+        price = K.fold_price(p)
+        at = e.envelope.at.isoformat()
+        await tx.execute(_PRICE_UPSERT, p.model, price.input_usd_per_m, price.output_usd_per_m, at, e.envelope.actor)
 
     async def budget_set(self, tx: Tx, e: RecordedEvent) -> None:
         p: A.BudgetSet = e.payload  # type: ignore[assignment]
-        if p.usd is None:
+        budget = K.fold_budget(p)
+        if budget is None:
             await tx.execute("DELETE FROM {budgets} WHERE scope = ?", p.scope)
         else:
-            await tx.execute(_BUDGET_UPSERT, p.scope, p.usd, p.period, e.envelope.at.isoformat(), e.envelope.actor)
+            at = e.envelope.at.isoformat()
+            await tx.execute(_BUDGET_UPSERT, p.scope, budget.usd, budget.period, at, e.envelope.actor)
 
 
 # -- naming scopes for people: read helpers over this projection and the tenancy one -------------

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from llmgw.events import access as A
+from llmgw.events import key_fold as K
 from llmgw.events import tenancy as T
 from llmgw.events.commands import Rejected
 from llmgw.events.envelope import RecordedEvent
@@ -49,19 +50,8 @@ def new_key_id() -> str:
     return KEY_ID_PREFIX + "".join(secrets.choice(_ALPHABET) for _ in range(KEY_ID_LENGTH))
 
 
-class KeyEntry(msgspec.Struct, kw_only=True):
-    id: str
-    prefix: str
-    secret_sha256: str
-    project_id: str
-    name: str = ""
-    user: str | None = None
-    rpm: int | None = None  # the key's own limits: as created, or as a later `limit.set key:<id>` made them
-    tpm: int | None = None
-    revoked: bool = False
-
-    def label(self) -> str:
-        return f"{self.id} ({self.name})" if self.name else self.id
+# A key as the one fold keeps it (``events/key_fold.py``): the routers and `ctl key list` see the same.
+KeyEntry = K.Key
 
 
 class ResolvedScope(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,10 +74,12 @@ class AccessState:
 
     def __init__(self) -> None:
         self.tree = TenancyTree()
-        self.keys: dict[str, KeyEntry] = {}
-        self.limits: dict[str, A.LimitSet] = {}
-        self.prices: dict[str, A.PriceSet] = {}
-        self.budgets: dict[str, A.BudgetSet] = {}
+        # The keys, limits, prices and budgets are the shared fold's (``events/key_fold.py``).
+        self.book = K.AccessBook()
+        self.keys: dict[str, KeyEntry] = self.book.keys
+        self.limits: dict[str, K.Limit] = self.book.limits
+        self.prices: dict[str, K.Price] = self.book.prices
+        self.budgets: dict[str, K.Budget] = self.book.budgets
         self.subject_seqs: dict[str, int] = {}  # aggregate subject -> its last sequence (the expected one)
 
     # -- fold --------------------------------------------------------------------------------
@@ -97,37 +89,7 @@ class AccessState:
         if aggregate == T.AGGREGATE:
             self.tree.apply(event)
             return
-        p = event.payload
-        match p:
-            case A.KeyCreated():
-                self.keys[p.key_id] = KeyEntry(
-                    id=p.key_id,
-                    prefix=p.prefix,
-                    secret_sha256=p.secret_sha256,
-                    project_id=p.project_id,
-                    name=p.name,
-                    user=p.user,
-                    rpm=p.rpm,
-                    tpm=p.tpm,
-                )
-            case A.KeyRevoked():
-                if p.key_id in self.keys:
-                    self.keys[p.key_id].revoked = True
-            case A.LimitSet():
-                if p.rpm is None and p.tpm is None:
-                    self.limits.pop(p.scope, None)
-                else:
-                    self.limits[p.scope] = p
-                kind, _, key_id = p.scope.partition(":")
-                if kind == "key" and key_id in self.keys:
-                    self.keys[key_id].rpm, self.keys[key_id].tpm = p.rpm, p.tpm
-            case A.PriceSet():
-                self.prices[p.model] = p
-            case A.BudgetSet():
-                if p.usd is None:
-                    self.budgets.pop(p.scope, None)
-                else:
-                    self.budgets[p.scope] = p
+        self.book.apply(event.payload)
         self.subject_seqs[event.subject] = max(self.subject_seqs.get(event.subject, 0), event.seq)
 
     # -- queries -----------------------------------------------------------------------------

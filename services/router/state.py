@@ -12,6 +12,7 @@ from datetime import datetime
 import msgspec
 
 from llmgw.events import access as A
+from llmgw.events import key_fold as K
 from llmgw.events import models as M
 from llmgw.events import replica_fold as F
 from llmgw.events import replicas as R
@@ -54,23 +55,37 @@ class ReplicaInfo(msgspec.Struct, kw_only=True):
     url: str | None = None
 
 
-class Budget(msgspec.Struct, frozen=True, kw_only=True):
-    usd: float
-    period: str
+# A scope's budget and a model's price as the shared fold keeps them.
+Budget = K.Budget
+Price = K.Price
 
 
-class Price(msgspec.Struct, frozen=True, kw_only=True):
-    input_usd_per_m: float
-    output_usd_per_m: float
+def key_info(key: K.Key) -> KeyInfo:
+    """What a router checks of a key, from the shared fold's record of it."""
+    return KeyInfo(
+        key_id=key.id,
+        prefix=key.prefix,
+        secret_sha256=key.secret_sha256,
+        project_id=key.project_id,
+        name=key.name,
+        user=key.user,
+        rpm=key.rpm,
+        tpm=key.tpm,
+        models=frozenset(key.models),
+        expires_at=key.expires_at.timestamp() if isinstance(key.expires_at, datetime) else None,
+    )
 
 
 class RouterState:
     def __init__(self) -> None:
-        self.keys: dict[str, KeyInfo] = {}  # by prefix
+        # Keys, limits, prices and budgets are the shared fold's (events/key_fold.py); the router
+        # indexes the live keys by prefix and the limits as admission reads them.
+        self.access = K.AccessBook()
+        self.keys: dict[str, KeyInfo] = {}  # live keys by prefix
         self.parents: dict[str, tuple[str, str | None]] = {}  # scope id -> (kind, parent id)
         self.limits: dict[str, tuple[int | None, int | None]] = {}  # "project:<id>" -> (rpm, tpm)
-        self.prices: dict[str, Price] = {}
-        self.budgets: dict[str, Budget] = {}
+        self.prices: dict[str, Price] = self.access.prices
+        self.budgets: dict[str, Budget] = self.access.budgets
         self.models: dict[str, ModelInfo] = {}
         self.aliases: dict[str, str] = {}
         self.replicas: dict[str, ReplicaInfo] = {}
@@ -114,34 +129,8 @@ class RouterState:
         self.position = max(self.position, e.seq)
         p = e.payload
         match p:
-            case A.KeyCreated():
-                expires = p.expires_at.timestamp() if isinstance(p.expires_at, datetime) else None
-                self.keys[p.prefix] = KeyInfo(
-                    key_id=p.key_id,
-                    prefix=p.prefix,
-                    secret_sha256=p.secret_sha256,
-                    project_id=p.project_id,
-                    name=p.name,
-                    user=p.user,
-                    rpm=p.rpm,
-                    tpm=p.tpm,
-                    models=frozenset(p.models),
-                    expires_at=expires,
-                )
-                self.limits[f"key:{p.key_id}"] = (p.rpm, p.tpm)
-            case A.KeyRevoked():
-                for prefix, k in list(self.keys.items()):
-                    if k.key_id == p.key_id:
-                        del self.keys[prefix]
-            case A.LimitSet():
-                self.limits[p.scope] = (p.rpm, p.tpm)
-            case A.PriceSet():
-                self.prices[p.model] = Price(input_usd_per_m=p.input_usd_per_m, output_usd_per_m=p.output_usd_per_m)
-            case A.BudgetSet():
-                if p.usd is None:
-                    self.budgets.pop(p.scope, None)
-                else:
-                    self.budgets[p.scope] = Budget(usd=p.usd, period=p.period)
+            case _ if isinstance(p, K.ACCESS_EVENTS):  # the shared fold (events/key_fold.py)
+                self._apply_access(p)
             case T.OrgCreated():
                 self.parents[p.org_id] = ("org", None)
             case T.TeamCreated():
@@ -180,6 +169,22 @@ class RouterState:
                 state = F.transition(r.state, p) if r else None
                 if r is not None and state is not None:
                     self._move(r, state, p)
+
+    def _apply_access(self, p: msgspec.Struct) -> None:
+        self.access.apply(p)
+        key_id = K.key_id_of(p)
+        if key_id is not None and (key := self.access.keys.get(key_id)) is not None:
+            for prefix in [prefix for prefix, k in self.keys.items() if k.key_id == key_id]:
+                del self.keys[prefix]
+            if not key.revoked:
+                self.keys[key.prefix] = key_info(key)
+        scope = f"key:{key_id}" if key_id is not None else getattr(p, "scope", None)
+        if isinstance(p, A.KeyCreated | A.LimitSet) and scope is not None:
+            limit = self.access.limit_of(scope)
+            if limit is None:
+                self.limits.pop(scope, None)
+            else:
+                self.limits[scope] = (limit.rpm, limit.tpm)
 
     def _move(self, r: ReplicaInfo, state: str, p: msgspec.Struct) -> None:
         r.state = state

@@ -16,6 +16,7 @@ import re
 import msgspec
 
 from llmgw.events import access as A
+from llmgw.events import key_fold as K
 from llmgw.events import tenancy as T
 from llmgw.events.commands import Rejected
 from llmgw.events.envelope import RecordedEvent
@@ -40,8 +41,8 @@ class TenancyTree:
     def __init__(self) -> None:
         self.scopes: dict[str, Scope] = {}
         self.last_seq = 0
+        self.keys: dict[str, K.Key] = {}  # by id, as the shared fold (events/key_fold.py) keeps them
         self.live_keys: dict[str, dict[str, str]] = {}  # project id -> {key id: name (or id)}
-        self.key_projects: dict[str, str] = {}  # key id -> project id
         self.keys_seq = 0  # position in the key events folded so far
 
     # -- fold --------------------------------------------------------------------------------
@@ -65,16 +66,17 @@ class TenancyTree:
     def apply_key(self, event: RecordedEvent) -> None:
         """Fold a key event into its project's live keys (other events only move :attr:`keys_seq`)."""
         p = event.payload
-        match p:
-            case A.KeyCreated():
-                self.key_projects[p.key_id] = p.project_id
-                self.live_keys.setdefault(p.project_id, {})[p.key_id] = p.name or p.key_id
-            case A.KeyRevoked():
-                project_id = self.key_projects.get(p.key_id)
-                keys = self.live_keys.get(project_id or "", {})
-                keys.pop(p.key_id, None)
-                if project_id is not None and not keys:
-                    self.live_keys.pop(project_id, None)
+        if isinstance(p, A.KeyCreated | A.KeyRevoked):
+            key = K.fold_key(self.keys.get(p.key_id), p)
+            if key is not None:
+                self.keys[key.id] = key
+                live = self.live_keys.setdefault(key.project_id, {})
+                if key.revoked:
+                    live.pop(key.id, None)
+                else:
+                    live[key.id] = key.name or key.id
+                if not live:
+                    del self.live_keys[key.project_id]
         self.keys_seq = max(self.keys_seq, event.seq)
 
     # -- queries -----------------------------------------------------------------------------
