@@ -31,6 +31,7 @@ from llmgw.events import replica_fold as F
 from llmgw.events import replicas as R
 from llmgw.events import subjects as S
 from llmgw.events.envelope import RecordedEvent, sanitize_actor
+from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.secrets import engine_key, engine_key_secret, mirror_token
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import encode_token, event_subject
@@ -101,8 +102,11 @@ class LogRing:
 
 
 class Agent:
-    def __init__(self, store: EventStore, cfg: AgentConfig, ring: LogRing | None = None) -> None:
+    def __init__(
+        self, store: EventStore, cfg: AgentConfig, ring: LogRing | None = None, folds: FoldRegistry | None = None
+    ) -> None:
         self.store = store
+        self.folds = folds if folds is not None else FoldRegistry()
         self.cfg = cfg
         self.actor = sanitize_actor("node", cfg.node_id)
         self.ring = ring or LogRing()
@@ -145,7 +149,7 @@ class Agent:
         await self.supervisor.adopt(self.key)
         await self.heartbeat()  # register before anything else: the scheduler places on known nodes
         tasks = [
-            asyncio.create_task(self._follow(), name="agent-follow"),
+            asyncio.create_task(self._follow().run(), name="agent-follow"),
             asyncio.create_task(self._heartbeats(), name="agent-heartbeats"),
             asyncio.create_task(self._reconcile_loop(), name="agent-reconcile"),
             asyncio.create_task(self._serve_logs(), name="agent-logs"),
@@ -167,12 +171,17 @@ class Agent:
 
     # -- the log -----------------------------------------------------------------------------
 
-    async def _follow(self) -> None:
-        async for batch in self.store.subscribe(f"{S.EVENTS_ROOT}.{R.AGGREGATE}.>", after=0, follow=True):
-            for e in batch:
-                if isinstance(e, RecordedEvent):
-                    self.apply(e)
-            self._wake.set()
+    def _follow(self) -> LiveFold:
+        """The replica events, folded by the supervised live fold; each batch wakes the reconciler."""
+        return LiveFold(
+            self.store,
+            f"{S.EVENTS_ROOT}.{R.AGGREGATE}.>",
+            self.apply,
+            name="agent",
+            after=0,
+            registry=self.folds,
+            on_batch=self._wake.set,
+        )
 
     def apply(self, e: RecordedEvent) -> None:
         p = e.payload
