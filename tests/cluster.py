@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.support import free_port, nats_server_binary, wait_for_port
+from llmgw.events.natsd import ClusterConfig, NatsConfig, NatsProcess, free_port
 
 
 class ClusterNode:
@@ -27,7 +26,11 @@ class ClusterNode:
         self.cluster_port = free_port()
         self.monitor_port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
+        self.server: NatsProcess | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.server.proc if self.server is not None else None
 
     def jsz(self) -> dict[str, Any] | None:
         """The node's JetStream view (``/jsz``), or None when it does not answer."""
@@ -46,24 +49,21 @@ class NatsCluster:
         self.nodes = [ClusterNode(f"n{i + 1}", base / f"n{i + 1}" / "js") for i in range(size)]
         self.urls = ",".join(n.url for n in self.nodes)
 
-    def _conf(self, node: ClusterNode) -> Path:
-        routes = "\n".join(f"    nats://127.0.0.1:{n.cluster_port}" for n in self.nodes)
-        conf = node.store_dir.parent / "nats.conf"
-        conf.write_text(
-            f"server_name: {node.name}\n"
-            f'listen: "127.0.0.1:{node.port}"\n'
-            f'http: "127.0.0.1:{node.monitor_port}"\n'
-            f'jetstream {{\n  store_dir: "{node.store_dir}"\n  sync_interval: always\n}}\n'
-            f'cluster {{\n  name: llmgw\n  listen: "127.0.0.1:{node.cluster_port}"\n  routes: [\n{routes}\n  ]\n}}\n'
+    def config(self, node: ClusterNode) -> NatsConfig:
+        return NatsConfig(
+            server_name=node.name,
+            port=node.port,
+            monitor_port=node.monitor_port,
+            store_dir=str(node.store_dir),
+            cluster=ClusterConfig(
+                name="llmgw", port=node.cluster_port, routes=tuple(n.cluster_port for n in self.nodes)
+            ),
         )
-        return conf
 
     def start_node(self, node: ClusterNode) -> None:
-        node.store_dir.mkdir(parents=True, exist_ok=True)
-        conf = self._conf(node)
-        log = open(node.store_dir.parent / "nats.log", "ab")
-        node.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=log, stderr=log)
-        wait_for_port(node.port, proc=node.proc)
+        node.server = NatsProcess(
+            self.config(node), node.store_dir.parent / "nats.conf", node.store_dir.parent / "nats.log"
+        ).start(deadline_s=10.0)
 
     def start(self, deadline_s: float = 30.0) -> NatsCluster:
         for node in self.nodes:
@@ -100,30 +100,21 @@ class NatsCluster:
         return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
 
     def kill(self, node: ClusterNode) -> None:
-        assert node.proc is not None
-        node.proc.kill()
-        node.proc.wait()
+        assert node.server is not None
+        node.server.kill()
 
     def pause(self, node: ClusterNode) -> None:
-        assert node.proc is not None
-        node.proc.send_signal(signal.SIGSTOP)
+        assert node.server is not None
+        node.server.pause()
 
     def resume(self, node: ClusterNode) -> None:
-        assert node.proc is not None
-        node.proc.send_signal(signal.SIGCONT)
+        assert node.server is not None
+        node.server.resume()
 
     def stop(self) -> None:
         for node in self.nodes:
-            if node.proc is None or node.proc.poll() is not None:
-                continue
-            with contextlib.suppress(ProcessLookupError):
-                node.proc.send_signal(signal.SIGCONT)
-            node.proc.terminate()
-            try:
-                node.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                node.proc.kill()
-                node.proc.wait()
+            if node.server is not None:
+                node.server.stop(grace_s=10.0)
 
 
 @contextlib.contextmanager

