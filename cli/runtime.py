@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from llmgw.events.catalog import default_registry
 from llmgw.events.commands import CommandError, Rejected
+from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.metrics import StoreMetrics
 from llmgw.events.models import ModelSpec
 from llmgw.events.store import EventStore
@@ -139,7 +140,9 @@ async def serve(
     await store.ensure_streams()
     backend = await open_backend(config.db_dsn)
     runner = ProjectionRunner(store, backend, projections(), registry=registry)
-    handles.update(store=store, backend=backend, runner=runner)
+    # The process's live folds: its /healthz answers 503 naming any that is not live.
+    folds = FoldRegistry(registry)
+    handles.update(store=store, backend=backend, runner=runner, folds=folds)
     tasks: list[asyncio.Task] = []
     sites: list[web.AppRunner] = []
     processors = []
@@ -172,7 +175,7 @@ async def serve(
         if "fleet" in config.services:
             background("fleet-commands", FleetService(store).processor())
         if "scheduler" in config.services:
-            scheduler = SchedulerService(store, config=config.scheduler, registry=registry)
+            scheduler = SchedulerService(store, config=config.scheduler, registry=registry, folds=folds)
             handles["scheduler"] = background("scheduler", scheduler)
         if config.bootstrap_dir is not None:
             await _bootstrap_access(store, Path(config.bootstrap_dir), config.services)
@@ -181,9 +184,10 @@ async def serve(
             handles["accountant"] = background("accountant", accountant)
         # Every process serves health and metrics on its admin port; the API itself runs with "api".
         api = AdminApi(store, backend, runner, registry)
+        api.folds = folds
         sites.append(await _site(api.app(full="api" in config.services), config.host, config.admin_port))
         if "router" in config.services:
-            router = Router(store, config.router, registry=registry)
+            router = Router(store, config.router, registry=registry, folds=folds)
             await router.start()
             routers.append(router)
             handles["router"] = router
@@ -202,6 +206,7 @@ async def serve(
                     peer_of=config.mirror_peer_of,
                     peer_name=config.mirror_peer_name,
                 ),
+                folds=folds,
             )
             mirrors.append(mirror)
             await mirror.start()

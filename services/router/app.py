@@ -31,9 +31,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from llmgw.events import subjects as S
-from llmgw.events.envelope import RecordedEvent
 from llmgw.events.ids import new_id
-from llmgw.events.retry import keep_running
+from llmgw.events.live_fold import FoldRegistry, LiveFold, health_body
 from llmgw.events.secrets import engine_key_secret
 from llmgw.events.store import EventStore
 from llmgw.services.router import admission as adm
@@ -76,6 +75,7 @@ class Router:
         registry: CollectorRegistry | None = None,
         instance: str | None = None,
         clock: Callable[[], float] = time.time,
+        folds: FoldRegistry | None = None,
     ) -> None:
         self.store = store
         self.cfg = cfg or RouterConfig()
@@ -102,7 +102,11 @@ class Router:
         self.gossip = LimitGossip(store.nc, self.limiter, self.instance, self.cfg.gossip_s, clock)
         self._tasks: list[asyncio.Task] = []
         self._demand_sent: dict[str, float] = {}
-        self._caught_up = asyncio.Event()
+        # Everything the router answers from is folded by one supervised live fold: a handler that
+        # raises quarantines its event and the fold goes on (a revocation after it still lands), and a
+        # fold that stops advancing makes /healthz 503.
+        self.fold = LiveFold(store, f"{S.EVENTS_ROOT}.>", self.state, name="router", after=0, registry=folds)
+        self._caught_up = self.fold.caught_up
         self._rng = random.Random()
         self._request_limits = RequestLimits(
             max_messages=self.cfg.max_messages,
@@ -127,8 +131,7 @@ class Router:
             await self.usage.start()  # publishes what an earlier run left in the journal
         except JournalError as exc:
             raise SystemExit(f"error: {exc}") from exc
-        target = await self.store.stream_last_seq()
-        self._tasks.append(asyncio.create_task(self._follow(target), name="router-follow"))
+        self._tasks.append(asyncio.create_task(self.fold.run(), name="router-follow"))
         self._tasks.append(asyncio.create_task(self.gossip.run(), name="router-gossip"))
         await self.gossip.subscribe()
         await asyncio.wait_for(self._caught_up.wait(), 60)
@@ -148,25 +151,6 @@ class Router:
         report = await self.usage.stop()
         await self.upstream.close()
         return report
-
-    async def _follow(self, target: int) -> None:
-        if target == 0:
-            self._caught_up.set()
-
-        async def follow_once() -> None:
-            # From where the fold is: a reader started again never applies an event twice.
-            async for batch in self.store.subscribe(f"{S.EVENTS_ROOT}.>", after=self.state.position, follow=True):
-                for e in batch:
-                    if isinstance(e, RecordedEvent):
-                        self.state.apply(e)
-                    else:
-                        self.state.position = max(self.state.position, e.seq)
-                if self.state.position >= target:
-                    self._caught_up.set()
-
-        # The reader rides out NATS trouble itself; any other failure starts it again, logged, so the
-        # router's view of the fleet never silently stops moving. Cancelled by stop().
-        await keep_running("router log", follow_once, stop=asyncio.Event(), closed=lambda: self.store.nc.is_closed)
 
     # -- the app -----------------------------------------------------------------------------
 
@@ -190,12 +174,15 @@ class Router:
         usage = self.usage.backlog()
         # Refusing billable requests is 503, so a load balancer sends them to a router that can bill;
         # a backlog kept in the journal is not: requests are still billed.
-        ok = self.store.nc.is_connected and self._caught_up.is_set() and usage.refusing is None
+        # A fold not live answers from stale state (a revoked key would keep working): 503, naming it.
+        folds = [self.fold.health()]
+        ok = self.store.nc.is_connected and all(h.live for h in folds) and usage.refusing is None
         body = {
             "status": "ok" if ok else "degraded",
             "nats": "connected" if self.store.nc.is_connected else "disconnected",
             "models": len(self.state.models),
             "usage": msgspec.to_builtins(usage),
+            **health_body(folds),
         }
         return web.json_response(body, status=200 if ok else 503)
 
