@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROOTS = ("events", "projections", "services", "agent", "cli")
+ROOTS = ("events", "projections", "services", "agent", "cli", "bench")
 
 
 def test_a_wheel_built_from_the_tree_carries_every_module(tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ beside the figures.
 from __future__ import annotations
 
 import gc
-import json
 import math
 import platform
 import random
@@ -28,9 +27,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-import click
 import msgspec
 
+from llmgw.bench import BenchError
 from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events import replicas as R
@@ -319,7 +318,7 @@ def bench_scale(n_nodes: int, n_models: int, n_replicas: int, runs: int, echo: C
 
     steady = reconcile(state, clock(), CFG)
     if steady:
-        raise click.ClickException(f"the simulated cluster is not at rest: {len(steady)} decisions, e.g. {steady[0]}")
+        raise BenchError(f"the simulated cluster is not at rest: {len(steady)} decisions, e.g. {steady[0]}")
     echo("  timing reconcile passes at rest")
     timings.append(
         _timing(
@@ -397,50 +396,60 @@ def table(rows: list[Timing]) -> str:
     return "\n".join(lines)
 
 
-@click.command("scheduler")
-@click.option("--nodes", default=1000, show_default=True, help="Nodes in the main simulated cluster.")
-@click.option("--models", default=500, show_default=True, help="Models in it.")
-@click.option("--replicas", default=5000, show_default=True, help="Replicas placed and ready in it.")
-@click.option("--runs", default=50, show_default=True, help="Repetitions per figure (fewer at 5,000 nodes if slow).")
-@click.option(
-    "--scales",
-    default="100,1000,5000",
-    show_default=True,
-    help="Node counts for the growth figures, models and replicas in the main cluster's ratio; empty for none.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
-def scheduler(nodes: int, models: int, replicas: int, runs: int, scales: str, as_json: bool) -> None:
-    """Reconcile pass and placement times over a simulated cluster, in memory (no NATS)."""
-    if min(nodes, models, replicas, runs) < 1:
-        raise click.BadParameter("nodes, models, replicas and runs must be at least 1")
-    sizes = sorted({int(s) for s in scales.split(",") if s.strip()} | {nodes})
+class SchedulerOptions(msgspec.Struct, frozen=True, kw_only=True):
+    nodes: int = 1000
+    models: int = 500
+    replicas: int = 5000
+    runs: int = 50
+    scales: tuple[int, ...] = (100, 1000, 5000)  # node counts for the growth figures
 
-    def progress(line: str) -> None:
-        click.echo(f"[bench] {line}", err=True)
+    def sizes(self) -> list[int]:
+        return sorted(set(self.scales) | {self.nodes})
 
+
+def run_scheduler(opts: SchedulerOptions, echo: Callable[[str], None]) -> dict[int, dict[str, Any]]:
+    """Every figure at every size; per size, the simulated cluster (``sim``) and its ``timings``."""
     results: dict[int, dict[str, Any]] = {}
-    for n in sizes:
-        m = max(1, round(models * n / nodes))
-        r = max(1, round(replicas * n / nodes))
-        results[n] = bench_scale(n, m, r, runs, progress)
-    main = results[nodes]["timings"]
-    machine = {"python": platform.python_version(), "platform": platform.platform(), "cpu": platform.processor()}
-    if as_json:
-        body = {
-            "machine": machine,
-            "options": {"nodes": nodes, "models": models, "replicas": replicas, "runs": runs, "scales": sizes},
-            "clusters": {n: results[n]["sim"] for n in sizes},
-            "figures": {
-                n: [msgspec.to_builtins(t) | {"verdict": t.verdict} for t in results[n]["timings"]] for n in sizes
-            },
-        }
-        click.echo(json.dumps(body, indent=2))
-        return
-    click.echo(f"machine: {machine['platform']}, Python {machine['python']}")
-    click.echo(f"cluster: {nodes:,} nodes, {models:,} models, {results[nodes]['sim']['replicas']:,} replicas ready\n")
-    click.echo(table(main))
+    for n in opts.sizes():
+        m = max(1, round(opts.models * n / opts.nodes))
+        r = max(1, round(opts.replicas * n / opts.nodes))
+        results[n] = bench_scale(n, m, r, opts.runs, echo)
+    return results
+
+
+def machine_info() -> dict[str, str]:
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpu": platform.processor()}
+
+
+def scheduler_json(opts: SchedulerOptions, results: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    sizes = opts.sizes()
+    return {
+        "machine": machine_info(),
+        "options": {
+            "nodes": opts.nodes,
+            "models": opts.models,
+            "replicas": opts.replicas,
+            "runs": opts.runs,
+            "scales": sizes,
+        },
+        "clusters": {n: results[n]["sim"] for n in sizes},
+        "figures": {n: [msgspec.to_builtins(t) | {"verdict": t.verdict} for t in results[n]["timings"]] for n in sizes},
+    }
+
+
+def scheduler_text(opts: SchedulerOptions, results: dict[int, dict[str, Any]]) -> str:
+    sizes = opts.sizes()
+    machine = machine_info()
+    main = results[opts.nodes]["timings"]
+    lines = [
+        f"machine: {machine['platform']}, Python {machine['python']}",
+        f"cluster: {opts.nodes:,} nodes, {opts.models:,} models, "
+        f"{results[opts.nodes]['sim']['replicas']:,} replicas ready\n",
+        table(main),
+    ]
     if len(sizes) > 1:
-        click.echo("\ngrowth (models and replicas in the same ratio to nodes):\n")
+        lines.append("\ngrowth (models and replicas in the same ratio to nodes):\n")
         order = [t.name for t in main]
         rows = [t for n in sizes for t in results[n]["timings"]]
-        click.echo(table(sorted(rows, key=lambda t: (order.index(t.name), t.nodes))))
+        lines.append(table(sorted(rows, key=lambda t: (order.index(t.name), t.nodes))))
+    return "\n".join(lines)
