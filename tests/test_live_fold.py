@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
@@ -25,7 +26,10 @@ from llmgw.events.envelope import RecordedEvent
 from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.services.api.app import AdminApi
+from llmgw.services.router.state import RouterState
+from tests.fleet import Fleet
 from tests.support import NatsServer, wait_until
+from tests.test_gateway import FAST_ROUTER, GATEWAY, make_key, make_tenant, set_event
 
 SUBJECT = f"{S.EVENTS_ROOT}.{A.KEY_AGGREGATE}.>"
 
@@ -205,3 +209,58 @@ async def test_a_fold_whose_nats_server_is_paused_is_stalled_then_live_when_it_r
         await wait_until(lambda: _live_health(url), deadline_s=30, what="/healthz 200 again")
     finally:
         await live.close()
+
+
+async def test_a_poisoned_event_before_a_revocation_leaves_the_key_refused_and_a_stalled_router_answers_503(
+    store: EventStore, nats: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # A bug in the router's handler for one event (simulated: it raises on a key named "poison").
+    apply = RouterState.apply
+
+    def buggy_apply(self: RouterState, e: RecordedEvent) -> None:
+        if isinstance(e.payload, A.KeyCreated) and e.payload.name == "poison":
+            raise KeyError("a handler bug")
+        apply(self, e)
+
+    monkeypatch.setattr(RouterState, "apply", buggy_apply)
+    gw = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=FAST_ROUTER)
+    try:
+        router = gw.handles["router"]
+        router_health = f"http://127.0.0.1:{gw.port}/healthz"
+        process_health = f"http://127.0.0.1:{gw.admin_port}/healthz"
+        tenant = await make_tenant(store)
+        key, key_id = await make_key(store, tenant)
+        poison = A.KeyCreated(
+            key_id="key_poison", prefix="poison", secret_sha256="0" * 64, project_id=tenant.project, name="poison"
+        )
+        await set_event(store, A.KEY_AGGREGATE, "key_poison", poison)
+        await gw.router_caught_up()
+        c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1", api_key=key, max_retries=0)
+        await c.models.list()
+        await set_event(store, A.KEY_AGGREGATE, key_id, A.KeyRevoked(key_id=key_id))
+
+        async def refused() -> bool:
+            try:
+                await c.models.list()
+            except openai.AuthenticationError:
+                return True
+            return False
+
+        await wait_until(refused, what="the revoked key to be refused")
+        assert router.fold.health().quarantined == 1
+        await wait_until(lambda: _live_health(router_health), what="the router's /healthz 200")
+
+        # The router's fold cannot advance (its NATS server paused): both /healthz answers say so.
+        router.fold.stall_s, router.fold.check_s = 1.0, 0.2
+        assert nats.proc is not None
+        os.kill(nats.proc.pid, signal.SIGSTOP)
+        try:
+            _status, body = await wait_until(lambda: _unhealthy(router_health), deadline_s=30, what="router 503")
+            assert body["folds"]["router"]["state"] == "stalled"
+            _status, body = await wait_until(lambda: _unhealthy(process_health), deadline_s=30, what="process 503")
+            assert any(r.startswith("router is stalled") for r in body["unhealthy_folds"])
+        finally:
+            os.kill(nats.proc.pid, signal.SIGCONT)
+        await wait_until(lambda: _live_health(router_health), deadline_s=30, what="the router's /healthz 200 again")
+    finally:
+        await gw.stop()
