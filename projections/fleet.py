@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from llmgw.events import models as M
-from llmgw.events import nodes as N
+from llmgw.events import node_fold as NF
 from llmgw.events import replica_fold as F
 from llmgw.events import scheduler as SCH
 from llmgw.events.envelope import RecordedEvent
@@ -41,7 +41,8 @@ _REPLICA_INSERT = (
 class FleetProjection(Projection):
     name = "fleet"
     # 2: replicas and failure counts folded by events/replica_fold.py; rows folded before are rebuilt from the log
-    version = 2
+    # 3: nodes folded by events/node_fold.py (draining keeps the reason a node was cordoned for)
+    version = 3
     subject = f"{EVENTS_ROOT}.>"
     tables = {
         "nodes": "id TEXT PRIMARY KEY, address TEXT, cpus INTEGER, memory_total_bytes BIGINT, gpus TEXT, "
@@ -60,9 +61,9 @@ class FleetProjection(Projection):
         "node.capacity_changed": "node_registered",
         "node.lost": "node_state",
         "node.returned": "node_state",
-        "node.cordoned": "node_cordon",
-        "node.uncordoned": "node_cordon",
-        "node.drain_requested": "node_cordon",
+        "node.cordoned": "node_state",
+        "node.uncordoned": "node_state",
+        "node.drain_requested": "node_state",
         "model.added": "model_spec",
         "model.changed": "model_spec",
         "model.scaled": "model_edit",
@@ -99,25 +100,31 @@ class FleetProjection(Projection):
         )
 
     async def node_state(self, tx: Tx, e: RecordedEvent) -> None:
-        state = "lost" if isinstance(e.payload, N.NodeLost) else "ready"
-        await tx.execute(
-            "UPDATE {nodes} SET state = ?, updated_at = ? WHERE id = ?",
-            state,
-            e.envelope.at.isoformat(),
-            e.payload.node_id,
-        )
-
-    async def node_cordon(self, tx: Tx, e: RecordedEvent) -> None:
+        """Lost, returned, cordoned, drained: the row moves as the shared fold (``events/node_fold.py``) moves
+        the node, as the scheduler's and the fleet service's do. Rows are only for registered nodes."""
         p = e.payload
-        at = e.envelope.at.isoformat()
-        match p:
-            case N.NodeCordoned():
-                sql, args = "cordoned = 1, cordon_reason = ?", [p.reason]
-            case N.NodeDrainRequested():
-                sql, args = "cordoned = 1, draining = 1, cordon_reason = ?", ["draining"]
-            case _:
-                sql, args = "cordoned = 0, draining = 0, cordon_reason = ?", [""]
-        await tx.execute(f"UPDATE {{nodes}} SET {sql}, updated_at = ? WHERE id = ?", *args, at, p.node_id)
+        row = await tx.fetchone("SELECT state, cordoned, draining, cordon_reason FROM {nodes} WHERE id = ?", p.node_id)
+        if row is None:
+            return
+        state, cordoned, draining, reason = row
+        before = NF.Node(
+            id=p.node_id,
+            registered=True,
+            lost=state == "lost",
+            cordoned=bool(cordoned),
+            draining=bool(draining),
+            cordon_reason=reason or "",
+        )
+        after = NF.fold_node(before, p, e.envelope.at.timestamp())
+        await tx.execute(
+            "UPDATE {nodes} SET state = ?, cordoned = ?, draining = ?, cordon_reason = ?, updated_at = ? WHERE id = ?",
+            after.state,
+            int(after.cordoned),
+            int(after.draining),
+            after.cordon_reason,
+            e.envelope.at.isoformat(),
+            p.node_id,
+        )
 
     async def model_spec(self, tx: Tx, e: RecordedEvent) -> None:
         p = e.payload

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from llmgw.events import node_fold as NF
 from llmgw.events import nodes as N
 from llmgw.events.command_shell import CommandShell, Decision, LogFold
 from llmgw.events.commands import Command, CommandProcessor, Rejected
@@ -17,19 +18,12 @@ from llmgw.events.store import EventStore
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 
 
-def decide(history: list[msgspec.Struct], command: N.FleetCommand) -> tuple[list[msgspec.Struct], str]:
-    """Pure: the node's history (payloads, in order) and a command → payloads and a message."""
+def decide(node_state: NF.Node | None, command: N.FleetCommand) -> tuple[list[msgspec.Struct], str]:
+    """Pure: the node as the shared fold keeps it (None: no event yet) and a command → payloads and a message."""
     node = command.node_id
-    if not any(isinstance(p, N.NodeRegistered) for p in history):
+    if node_state is None or not node_state.registered:
         raise Rejected(f"there is no node {node!r}: `llmgw ctl nodes` lists them", "not_found")
-    cordoned = draining = False
-    for p in history:
-        if isinstance(p, N.NodeCordoned):
-            cordoned = True
-        elif isinstance(p, N.NodeDrainRequested):
-            cordoned = draining = True
-        elif isinstance(p, N.NodeUncordoned):
-            cordoned = draining = False
+    cordoned, draining = node_state.cordoned, node_state.draining
     match command:
         case N.CordonNode():
             if cordoned:
@@ -54,7 +48,7 @@ def decide(history: list[msgspec.Struct], command: N.FleetCommand) -> tuple[list
 class FleetService:
     def __init__(self, store: EventStore) -> None:
         self.store = store
-        self.histories: dict[str, list[msgspec.Struct]] = {}  # node id -> its events' payloads, in order
+        self.nodes: dict[str, NF.Node] = {}  # node id -> the node as the shared fold (events/node_fold.py) keeps it
         self.seqs: dict[str, int] = {}  # node id -> last sequence on its subject
         self.fold = LogFold(store, [f"{EVENTS_ROOT}.{N.AGGREGATE}.>"], self._apply)
         self.shell = CommandShell(
@@ -63,12 +57,13 @@ class FleetService:
 
     def _apply(self, event: RecordedEvent) -> None:
         _, node = aggregate_of(event.subject)
-        self.histories.setdefault(node, []).append(event.payload)
+        if isinstance(event.payload, NF.NODE_EVENTS):
+            self.nodes[node] = NF.fold_node(self.nodes.get(node), event.payload, event.envelope.at.timestamp())
         self.seqs[node] = event.seq
 
     def decide(self, command: Command, payload: N.FleetCommand) -> Decision:
         node = payload.node_id
-        payloads, message = decide(self.histories.get(node, []), payload)
+        payloads, message = decide(self.nodes.get(node), payload)
         return Decision(
             subject=event_subject(N.AGGREGATE, node),
             payloads=payloads,

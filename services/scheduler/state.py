@@ -11,6 +11,7 @@ from datetime import datetime
 import msgspec
 
 from llmgw.events import models as M
+from llmgw.events import node_fold as NF
 from llmgw.events import nodes as N
 from llmgw.events import replica_fold as F
 from llmgw.events import replicas as R
@@ -35,17 +36,44 @@ def capacity_of(hb: N.NodeHeartbeat) -> N.NodeCapacity:
 
 
 class NodeState(msgspec.Struct, kw_only=True):
+    """A node as the shared fold (``events/node_fold.py``) keeps it, plus the heartbeats this process saw."""
+
     id: str
-    capacity: N.NodeCapacity | None = None
-    registered: bool = False
-    lost: bool = False
-    cordoned: bool = False
-    cordon_reason: str = ""
-    draining: bool = False
-    drain_grace_s: float = 300.0
-    drain_requested_at: float | None = None  # event time, seconds since the epoch
+    fact: NF.Node
     last_seen: float | None = None  # monotonic seconds of the last heartbeat this process saw
     heartbeat: N.NodeHeartbeat | None = None
+
+    @property
+    def capacity(self) -> N.NodeCapacity | None:
+        return self.fact.capacity
+
+    @property
+    def registered(self) -> bool:
+        return self.fact.registered
+
+    @property
+    def lost(self) -> bool:
+        return self.fact.lost
+
+    @property
+    def cordoned(self) -> bool:
+        return self.fact.cordoned
+
+    @property
+    def cordon_reason(self) -> str:
+        return self.fact.cordon_reason
+
+    @property
+    def draining(self) -> bool:
+        return self.fact.draining
+
+    @property
+    def drain_grace_s(self) -> float:
+        return self.fact.drain_grace_s
+
+    @property
+    def drain_requested_at(self) -> float | None:
+        return self.fact.drain_requested_at
 
 
 class ModelState(msgspec.Struct, M.ModelStatusView, kw_only=True):
@@ -102,25 +130,9 @@ class ClusterState:
         match p:
             case _ if isinstance(p, M.MODEL_EVENTS):  # the shared lifecycle fold (M.fold_model)
                 self._apply_model(event)
-            case N.NodeRegistered() | N.NodeCapacityChanged():
+            case _ if isinstance(p, NF.NODE_EVENTS):  # the shared node fold (events/node_fold.py)
                 n = self.node(p.node_id)
-                n.capacity, n.registered = p.capacity, True
-            case N.NodeLost():
-                self.node(p.node_id).lost = True
-            case N.NodeReturned():
-                self.node(p.node_id).lost = False
-            case N.NodeCordoned():
-                n = self.node(p.node_id)
-                n.cordoned, n.cordon_reason = True, p.reason
-            case N.NodeUncordoned():
-                n = self.node(p.node_id)
-                n.cordoned, n.draining, n.cordon_reason, n.drain_requested_at = False, False, "", None
-            case N.NodeDrainRequested():
-                n = self.node(p.node_id)
-                n.cordoned, n.draining, n.drain_grace_s = True, True, p.grace_s
-                if n.drain_requested_at is None:  # a second drain of the same node does not restart the clock
-                    n.drain_requested_at = at
-                n.cordon_reason = n.cordon_reason or "draining"
+                n.fact = NF.fold_node(n.fact, p, at)
             case (
                 R.ReplicaPlaced()
                 | R.ReplicaStarting()
@@ -177,7 +189,7 @@ class ClusterState:
     def node(self, node_id: str) -> NodeState:
         n = self.nodes.get(node_id)
         if n is None:
-            n = self.nodes[node_id] = NodeState(id=node_id)
+            n = self.nodes[node_id] = NodeState(id=node_id, fact=NF.Node(id=node_id))
         return n
 
     # -- telemetry ---------------------------------------------------------------------------
