@@ -280,6 +280,7 @@ class LiveFold:
                 if self._head_unknown_since is None:
                     self._head_unknown_since = now
                 self._head_error = _describe(exc) if not isinstance(exc, TimeoutError) else "NATS does not answer"
+                self.health()
                 continue
             self._head_unknown_since = self._head_error = None
             self.head = head
@@ -290,6 +291,7 @@ class LiveFold:
                     self._failure = None  # started again and current: nothing left to fail on
             elif self._behind is None or self._behind[0] != self.position:
                 self._behind = (self.position, now)
+            self.health()  # logs a change of state, for a process nobody asks (the agent)
 
     # -- health ------------------------------------------------------------------------------
 
