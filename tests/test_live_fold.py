@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
@@ -23,7 +24,7 @@ from llmgw.events import access as A
 from llmgw.events import subjects as S
 from llmgw.events.catalog import default_registry
 from llmgw.events.envelope import RecordedEvent
-from llmgw.events.live_fold import FoldRegistry, LiveFold
+from llmgw.events.live_fold import FoldRegistry, LiveFold, Observation, judge
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.services.api.app import AdminApi
 from llmgw.services.router.state import RouterState
@@ -79,6 +80,36 @@ async def healthz(store: EventStore) -> AsyncIterator[tuple[FoldRegistry, str]]:
 async def get_health(url: str) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as s, s.get(url) as r:
         return r.status, await r.json()
+
+
+def test_a_fold_is_live_on_a_quiet_log_and_stalled_only_when_it_has_events_to_read_and_stands_still() -> None:
+    live = Observation(
+        reading=True,
+        caught_up=True,
+        position=10,
+        head=10,
+        behind_since=None,
+        head_unknown_since=None,
+        head_error=None,
+        failure=None,
+    )
+    assert judge(live, now=1000.0, stall_s=30) == ("live", None)  # quiet for ever: still live
+    behind = msgspec.structs.replace(live, head=12, behind_since=990.0)
+    assert judge(behind, now=1000.0, stall_s=30)[0] == "live"  # behind, but not for long yet
+    state, why = judge(behind, now=1020.0, stall_s=30)
+    assert state == "stalled"
+    assert why == "the log has events up to 12 but the fold has stood at 10 for 30 s"
+    blind = msgspec.structs.replace(live, head_unknown_since=950.0, head_error="NATS does not answer")
+    assert judge(blind, now=1000.0, stall_s=30) == (
+        "stalled",
+        "cannot learn the log's head for 50 s: NATS does not answer",
+    )
+    failed = msgspec.structs.replace(live, failure="StoreError: the stream is gone")
+    assert judge(failed, now=1000.0, stall_s=30) == ("failed", "StoreError: the stream is gone")
+    starting = msgspec.structs.replace(live, reading=False, caught_up=False)
+    assert judge(starting, now=1000.0, stall_s=30)[0] == "starting"
+    catching_up = msgspec.structs.replace(live, caught_up=False, position=4)
+    assert judge(catching_up, now=1000.0, stall_s=30) == ("catching_up", "at 4 of 10")
 
 
 async def test_a_fold_whose_consumer_is_deleted_reads_on_with_nothing_skipped_and_nothing_twice(store: EventStore):
