@@ -30,6 +30,7 @@ from llmgw.events import nodes as N
 from llmgw.events import replica_fold as F
 from llmgw.events import replicas as R
 from llmgw.events import subjects as S
+from llmgw.events.agent_rpc import LogsReply, LogsRequest, WeightsReply, WeightsRequest, logs_subject, weights_subject
 from llmgw.events.envelope import RecordedEvent, sanitize_actor
 from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.secrets import engine_key, engine_key_secret, mirror_token
@@ -39,39 +40,6 @@ from llmgw.events.subjects import encode_token, event_subject
 log = structlog.get_logger("llmgw.agent")
 
 VERSION = "0.1.0"
-
-
-def logs_subject(node_id: str) -> str:
-    return f"{S.PREFIX}.rpc.agent.{encode_token(node_id)}.logs"
-
-
-class LogsRequest(msgspec.Struct, frozen=True, kw_only=True):
-    replica: str | None = None
-    lines: int = 100
-
-
-class LogsReply(msgspec.Struct, frozen=True, kw_only=True):
-    lines: list[str] = []
-    error: str = ""
-
-
-def weights_subject(node_id: str) -> str:
-    return f"{S.PREFIX}.rpc.agent.{encode_token(node_id)}.weights"
-
-
-class WeightsRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """``list`` what the cache holds; ``collect`` deletes every file not in ``keep``; ``remove`` deletes
-    the files named in ``remove`` that are not in ``keep``. Files a running engine uses always stay."""
-
-    action: str = "list"  # list | collect | remove
-    keep: list[str] = []  # MODEL/VERSION/FILE refs that models in the catalog use
-    remove: list[str] = []
-
-
-class WeightsReply(msgspec.Struct, frozen=True, kw_only=True):
-    held: list[str] = []  # after the action
-    removed: list[str] = []
-    error: str = ""
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):

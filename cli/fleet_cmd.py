@@ -13,7 +13,13 @@ import msgspec
 import nats.errors
 import yaml
 
-from llmgw.agent.service import (
+from llmgw.cli.client import Session, run
+from llmgw.cli.ctl import ctl
+from llmgw.events import mirror as MI
+from llmgw.events import models as M
+from llmgw.events import nodes as N
+from llmgw.events import scheduler as SCH
+from llmgw.events.agent_rpc import (
     LogsReply,
     LogsRequest,
     WeightsReply,
@@ -21,12 +27,6 @@ from llmgw.agent.service import (
     logs_subject,
     weights_subject,
 )
-from llmgw.cli.client import Session, run
-from llmgw.cli.ctl import ctl
-from llmgw.events import mirror as MI
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import scheduler as SCH
 from llmgw.events.commands import CommandError, CommandRejectedError, Unreachable
 
 
