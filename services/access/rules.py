@@ -29,7 +29,7 @@ from llmgw.events import tenancy as T
 from llmgw.events.commands import Rejected
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.subjects import aggregate_of, event_subject
-from llmgw.services.tenancy.tree import TenancyTree
+from llmgw.events.tenancy_fold import TenancyTree
 
 SCOPE_KINDS = ("org", "team", "project", "key")
 SCOPE_FORMS = "org:acme, team:acme/ml, project:acme/ml/chat or key:<key id or prefix>"

@@ -17,9 +17,9 @@ from llmgw.events import models as M
 from llmgw.events import replica_fold as F
 from llmgw.events import replicas as R
 from llmgw.events import scheduler as SCH
-from llmgw.events import tenancy as T
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.subjects import aggregate_of
+from llmgw.events.tenancy_fold import TREE_EVENTS, TenancyTree
 
 
 class KeyInfo(msgspec.Struct, kw_only=True):
@@ -82,7 +82,7 @@ class RouterState:
         # indexes the live keys by prefix and the limits as admission reads them.
         self.access = K.AccessBook()
         self.keys: dict[str, KeyInfo] = {}  # live keys by prefix
-        self.parents: dict[str, tuple[str, str | None]] = {}  # scope id -> (kind, parent id)
+        self.tree = TenancyTree()  # the shared fold (events/tenancy_fold.py): a key's project, team and org
         self.limits: dict[str, tuple[int | None, int | None]] = {}  # "project:<id>" -> (rpm, tpm)
         self.prices: dict[str, Price] = self.access.prices
         self.budgets: dict[str, Budget] = self.access.budgets
@@ -109,13 +109,7 @@ class RouterState:
 
     def scopes_of(self, key: KeyInfo) -> list[str]:
         """The key's scopes, most specific first: key, project, team, org."""
-        out = [f"key:{key.key_id}", f"project:{key.project_id}"]
-        parent = self.parents.get(key.project_id, ("project", None))[1]
-        while parent is not None:
-            kind, up = self.parents.get(parent, ("?", None))
-            out.append(f"{kind}:{parent}")
-            parent = up
-        return out
+        return [f"key:{key.key_id}", f"project:{key.project_id}", *self.tree.scopes_above(key.project_id)]
 
     def ready_event(self, model: str) -> asyncio.Event:
         ev = self._ready_signal.get(model)
@@ -131,12 +125,8 @@ class RouterState:
         match p:
             case _ if isinstance(p, K.ACCESS_EVENTS):  # the shared fold (events/key_fold.py)
                 self._apply_access(p)
-            case T.OrgCreated():
-                self.parents[p.org_id] = ("org", None)
-            case T.TeamCreated():
-                self.parents[p.team_id] = ("team", p.org_id)
-            case T.ProjectCreated():
-                self.parents[p.project_id] = ("project", p.team_id)
+            case _ if isinstance(p, TREE_EVENTS):  # the shared tenancy fold (events/tenancy_fold.py)
+                self.tree.apply(e)
             case _ if isinstance(p, M.MODEL_EVENTS):  # the shared lifecycle fold (M.fold_model)
                 name = aggregate_of(e.subject)[1]
                 old = self.models.get(name)

@@ -4,9 +4,8 @@ Organisations hold teams; teams hold projects. A scope is named by its path (``a
 ``acme/ml``, ``acme/ml/chat``) or its id; renames keep ids, so keys and quotas that name a
 scope by id survive a rename.
 
-The tree also folds ``key.created`` and ``key.revoked`` (:meth:`TenancyTree.apply_key`) into each
-project's live keys, so a project that still holds keys is not deleted. Key events live on their
-own subjects and never move :attr:`TenancyTree.last_seq`, the tree's expected sequence.
+The tree itself — its fold and the queries over it — is ``events/tenancy_fold.py``, shared with
+the access service and the routers; this module holds the tenancy service's rules over it.
 """
 
 from __future__ import annotations
@@ -15,97 +14,15 @@ import re
 
 import msgspec
 
-from llmgw.events import access as A
-from llmgw.events import key_fold as K
 from llmgw.events import tenancy as T
 from llmgw.events.commands import Rejected
-from llmgw.events.envelope import RecordedEvent
 from llmgw.events.ids import new_id
+from llmgw.events.tenancy_fold import Scope, TenancyTree
 
 MAX_NAME = 63
 _NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 RESERVED = frozenset({"all", "none", "system", "llmgw", "unknown"})
 DEPTH = {"org": 1, "team": 2, "project": 3}
-
-
-class Scope(msgspec.Struct, kw_only=True):
-    id: str
-    kind: str
-    name: str
-    parent_id: str | None = None
-
-
-class TenancyTree:
-    """Mutable, but changed only by :meth:`apply`, so the same events always give the same tree."""
-
-    def __init__(self) -> None:
-        self.scopes: dict[str, Scope] = {}
-        self.last_seq = 0
-        self.keys: dict[str, K.Key] = {}  # by id, as the shared fold (events/key_fold.py) keeps them
-        self.live_keys: dict[str, dict[str, str]] = {}  # project id -> {key id: name (or id)}
-        self.keys_seq = 0  # position in the key events folded so far
-
-    # -- fold --------------------------------------------------------------------------------
-
-    def apply(self, event: RecordedEvent) -> None:
-        p = event.payload
-        match p:
-            case T.OrgCreated():
-                self.scopes[p.org_id] = Scope(id=p.org_id, kind="org", name=p.name)
-            case T.TeamCreated():
-                self.scopes[p.team_id] = Scope(id=p.team_id, kind="team", name=p.name, parent_id=p.org_id)
-            case T.ProjectCreated():
-                self.scopes[p.project_id] = Scope(id=p.project_id, kind="project", name=p.name, parent_id=p.team_id)
-            case T.OrgRenamed(org_id=sid) | T.TeamRenamed(team_id=sid) | T.ProjectRenamed(project_id=sid):
-                if sid in self.scopes:
-                    self.scopes[sid].name = p.name
-            case T.OrgDeleted(org_id=sid) | T.TeamDeleted(team_id=sid) | T.ProjectDeleted(project_id=sid):
-                self.scopes.pop(sid, None)
-        self.last_seq = max(self.last_seq, event.seq)
-
-    def apply_key(self, event: RecordedEvent) -> None:
-        """Fold a key event into its project's live keys (other events only move :attr:`keys_seq`)."""
-        p = event.payload
-        if isinstance(p, A.KeyCreated | A.KeyRevoked):
-            key = K.fold_key(self.keys.get(p.key_id), p)
-            if key is not None:
-                self.keys[key.id] = key
-                live = self.live_keys.setdefault(key.project_id, {})
-                if key.revoked:
-                    live.pop(key.id, None)
-                else:
-                    live[key.id] = key.name or key.id
-                if not live:
-                    del self.live_keys[key.project_id]
-        self.keys_seq = max(self.keys_seq, event.seq)
-
-    # -- queries -----------------------------------------------------------------------------
-
-    def children(self, scope_id: str | None) -> list[Scope]:
-        return sorted((s for s in self.scopes.values() if s.parent_id == scope_id), key=lambda s: s.name)
-
-    def path(self, scope: Scope) -> str:
-        parts = [scope.name]
-        parent = scope.parent_id
-        while parent is not None:
-            ps = self.scopes[parent]
-            parts.append(ps.name)
-            parent = ps.parent_id
-        return "/".join(reversed(parts))
-
-    def find(self, kind: str, path: str) -> Scope | None:
-        """The scope of ``kind`` at ``path``, or by id."""
-        by_id = self.scopes.get(path)
-        if by_id is not None and by_id.kind == kind:
-            return by_id
-        parent: str | None = None
-        found: Scope | None = None
-        for name in path.split("/"):
-            found = next((s for s in self.children(parent) if s.name == name), None)
-            if found is None:
-                return None
-            parent = found.id
-        return found if found is not None and found.kind == kind else None
 
 
 # -- decisions: pure functions of (tree, command) → payloads, or a refusal ----------------------
