@@ -30,7 +30,8 @@ from llmgw.services.router.app import Router, RouterConfig
 from llmgw.services.router.budgets import BUCKET, Entry
 from llmgw.services.router.limits import Level, Limiter, Window
 from llmgw.services.router.routing import Affinity, order, prefix_key
-from llmgw.services.router.state import KeyInfo, ModelInfo, ReplicaInfo
+from llmgw.services.router.state import KeyInfo, ModelInfo, Price, ReplicaInfo
+from llmgw.services.router.usage_record import Call, call_cost, usage_record
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import free_port, wait_until
 
@@ -441,3 +442,22 @@ def test_an_expired_key_is_refused_by_the_clock_it_is_given() -> None:
     assert isinstance(adm.authenticate(f"Bearer {SECRET}", {PREFIX: key}, 499.0), KeyInfo)
     refused = adm.authenticate(f"Bearer {SECRET}", {PREFIX: key}, 500.0)
     assert isinstance(refused, adm.Refusal) and refused.code == "expired_api_key"
+
+
+@pytest.mark.parametrize(
+    ("status", "billed_in", "charged"),
+    [
+        (200, 1000, 1000 * 1.0 + 10 * 2.0),  # answered: prompt and output
+        (499, 1000, 1000 * 1.0 + 10 * 2.0),  # the client left: what the engine did
+        (502, 0, 10 * 2.0),  # the engine failed: only what reached the client, no estimated prompt
+        (504, 0, 10 * 2.0),
+        (429, 0, 0.0),  # refused before any engine: nothing
+    ],
+)
+def test_a_call_is_charged_for_the_tokens_its_record_shows(status: int, billed_in: int, charged: float) -> None:
+    call = Call(request_id="r", started=0.0, at=datetime(2026, 12, 1, tzinfo=UTC), endpoint="chat")
+    call.model, call.status, call.tokens_in, call.tokens_out = _model("m"), status, 1000, 10
+    record = usage_record(call, [], 0.1, "router-1")
+    price = Price(input_usd_per_m=1e6, output_usd_per_m=2e6)  # a dollar a prompt token, two an output one
+    assert record.tokens_in == billed_in
+    assert call_cost(call, price) == pytest.approx(charged)

@@ -40,11 +40,18 @@ class Call(msgspec.Struct, kw_only=True):
     billed: bool = True  # False: refused before admission because usage could not be kept
 
 
+def billed_prompt_tokens(call: Call) -> int:
+    """The prompt tokens a call is billed for and its record shows: those of an answered call (or one
+    the client left), none for an engine failure or timeout, whose count is only the router's upper
+    bound from the body's size."""
+    return call.tokens_in if call.status in (200, 499) else 0
+
+
 def call_cost(call: Call, price: Price | None) -> float:
-    """What the call cost: its tokens at the model's price, when the engine worked on it."""
+    """What the call cost: the tokens its record shows at the model's price, when the engine worked on it."""
     if price is None or call.model is None or call.status not in CHARGED:
         return 0.0
-    return cost(call.tokens_in, call.tokens_out, price.input_usd_per_m, price.output_usd_per_m)
+    return cost(billed_prompt_tokens(call), call.tokens_out, price.input_usd_per_m, price.output_usd_per_m)
 
 
 def usage_record(call: Call, scopes: list[str], total_s: float, router: str) -> UsageRecord:
@@ -67,7 +74,7 @@ def usage_record(call: Call, scopes: list[str], total_s: float, router: str) -> 
         node_id=call.replica.node_id if call.replica else None,
         endpoint=call.endpoint,
         stream=call.stream,
-        tokens_in=call.tokens_in if call.status in (200, 499) else 0,
+        tokens_in=billed_prompt_tokens(call),
         tokens_out=call.tokens_out,
         queue_s=round(call.queue_s, 6),
         ttft_s=round(call.ttft_s, 6) if call.ttft_s is not None else None,
