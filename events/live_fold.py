@@ -192,10 +192,6 @@ class LiveFold:
         """Follow the log until stopped, the follow loop restarted after any failure, watched."""
         watchdog = asyncio.create_task(self._watch(), name=f"fold-{self.name}-watchdog")
         try:
-            self._target_head = await retrying(f"the {self.name} fold's start", self._head, stop=self._stop)
-            self.head = self._target_head
-            if self.position >= self._target_head:
-                self.caught_up.set()
             await keep_running(
                 f"{self.name} fold", self._follow_once, stop=self._stop, closed=lambda: self.store.nc.is_closed
             )
@@ -209,6 +205,12 @@ class LiveFold:
     async def _follow_once(self) -> None:
         self._attempt_at = self.clock()
         try:
+            if self._target_head is None:
+                # What the log holds now: caught up once the fold has read that far.
+                self._target_head = await retrying(f"the {self.name} fold's start", self._head, stop=self._stop)
+                self.head = self._target_head
+                if self.position >= self._target_head:
+                    self.caught_up.set()
             # From where the fold is: a loop started again never applies an event twice.
             async for batch in self.store.subscribe(self.subject, after=self.position, follow=True):
                 self._reading = True
