@@ -161,11 +161,12 @@ class RouterState:
                     self._move(r, state, p)
 
     def _apply_access(self, p: msgspec.Struct) -> None:
-        self.access.apply(p)
         key_id = K.key_id_of(p)
+        before = self.access.keys.get(key_id) if key_id is not None else None
+        self.access.apply(p)
         if key_id is not None and (key := self.access.keys.get(key_id)) is not None:
-            for prefix in [prefix for prefix, k in self.keys.items() if k.key_id == key_id]:
-                del self.keys[prefix]
+            if before is not None and (held := self.keys.get(before.prefix)) is not None and held.key_id == key_id:
+                del self.keys[before.prefix]
             if not key.revoked:
                 self.keys[key.prefix] = key_info(key)
         scope = f"key:{key_id}" if key_id is not None else getattr(p, "scope", None)
