@@ -48,6 +48,7 @@ class NatsConfig(msgspec.Struct, frozen=True, kw_only=True):
     monitor_port: int | None = None  # the HTTP monitoring endpoint (/jsz, /varz)
     cluster: ClusterConfig | None = None
     header: str | None = None  # a comment line at the top of the file
+    ports_file_dir: str | None = None  # the server writes <binary>_<pid>.ports here once it listens
 
 
 def render_config(config: NatsConfig) -> str:
@@ -60,6 +61,8 @@ def render_config(config: NatsConfig) -> str:
     lines.append(f'listen: "{config.host}:{config.port}"')
     if config.monitor_port is not None:
         lines.append(f'http: "{config.host}:{config.monitor_port}"')
+    if config.ports_file_dir:
+        lines.append(f'ports_file_dir: "{config.ports_file_dir}"')
     if config.max_payload:
         lines.append(f"max_payload: {config.max_payload}")
     lines.append("jetstream {")
@@ -112,6 +115,15 @@ def log_tail(path: Path, lines: int = 3) -> list[str]:
     return [line for line in text.splitlines() if line.strip()][-lines:]
 
 
+def listening(ports_file: Path, port: int) -> bool:
+    """Whether the server that wrote ``ports_file`` says it listens for clients on ``port``."""
+    try:
+        ports = msgspec.json.decode(ports_file.read_bytes(), type=dict[str, list[str]])
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return False  # not written yet, or caught half-written
+    return any(url.rsplit(":", 1)[-1] == str(port) for url in ports.get("nats", []))
+
+
 class NatsProcess:
     """One nats-server child process: its configuration file, its log, start, stop, signals."""
 
@@ -138,10 +150,14 @@ class NatsProcess:
         ``popen``: extra ``subprocess.Popen`` arguments (`up` hands the store lock to the child)."""
         Path(self.config.store_dir).mkdir(parents=True, exist_ok=True)
         self.conf_path.parent.mkdir(parents=True, exist_ok=True)
-        self.conf_path.write_text(render_config(self.config))
+        # Readiness is the server's own word, its ports file, not a connection to the port: another
+        # process listening there (a race for a free port) would otherwise pass for this server.
+        ports_dir = self.conf_path.parent
+        self.conf_path.write_text(render_config(msgspec.structs.replace(self.config, ports_file_dir=str(ports_dir))))
+        binary = nats_server_binary()
         with open(self.log_path, "ab") as logfile:
             self.proc = subprocess.Popen(
-                [nats_server_binary(), "-c", str(self.conf_path)],
+                [binary, "-c", str(self.conf_path)],
                 stdout=logfile,
                 stderr=logfile,
                 stdin=subprocess.DEVNULL,
@@ -156,7 +172,7 @@ class NatsProcess:
                 raise NatsStartError(
                     f"nats-server exited with {self.proc.returncode} at start ({last}); see {self.log_path}"
                 )
-            with contextlib.suppress(OSError), socket.create_connection((self.config.host, self.port), timeout=0.2):
+            if listening(ports_dir / f"{Path(binary).name}_{self.proc.pid}.ports", self.port):
                 return self
             time.sleep(0.05)
         self.stop()

@@ -25,14 +25,22 @@ def test_a_server_flushes_before_acknowledging_unless_told_otherwise() -> None:
 def test_optional_settings_appear_only_when_asked_for() -> None:
     bare = render_config(NatsConfig(port=4222, store_dir="/js"))
     full = render_config(
-        NatsConfig(port=4222, store_dir="/js", max_file_store="1G", monitor_port=8222, max_payload="8MB")
+        NatsConfig(
+            port=4222,
+            store_dir="/js",
+            max_file_store="1G",
+            monitor_port=8222,
+            max_payload="8MB",
+            ports_file_dir="/run/nats",
+        )
     )
 
-    for setting in ("max_file_store", "http:", "max_payload", "cluster", "server_name"):
+    for setting in ("max_file_store", "http:", "max_payload", "cluster", "server_name", "ports_file_dir"):
         assert setting not in bare
     assert "max_file_store: 1G" in full
     assert 'http: "127.0.0.1:8222"' in full
     assert "max_payload: 8MB" in full
+    assert 'ports_file_dir: "/run/nats"' in full
 
 
 def test_a_cluster_member_routes_to_every_member_on_its_own_host() -> None:
@@ -92,3 +100,22 @@ def test_a_server_that_cannot_start_fails_with_its_own_last_words(tmp_path: Path
     ):
         server.start()
     assert not server.alive()
+
+
+def test_a_server_whose_port_another_server_holds_is_not_mistaken_for_that_one(tmp_path: Path) -> None:
+    port = free_port()
+    first = NatsProcess(
+        NatsConfig(port=port, store_dir=str(tmp_path / "a" / "js")), tmp_path / "a" / "nats.conf", tmp_path / "a.log"
+    )
+    first.start()
+    try:
+        second = NatsProcess(
+            NatsConfig(port=port, store_dir=str(tmp_path / "b" / "js")),
+            tmp_path / "b" / "nats.conf",
+            tmp_path / "b.log",
+        )
+        with pytest.raises(NatsStartError, match=r"exited with 1 at start .*address already in use"):
+            second.start()
+        assert first.alive(), "the server already there is left alone"
+    finally:
+        first.stop()
