@@ -9,6 +9,7 @@ user of that process would notice: every event applied once and in order afterwa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -63,18 +64,25 @@ async def revoke(store: EventStore, *keys: str, reason: str = "") -> list[int]:
     return seqs
 
 
-@pytest.fixture
-async def healthz(store: EventStore) -> AsyncIterator[tuple[FoldRegistry, str]]:
-    """A process's admin ``/healthz`` over a fold registry: (the registry, the URL)."""
-    folds = FoldRegistry()
+@contextlib.asynccontextmanager
+async def health_server(store: EventStore, folds: FoldRegistry) -> AsyncIterator[str]:
+    """A process's admin ``/healthz`` over a fold registry; yields its URL."""
     api = AdminApi(store, None, None, folds.metrics)  # type: ignore[arg-type]  # /healthz reads neither
     api.folds = folds
     server = TestServer(api.app(full=False))
     await server.start_server()
     try:
-        yield folds, str(server.make_url("/healthz"))
+        yield str(server.make_url("/healthz"))
     finally:
         await server.close()
+
+
+@pytest.fixture
+async def healthz(store: EventStore) -> AsyncIterator[tuple[FoldRegistry, str]]:
+    """A process's admin ``/healthz`` over a fold registry: (the registry, the URL)."""
+    folds = FoldRegistry()
+    async with health_server(store, folds) as url:
+        yield folds, url
 
 
 async def get_health(url: str) -> tuple[int, dict]:
@@ -295,3 +303,28 @@ async def test_a_poisoned_event_before_a_revocation_leaves_the_key_refused_and_a
         await wait_until(lambda: _live_health(router_health), deadline_s=30, what="the router's /healthz 200 again")
     finally:
         await gw.stop()
+
+
+async def test_a_fold_started_before_its_stream_exists_is_stalled_then_reads_once_the_stream_is_made(nats: NatsServer):
+    store = await EventStore.connect(nats.url, default_registry())  # nobody has made the streams yet
+    folds = FoldRegistry()
+    fold = Revocations()
+    live = LiveFold(store, SUBJECT, fold, name="keys", registry=folds, stall_s=1.0).start()
+    try:
+        async with health_server(store, folds) as url:
+            # 503 at once (starting), then stalled: the fold cannot learn what the log holds.
+            status, body = await wait_until(lambda: _in_state(url, "stalled"), deadline_s=30, what="a stalled fold")
+            assert status == 503
+            assert body["unhealthy_folds"][0].startswith("keys is stalled: cannot learn the log's head")
+            await store.ensure_streams()
+            seqs = await revoke(store, "k1")
+            await wait_until(lambda: fold.seqs == seqs, deadline_s=30, what="the revocation folded")
+            await wait_until(lambda: _live_health(url), deadline_s=30, what="/healthz 200")
+    finally:
+        await live.close()
+        await store.close()
+
+
+async def _in_state(url: str, state: str) -> tuple[int, dict] | None:
+    status, body = await get_health(url)
+    return (status, body) if body["folds"]["keys"]["state"] == state else None
