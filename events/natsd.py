@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -220,13 +220,3 @@ class NatsProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
-
-
-@contextlib.contextmanager
-def launched(config: NatsConfig, conf_path: Path, log_path: Path, deadline_s: float = 20.0) -> Iterator[NatsProcess]:
-    """A started server for the length of a ``with`` block, stopped after it."""
-    server = NatsProcess(config, conf_path, log_path)
-    try:
-        yield server.start(deadline_s)
-    finally:
-        server.stop()
