@@ -1,4 +1,4 @@
-"""GGUF headers, memory sizing and GGUF set picking (SPEC MIR-3): llmgw.agent.weights.
+"""GGUF headers, memory sizing and GGUF set picking (SPEC MIR-3): llmgw.modelfiles.
 
 Files are written by gguf-py's GGUFWriter (llama.cpp's own writer), so what is read back is what
 llama.cpp would load; a few are written byte by byte where the writer cannot (empty arrays, wrong
@@ -27,20 +27,19 @@ from aiohttp.test_utils import TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.agent.weights.gguf_header import (
+from llmgw.modelfiles.gguf_header import (
     FILE_TYPES,
     GGML_TYPES,
     ArrayInfo,
     GGUFError,
     GGUFHeader,
-    HttpRangeSource,
     read_header_async,
     read_header_bytes,
     read_header_file,
-    read_header_url,
     tensor_nbytes,
 )
-from llmgw.agent.weights.picking import (
+from llmgw.modelfiles.http import HttpRangeSource, read_header_url
+from llmgw.modelfiles.picking import (
     PickError,
     RepoFile,
     gguf_sets,
@@ -48,7 +47,7 @@ from llmgw.agent.weights.picking import (
     quant_of,
     validate_repo_id,
 )
-from llmgw.agent.weights.sizing import GiB, estimate_memory, kv_bytes_per_token
+from llmgw.modelfiles.sizing import GiB, estimate_memory, kv_bytes_per_token
 from tests.gguf_tiny import corrupt_gguf, write_tiny_gguf
 
 T = gguf.GGUFValueType

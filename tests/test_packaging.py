@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROOTS = ("events", "projections", "services", "agent", "cli", "bench")
+ROOTS = ("events", "projections", "services", "agent", "cli", "bench", "modelfiles")
 PIP = [sys.executable, "-m", "pip"]
 
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import msgspec
 
-from llmgw.agent.weights.picking import PickError, RepoFile, pick_gguf, validate_repo_id
-from llmgw.agent.weights.sizing import Estimate
 from llmgw.events import jobs as J
 from llmgw.events import models as M
 from llmgw.events.commands import Rejected
+from llmgw.modelfiles.picking import PickError, RepoFile, pick_gguf, validate_repo_id
+from llmgw.modelfiles.sizing import Estimate
 
 STEPS = ("validate", "pick", "fetch", "inspect", "size", "add", "wait_ready", "smoke")
 

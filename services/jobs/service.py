@@ -22,9 +22,6 @@ import aiohttp
 import msgspec
 import structlog
 
-from llmgw.agent.weights.gguf_header import GGUFHeader, read_header_file, read_header_url
-from llmgw.agent.weights.picking import RepoFile, validate_repo_id
-from llmgw.agent.weights.sizing import estimate_memory
 from llmgw.events import jobs as J
 from llmgw.events import mirror as MI
 from llmgw.events import models as M
@@ -44,6 +41,10 @@ from llmgw.events.retry import backoff_delay, is_transient
 from llmgw.events.secrets import engine_key, engine_key_secret, mirror_token
 from llmgw.events.store import AppendConflict, AppendResult, EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
+from llmgw.modelfiles.gguf_header import GGUFHeader, read_header_file
+from llmgw.modelfiles.http import read_header_url
+from llmgw.modelfiles.picking import RepoFile, validate_repo_id
+from llmgw.modelfiles.sizing import estimate_memory
 from llmgw.services.jobs import rules
 from llmgw.services.jobs.rules import StepFailed, StepResult
 from llmgw.services.jobs.state import JobState

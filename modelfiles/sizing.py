@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-from llmgw.agent.weights.gguf_header import GGUFHeader
+from llmgw.modelfiles.gguf_header import GGUFHeader
 
 GiB = 1024**3
 F16_BYTES = 2  # llama.cpp's default KV cache type (--cache-type-k/-v f16)

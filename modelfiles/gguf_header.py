@@ -1,9 +1,10 @@
 """Our own reader of a GGUF file's header (SPEC MIR-3): the metadata and tensor infos, never the weights.
 
 The header says what the model is (``general.architecture``) and its shape (layers, heads, KV heads,
-embedding width, key/value lengths), which is what sizing needs (:mod:`llmgw.agent.weights.sizing`).
+embedding width, key/value lengths), which is what sizing needs (:mod:`llmgw.modelfiles.sizing`).
 It is read from any "bytes at offset" source: a local file, bytes already in memory, or a remote
-file over HTTP ``Range`` requests in growing chunks, so a 40 GB file costs a few MB of transfer.
+file over HTTP ``Range`` requests in growing chunks (:mod:`llmgw.modelfiles.http`, the adapter at
+the edge), so a 40 GB file costs a few MB of transfer. This module does no network I/O.
 
 The parser is sans-IO: a generator that asks for byte ranges and is sent what the source returned,
 so one parser serves both the blocking and the async drivers. Tokenizer arrays (hundreds of
@@ -22,12 +23,10 @@ then each tensor info (name, u32 dims count, u64 dims, u32 ggml type, u64 offset
 from __future__ import annotations
 
 import os
-import re
 import struct
 from collections.abc import Collection, Generator, Mapping
 from typing import Any, Protocol
 
-import aiohttp
 import msgspec
 
 MAGIC = b"GGUF"
@@ -638,55 +637,6 @@ class FileSource:
         self.close()
 
 
-_CONTENT_RANGE = re.compile(r"bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)")
-
-
-class HttpRangeSource:
-    """A remote file read with HTTP ``Range`` requests, never the whole body. Counts what it fetched
-    (``bytes_fetched``, ``requests``) and learns the file's ``size`` from ``Content-Range``."""
-
-    def __init__(self, session: aiohttp.ClientSession, url: str, *, headers: Mapping[str, str] | None = None) -> None:
-        self._session = session
-        self.url = url
-        self._headers = dict(headers or {})
-        self.bytes_fetched = 0
-        self.requests = 0
-        self.size: int | None = None
-
-    async def read_at(self, offset: int, size: int) -> bytes:
-        if size <= 0 or (self.size is not None and offset >= self.size):
-            return b""
-        span = f"bytes={offset}-{offset + size - 1}"
-        # identity: byte offsets must be of the file itself, not of a compressed transfer.
-        headers = {**self._headers, "Range": span, "Accept-Encoding": "identity"}
-        async with self._session.get(self.url, headers=headers) as resp:
-            self.requests += 1
-            m = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
-            if m and m.group(3) != "*":
-                self.size = int(m.group(3))
-            if resp.status == 416:  # the range starts past the end
-                return b""
-            if resp.status == 200:
-                raise GGUFError(
-                    f"{self.url} does not honour Range requests (HTTP 200 for {span}); "
-                    "the header is not read by downloading the whole file"
-                )
-            if resp.status != 206:
-                raise GGUFError(f"GET {self.url} ({span}): HTTP {resp.status} {resp.reason or ''}".rstrip())
-            if not m or m.group(1) is None or int(m.group(1)) != offset:
-                raise GGUFError(f"{self.url} answered {span} with Content-Range {resp.headers.get('Content-Range')!r}")
-            parts: list[bytes] = []
-            got = 0
-            while got < size:  # a server sending more than asked is cut off at what was asked
-                part = await resp.content.read(size - got)
-                if not part:
-                    break
-                parts.append(part)
-                got += len(part)
-            self.bytes_fetched += got
-            return b"".join(parts)
-
-
 class _Chunks:
     """How much to read per ask: at least what the parser needs, else a chunk that doubles each
     time (few round trips for a big tokenizer, little waste for a small header), never past ``limit``."""
@@ -762,7 +712,7 @@ async def read_header_async(
     first_chunk: int = 1 << 20,
     max_chunk: int = 64 << 20,
 ) -> GGUFHeader:
-    """:func:`read_header` for an async source, e.g. :class:`HttpRangeSource`."""
+    """:func:`read_header` for an async source, e.g. :class:`llmgw.modelfiles.http.HttpRangeSource`."""
     opts = _options(tensors, keep_tensors, array_limit, want)
     chunks = _Chunks(first_chunk, max_chunk, limit)
     st = _Partial()
@@ -785,10 +735,3 @@ def read_header_file(path: str | os.PathLike[str], **options: Any) -> GGUFHeader
 def read_header_bytes(data: bytes, **options: Any) -> GGUFHeader:
     """The header in ``data`` (a whole file or a prefix of one); ``options`` as for :func:`read_header`."""
     return read_header(BytesSource(data), **options)
-
-
-async def read_header_url(
-    session: aiohttp.ClientSession, url: str, *, headers: Mapping[str, str] | None = None, **options: Any
-) -> GGUFHeader:
-    """The header of a remote file over HTTP ``Range`` requests; ``options`` as for :func:`read_header_async`."""
-    return await read_header_async(HttpRangeSource(session, url, headers=headers), **options)
