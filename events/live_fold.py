@@ -168,6 +168,15 @@ class LiveFold:
             self._task = asyncio.create_task(self.run(), name=f"fold-{self.name}")
         return self
 
+    def start_at(self, position: int, fold: Folding | Apply | None = None) -> None:
+        """Before the fold runs: start after ``position`` (a snapshot's), folding into ``fold`` if given."""
+        if self._task is not None or self._reading:
+            raise RuntimeError(f"the {self.name} fold is already reading: it cannot start elsewhere")
+        if fold is not None:
+            self._target = fold if hasattr(fold, "apply") else None
+            self._apply = fold.apply if hasattr(fold, "apply") else fold  # type: ignore[union-attr,assignment]
+        self.position = position
+
     async def wait_caught_up(self, timeout: float | None = None) -> bool:
         """Whether the fold caught up with the log as it was at its start within ``timeout`` seconds."""
         try:

@@ -1,0 +1,229 @@
+"""Snapshots: a service's folded state saved with its log position, so a start folds only the tail.
+
+Without them every in-memory reader (a router, the scheduler) starts from sequence 0 and a start
+costs the whole history. With them a start is: the newest snapshot, decoded, then the events after
+its position, read by the service's :class:`~llmgw.events.live_fold.LiveFold`.
+
+A snapshot is one object in the ``llmgw_snapshots`` JetStream object store (an object store, not a
+key-value bucket: a router's state at 100,000 keys is several MB, more than a message may carry),
+named after what it holds (``router``, ``scheduler``). Its bytes are a msgpack :class:`Snapshot`:
+the service's schema version, the position, and the state as the service encoded it.
+
+A snapshot is only ever a shortcut: one written by another schema version, or one whose bytes do
+not decode, is ignored (and logged) and the fold starts from 0 — the log is the truth, and a wrong
+snapshot would answer from wrong state. Deleting the store (``nats object rm``) is always safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import msgspec
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import ObjectStoreConfig, StorageType
+from nats.js.object_store import ObjectStore
+
+from llmgw.events.buckets import open_object_store
+
+log = structlog.get_logger("llmgw.events.snapshots")
+
+BUCKET = "llmgw_snapshots"
+EVERY_EVENTS = 10_000  # a service saves its state after this many events folded since the last save…
+EVERY_S = 300.0  # …or this many seconds, whichever first (and only when it has moved on)
+
+T = TypeVar("T")
+
+
+class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """One saved state: what :meth:`SnapshotStore.save` writes."""
+
+    name: str
+    schema_version: int
+    position: int  # the last log sequence folded into ``state``
+    taken_at: float  # wall-clock seconds
+    state: msgspec.Raw  # the service's own encoding (msgpack), decoded by the service
+
+
+class Restored(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
+    position: int
+    state: T
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Snapshot)
+
+
+def encode_state(state: msgspec.Struct) -> bytes:
+    """A state's snapshot bytes (msgpack: smaller and faster than JSON)."""
+    return _encoder.encode(state)
+
+
+def encode_snapshot(name: str, schema_version: int, position: int, state_bytes: bytes) -> bytes:
+    snap = Snapshot(
+        name=name,
+        schema_version=schema_version,
+        position=position,
+        taken_at=time.time(),
+        state=msgspec.Raw(state_bytes),
+    )
+    return _encoder.encode(snap)
+
+
+def decode_snapshot(name: str, schema_version: int, data: bytes) -> Snapshot | None:
+    """The snapshot in ``data`` if it is ``name``'s at ``schema_version``; else None, logged."""
+    try:
+        snap = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("a snapshot that does not decode is ignored; folding from 0", snapshot=name, error=str(exc))
+        return None
+    if snap.name != name or snap.schema_version != schema_version:
+        log.warning(
+            "a snapshot of another schema version is ignored; folding from 0",
+            snapshot=name,
+            found=snap.schema_version,
+            expected=schema_version,
+        )
+        return None
+    return snap
+
+
+class SnapshotStore:
+    """Saves and loads snapshots by name in the ``llmgw_snapshots`` object store."""
+
+    def __init__(self, objects: ObjectStore) -> None:
+        self.objects = objects
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, replicas: int | None = None) -> SnapshotStore:
+        """The store, created at the cluster's replicas if missing (like every bucket)."""
+        config = ObjectStoreConfig(
+            bucket=BUCKET, description="services' folded state at a log position", storage=StorageType.FILE
+        )
+        return cls(await open_object_store(js, config, replicas))
+
+    async def save(self, name: str, schema_version: int, position: int, state_bytes: bytes) -> int:
+        """Write ``name``'s snapshot (replacing the one before); returns its size in bytes."""
+        data = encode_snapshot(name, schema_version, position, state_bytes)
+        await self.objects.put(name, data)
+        return len(data)
+
+    async def load(self, name: str, schema_version: int) -> tuple[int, bytes] | None:
+        """(position, state bytes) of ``name``'s snapshot, or None: none saved, another schema version, or corrupt."""
+        try:
+            got = await self.objects.get(name)
+        except Exception as exc:  # not found, deleted or unreadable: each means "fold from 0"
+            if type(exc).__name__ not in ("ObjectNotFoundError", "NotFoundError", "ObjectDeletedError"):
+                log.warning("a snapshot that cannot be read is ignored; folding from 0", snapshot=name, error=str(exc))
+            return None
+        snap = decode_snapshot(name, schema_version, got.data or b"")
+        return None if snap is None else (snap.position, bytes(snap.state))
+
+    async def restore(self, name: str, schema_version: int, decode: Callable[[bytes], T]) -> Restored[T] | None:
+        """``name``'s state decoded by ``decode`` with its position, or None (from 0) — a state that
+        fails to decode is ignored and logged like a corrupt snapshot."""
+        found = await self.load(name, schema_version)
+        if found is None:
+            return None
+        position, data = found
+        try:
+            state = decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, KeyError) as exc:
+            log.warning(
+                "a snapshot whose state does not decode is ignored; folding from 0", snapshot=name, error=str(exc)
+            )
+            return None
+        log.info("started from a snapshot", snapshot=name, position=position, size=len(data))
+        return Restored(position=position, state=state)
+
+    async def delete(self, name: str) -> None:
+        await self.objects.delete(name)
+
+
+class Snapshotter:
+    """When to save a service's snapshot — every ``every_events`` events or ``every_s`` seconds, whichever
+    first — and the saving, off the fold's path.
+
+    :meth:`folded` is called after each batch (``LiveFold``'s ``on_batch``). When one is due it encodes
+    the state there, at the batch's edge (so the bytes match the position: the fold does not move while
+    it encodes), and writes it in a task of its own, so neither the fold nor requests wait on NATS.
+    """
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        name: str,
+        schema_version: int,
+        encode: Callable[[], bytes],
+        position: Callable[[], int],
+        *,
+        every_events: int = EVERY_EVENTS,
+        every_s: float = EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.name = name
+        self.schema_version = schema_version
+        self.encode = encode
+        self.position = position
+        self.every_events = every_events
+        self.every_s = every_s
+        self.clock = clock
+        self.saved_at = position()  # a state restored from a snapshot is saved already
+        self.saved_when = clock()
+        self.saves = 0
+        self.last_bytes = 0
+        self.last_encode_s = 0.0
+        self._writing: asyncio.Task | None = None
+
+    def due(self) -> bool:
+        moved = self.position() - self.saved_at
+        return moved >= self.every_events or (moved > 0 and self.clock() - self.saved_when >= self.every_s)
+
+    def folded(self) -> None:
+        if self._writing is not None and not self._writing.done():
+            return  # one write at a time; the next batch asks again
+        if not self.due():
+            return
+        position = self.position()
+        started = time.perf_counter()
+        data = self.encode()
+        self.last_encode_s = time.perf_counter() - started
+        self.saved_at, self.saved_when = position, self.clock()
+        self._writing = asyncio.create_task(self._write(position, data), name=f"snapshot-{self.name}")
+
+    async def _write(self, position: int, data: bytes) -> None:
+        try:
+            self.last_bytes = await self.store.save(self.name, self.schema_version, position, data)
+            self.saves += 1
+            log.info("snapshot saved", snapshot=self.name, position=position, bytes=self.last_bytes)
+        except Exception as exc:  # a snapshot is a shortcut: a failed one costs only the next start time
+            log.warning(
+                "a snapshot could not be saved; the next one is tried later", snapshot=self.name, error=str(exc)
+            )
+
+    async def flush(self) -> None:
+        """Until the write under way (if any) is done."""
+        if self._writing is not None:
+            await asyncio.shield(self._writing)
+
+    def close(self) -> None:
+        if self._writing is not None and not self._writing.done():
+            self._writing.cancel()
+
+
+__all__ = [
+    "BUCKET",
+    "EVERY_EVENTS",
+    "EVERY_S",
+    "Restored",
+    "Snapshot",
+    "SnapshotStore",
+    "Snapshotter",
+    "decode_snapshot",
+    "encode_snapshot",
+    "encode_state",
+]
