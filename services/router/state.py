@@ -19,7 +19,7 @@ from llmgw.events import replicas as R
 from llmgw.events import scheduler as SCH
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.subjects import aggregate_of
-from llmgw.events.tenancy_fold import TREE_EVENTS, TenancyTree
+from llmgw.events.tenancy_fold import TREE_EVENTS, Scope, TenancyTree
 
 
 class KeyInfo(msgspec.Struct, kw_only=True):
@@ -76,6 +76,27 @@ def key_info(key: K.Key) -> KeyInfo:
     )
 
 
+SNAPSHOT_NAME = "router"
+SNAPSHOT_VERSION = 1  # bump when RouterSnapshot or a struct in it changes: older snapshots are then ignored
+
+
+class RouterSnapshot(msgspec.Struct, kw_only=True):
+    """What a router's fold holds, as saved in a snapshot; the indexes (keys by prefix, aliases) are rebuilt."""
+
+    position: int
+    keys: dict[str, K.Key]  # the shared fold's, by id (revoked ones included)
+    limits: dict[str, K.Limit]
+    prices: dict[str, Price]
+    budgets: dict[str, Budget]
+    key_limits: dict[str, tuple[int | None, int | None]]  # RouterState.limits
+    scopes: dict[str, Scope]
+    placed: dict[str, tuple[str, str | None]]
+    tree_seq: int
+    models: dict[str, ModelInfo]
+    replicas: dict[str, ReplicaInfo]
+    ready: dict[str, list[str]]  # model -> ready replica ids, in the order they became ready
+
+
 class RouterState:
     def __init__(self) -> None:
         # Keys, limits, prices and budgets are the shared fold's (events/key_fold.py); the router
@@ -116,6 +137,49 @@ class RouterState:
         if ev is None:
             ev = self._ready_signal[model] = asyncio.Event()
         return ev
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    def snapshot(self) -> RouterSnapshot:
+        """The fold's state as a snapshot holds it (the structs are shared, not copied: encode it at once)."""
+        return RouterSnapshot(
+            position=self.position,
+            keys=self.access.keys,
+            limits=self.access.limits,
+            prices=self.access.prices,
+            budgets=self.access.budgets,
+            key_limits=self.limits,
+            scopes=self.tree.scopes,
+            placed=self.tree.placed,
+            tree_seq=self.tree.last_seq,
+            models=self.models,
+            replicas=self.replicas,
+            ready={m: list(rs) for m, rs in self.ready_by_model.items()},
+        )
+
+    def encode(self) -> bytes:
+        return _snapshot_encoder.encode(self.snapshot())
+
+    @classmethod
+    def decode(cls, data: bytes) -> RouterState:
+        """A state from :meth:`encode`'s bytes, its indexes rebuilt (raises on bytes that do not decode)."""
+        snap = _snapshot_decoder.decode(data)
+        state = cls()
+        state.position = snap.position
+        state.access.keys, state.access.limits = snap.keys, snap.limits
+        state.access.prices = state.prices = snap.prices
+        state.access.budgets = state.budgets = snap.budgets
+        state.limits = snap.key_limits
+        state.tree.scopes, state.tree.placed, state.tree.last_seq = snap.scopes, snap.placed, snap.tree_seq
+        state.models, state.replicas = snap.models, snap.replicas
+        state.keys = {k.prefix: key_info(k) for k in snap.keys.values() if not k.revoked}
+        for model, ids in snap.ready.items():
+            ready = {i: snap.replicas[i] for i in ids if i in snap.replicas}
+            if ready:
+                state.ready_by_model[model] = ready
+                state.ready_event(model).set()
+        state._reindex_aliases()
+        return state
 
     # -- the fold ----------------------------------------------------------------------------
 
@@ -192,6 +256,10 @@ class RouterState:
 
     def _reindex_aliases(self) -> None:
         self.aliases = {a: m.name for m in self.models.values() for a in m.spec.aliases}
+
+
+_snapshot_encoder = msgspec.msgpack.Encoder()
+_snapshot_decoder = msgspec.msgpack.Decoder(RouterSnapshot)
 
 
 def now_epoch() -> float:

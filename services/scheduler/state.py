@@ -105,6 +105,20 @@ class ModelState(msgspec.Struct, M.ModelStatusView, kw_only=True):
 ReplicaState = F.Replica
 
 
+SNAPSHOT_NAME = "scheduler"
+SNAPSHOT_VERSION = 1  # bump when ClusterSnapshot or a struct in it changes: older snapshots are then ignored
+
+
+class ClusterSnapshot(msgspec.Struct, kw_only=True):
+    """The durable fold of a :class:`ClusterState`, as a snapshot holds it: the nodes' facts (heartbeats
+    and demand are this process's observations, not the log's), the models and the replicas."""
+
+    position: int
+    nodes: dict[str, NF.Node]
+    models: dict[str, ModelState]
+    replicas: dict[str, ReplicaState]
+
+
 class ClusterState:
     """Nodes, models and replicas, folded. ``replicas`` changes only through :meth:`apply` and
     :meth:`forget_inactive`, which keep the per-node and per-model indexes in step with it."""
@@ -192,6 +206,32 @@ class ClusterState:
             n = self.nodes[node_id] = NodeState(id=node_id, fact=NF.Node(id=node_id))
         return n
 
+    # -- snapshots ---------------------------------------------------------------------------
+
+    def snapshot(self) -> ClusterSnapshot:
+        """The durable fold as a snapshot holds it (the structs are shared, not copied: encode it at once)."""
+        return ClusterSnapshot(
+            position=self.position,
+            nodes={i: n.fact for i, n in self.nodes.items()},
+            models=self.models,
+            replicas=self.replicas,
+        )
+
+    def encode(self) -> bytes:
+        return _snapshot_encoder.encode(self.snapshot())
+
+    @classmethod
+    def decode(cls, data: bytes) -> ClusterState:
+        """A state from :meth:`encode`'s bytes, its indexes rebuilt (raises on bytes that do not decode)."""
+        snap = _snapshot_decoder.decode(data)
+        state = cls()
+        state.position = snap.position
+        state.nodes = {i: NodeState(id=i, fact=fact) for i, fact in snap.nodes.items()}
+        state.models = snap.models
+        for r in snap.replicas.values():
+            state._index(r)
+        return state
+
     # -- telemetry ---------------------------------------------------------------------------
 
     def observe(self, hb: N.NodeHeartbeat, now: float) -> None:
@@ -219,6 +259,10 @@ class ClusterState:
 
     def replicas_on(self, node_id: str) -> list[ReplicaState]:
         return list(self._on_node.get(node_id, {}).values())
+
+
+_snapshot_encoder = msgspec.msgpack.Encoder()
+_snapshot_decoder = msgspec.msgpack.Decoder(ClusterSnapshot)
 
 
 def format_bytes(n: int | None) -> str:
