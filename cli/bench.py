@@ -12,6 +12,7 @@ import click
 
 from llmgw.bench import BenchError
 from llmgw.bench.backbone import BackboneOptions, backbone_text, run_backbone
+from llmgw.bench.coldstart import ColdstartOptions, coldstart_json, coldstart_text, run_coldstart
 from llmgw.bench.scheduler import SchedulerOptions, run_scheduler, scheduler_json, scheduler_text
 from llmgw.cli import logs
 
@@ -94,3 +95,28 @@ def scheduler(nodes: int, models: int, replicas: int, runs: int, scales: str, as
     except BenchError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(json.dumps(scheduler_json(opts, results), indent=2) if as_json else scheduler_text(opts, results))
+
+
+@bench.command("coldstart")
+@click.option(
+    "--events",
+    default="200000",
+    show_default=True,
+    help="Events in the log, or several separated by commas (one fresh server each).",
+)
+@click.option("--dir", "base_dir", help="Where the temporary server goes (default: the system's temp).")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
+def coldstart(events: str, base_dir: str | None, as_json: bool) -> None:
+    """A router's and a scheduler's start on a long log: from 0, and from a snapshot plus its tail."""
+    try:
+        sizes = tuple(int(s) for s in events.split(",") if s.strip())
+    except ValueError:
+        raise click.BadParameter(f"--events takes event counts separated by commas, not {events!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter("--events must name at least one count of 1 or more")
+    logs.configure("warning")
+    try:
+        results = asyncio.run(run_coldstart(ColdstartOptions(events=sizes, base_dir=base_dir), progress))
+    except BenchError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(json.dumps(coldstart_json(results), indent=2) if as_json else coldstart_text(results))
