@@ -122,13 +122,21 @@ class SnapshotStore:
         snap = decode_snapshot(name, schema_version, got.data or b"")
         return None if snap is None else (snap.position, bytes(snap.state))
 
-    async def restore(self, name: str, schema_version: int, decode: Callable[[bytes], T]) -> Restored[T] | None:
+    async def restore(
+        self, name: str, schema_version: int, decode: Callable[[bytes], T], head: int | None = None
+    ) -> Restored[T] | None:
         """``name``'s state decoded by ``decode`` with its position, or None (from 0) — a state that
-        fails to decode is ignored and logged like a corrupt snapshot."""
+        fails to decode is ignored and logged like a corrupt snapshot, and so is one past ``head`` (the
+        log's last sequence: a snapshot of a log since deleted and begun again)."""
         found = await self.load(name, schema_version)
         if found is None:
             return None
         position, data = found
+        if head is not None and position > head:
+            log.warning(
+                "a snapshot past the log's head is ignored; folding from 0", snapshot=name, position=position, head=head
+            )
+            return None
         try:
             state = decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, KeyError) as exc:
@@ -150,6 +158,7 @@ class Snapshotter:
     :meth:`folded` is called after each batch (``LiveFold``'s ``on_batch``). When one is due it encodes
     the state there, at the batch's edge (so the bytes match the position: the fold does not move while
     it encodes), and writes it in a task of its own, so neither the fold nor requests wait on NATS.
+    While ``live()`` is false (the fold is still catching up) nothing is saved.
     """
 
     def __init__(
@@ -162,6 +171,7 @@ class Snapshotter:
         *,
         every_events: int = EVERY_EVENTS,
         every_s: float = EVERY_S,
+        live: Callable[[], bool] = lambda: True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
@@ -171,6 +181,7 @@ class Snapshotter:
         self.position = position
         self.every_events = every_events
         self.every_s = every_s
+        self.live = live
         self.clock = clock
         self.saved_at = position()  # a state restored from a snapshot is saved already
         self.saved_when = clock()
@@ -180,6 +191,8 @@ class Snapshotter:
         self._writing: asyncio.Task | None = None
 
     def due(self) -> bool:
+        if not self.live():
+            return False  # catching up: encoding every N events would slow the very start snapshots speed up
         moved = self.position() - self.saved_at
         return moved >= self.every_events or (moved > 0 and self.clock() - self.saved_when >= self.every_s)
 

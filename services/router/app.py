@@ -34,6 +34,7 @@ from llmgw.events import subjects as S
 from llmgw.events.ids import new_id
 from llmgw.events.live_fold import FoldRegistry, LiveFold, health_body
 from llmgw.events.secrets import engine_key_secret
+from llmgw.events.snapshots import EVERY_EVENTS, EVERY_S, SnapshotStore, Snapshotter
 from llmgw.events.store import EventStore
 from llmgw.services.router import admission as adm
 from llmgw.services.router.budgets import BudgetBook, BudgetExceeded
@@ -46,7 +47,7 @@ from llmgw.services.router.limits import Limiter
 from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, UsageMetrics, pool_loads
 from llmgw.services.router.proxy import Upstream, engine_refusal
 from llmgw.services.router.routing import Affinity, order, prefix_key
-from llmgw.services.router.state import KeyInfo, ModelInfo, ReplicaInfo, RouterState
+from llmgw.services.router.state import SNAPSHOT_NAME, SNAPSHOT_VERSION, KeyInfo, ModelInfo, ReplicaInfo, RouterState
 from llmgw.services.router.usage import StopReport, UsageConfig, UsagePublisher
 from llmgw.services.router.usage_record import Call, call_cost, usage_record
 from llmgw.services.router.validation import Invalid, RequestLimits, check_body, check_depth, prompt_text
@@ -76,9 +77,15 @@ class Router:
         instance: str | None = None,
         clock: Callable[[], float] = time.time,
         folds: FoldRegistry | None = None,
+        snapshot_every_events: int = EVERY_EVENTS,
+        snapshot_every_s: float = EVERY_S,
     ) -> None:
         self.store = store
         self.cfg = cfg or RouterConfig()
+        # Its folded state is saved every so many events or seconds; a start is the newest snapshot
+        # plus the log after it (0 turns a trigger off; both 0: no snapshots are read or saved).
+        self.snapshot_every = (snapshot_every_events, snapshot_every_s)
+        self.snapshotter: Snapshotter | None = None
         self.clock = clock  # the wall clock (epoch seconds): limits, budgets' periods, key expiry, records
         self.instance = instance or f"router-{new_id()[-12:]}"
         self.state = RouterState()
@@ -131,6 +138,7 @@ class Router:
             await self.usage.start()  # publishes what an earlier run left in the journal
         except JournalError as exc:
             raise SystemExit(f"error: {exc}") from exc
+        await self._restore()
         self._tasks.append(asyncio.create_task(self.fold.run(), name="router-follow"))
         self._tasks.append(asyncio.create_task(self.gossip.run(), name="router-gossip"))
         await self.gossip.subscribe()
@@ -140,6 +148,33 @@ class Router:
         gc.collect()
         gc.freeze()
 
+    async def _restore(self) -> None:
+        """Start from the newest snapshot (if one decodes at this schema) and set up the next ones."""
+        every_events, every_s = self.snapshot_every
+        if every_events <= 0 and every_s <= 0:
+            return
+        try:
+            snapshots = await SnapshotStore.open(self.store.js)
+            head = await self.store.stream_last_seq()
+        except Exception as exc:  # a shortcut only: without it the fold starts from 0, as it always could
+            log.warning("snapshots are not available; folding from 0 and saving none", error=str(exc))
+            return
+        restored = await snapshots.restore(SNAPSHOT_NAME, SNAPSHOT_VERSION, RouterState.decode, head)
+        if restored is not None:
+            self.state = restored.state
+            self.fold.start_at(restored.position, self.state)
+        self.snapshotter = Snapshotter(
+            snapshots,
+            SNAPSHOT_NAME,
+            SNAPSHOT_VERSION,
+            lambda: self.state.encode(),
+            lambda: self.state.position,
+            every_events=every_events if every_events > 0 else 2**62,
+            every_s=every_s if every_s > 0 else float("inf"),
+            live=self.fold.caught_up.is_set,
+        )
+        self.fold.on_batch = self.snapshotter.folded
+
     async def stop(self) -> StopReport:
         """Stop; usage records not yet acknowledged are published (bounded) or journaled, and what
         neither took is logged and reported."""
@@ -148,6 +183,8 @@ class Router:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if self.snapshotter is not None:
+            self.snapshotter.close()
         report = await self.usage.stop()
         await self.upstream.close()
         return report

@@ -30,6 +30,7 @@ from llmgw.events.envelope import RecordedEvent, utc_now
 from llmgw.events.ids import new_id
 from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.retry import is_transient, keep_running, retrying
+from llmgw.events.snapshots import EVERY_EVENTS, EVERY_S, SnapshotStore, Snapshotter
 from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
 from llmgw.events.subjects import event_subject
 from llmgw.services.scheduler.explain import explain
@@ -48,7 +49,7 @@ from llmgw.services.scheduler.reconcile import (
     event_of,
     reconcile,
 )
-from llmgw.services.scheduler.state import ClusterState
+from llmgw.services.scheduler.state import SNAPSHOT_NAME, SNAPSHOT_VERSION, ClusterState
 
 log = structlog.get_logger("llmgw.services.scheduler")
 
@@ -69,8 +70,14 @@ class SchedulerService:
         tick_s: float = 1.0,
         registry: CollectorRegistry | None = None,
         folds: FoldRegistry | None = None,
+        snapshot_every_events: int = EVERY_EVENTS,
+        snapshot_every_s: float = EVERY_S,
     ) -> None:
         self.store = store
+        # The leader saves the folded cluster every so many events or seconds; every instance starts
+        # from the newest snapshot plus the log after it (0 turns a trigger off; both 0: no snapshots).
+        self.snapshot_every = (snapshot_every_events, snapshot_every_s)
+        self.snapshotter: Snapshotter | None = None
         self.cfg = config or Config()
         self.instance = instance or f"sched-{new_id()[-12:]}"
         self.actor = "svc:scheduler"
@@ -102,6 +109,7 @@ class SchedulerService:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self) -> None:
+        await self._restore()
         tasks = [
             asyncio.create_task(self._follow_events(), name="scheduler-events"),
             asyncio.create_task(self._follow_heartbeats(), name="scheduler-heartbeats"),
@@ -117,6 +125,8 @@ class SchedulerService:
             for t in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+            if self.snapshotter is not None:
+                self.snapshotter.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -126,6 +136,32 @@ class SchedulerService:
 
     async def _follow_events(self) -> None:
         await self.fold.run()
+
+    async def _restore(self) -> None:
+        """Start from the newest snapshot (if one decodes at this schema) and set up the next ones."""
+        every_events, every_s = self.snapshot_every
+        if every_events <= 0 and every_s <= 0:
+            return
+        try:
+            snapshots = await SnapshotStore.open(self.store.js)
+            head = await self.store.stream_last_seq()
+        except Exception as exc:  # a shortcut only: without it the fold starts from 0, as it always could
+            log.warning("snapshots are not available; folding from 0 and saving none", error=str(exc))
+            return
+        restored = await snapshots.restore(SNAPSHOT_NAME, SNAPSHOT_VERSION, ClusterState.decode, head)
+        if restored is not None:
+            self.state = restored.state
+            self.fold.start_at(restored.position)  # _apply folds into self.state, whichever it is
+        self.snapshotter = Snapshotter(
+            snapshots,
+            SNAPSHOT_NAME,
+            SNAPSHOT_VERSION,
+            lambda: self.state.encode(),
+            lambda: self.state.position,
+            every_events=every_events if every_events > 0 else 2**62,
+            every_s=every_s if every_s > 0 else float("inf"),
+            live=lambda: self.leader and self.fold.caught_up.is_set(),  # one writer: identical folds agree anyway
+        )
 
     def _closed(self) -> bool:
         return self.store.nc.is_closed
@@ -137,6 +173,8 @@ class SchedulerService:
     async def _folded(self) -> None:
         # Events the scheduler does not fold move its position too: _wait_folded waits on it.
         self.state.position = max(self.state.position, self.fold.position)
+        if self.snapshotter is not None:
+            self.snapshotter.folded()
         async with self._seen_position:
             self._seen_position.notify_all()
         self._wake.set()

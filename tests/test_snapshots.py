@@ -1,0 +1,221 @@
+"""Snapshots: a router or a scheduler starts from the newest snapshot and reads only the log after it,
+reaching the state a fold from 0 reaches; a snapshot it cannot trust is ignored, logged, and the fold
+starts from 0. Real nats-server; the log is the cold-start benchmark's realistic mix."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+from structlog.testing import capture_logs
+
+from llmgw.bench.coldstart import realistic_log
+from llmgw.events import access as A
+from llmgw.events import replicas as R
+from llmgw.events import subjects as S
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.live_fold import LiveFold
+from llmgw.events.snapshots import SnapshotStore, Snapshotter, encode_snapshot
+from llmgw.events.store import EventStore, NewEvent
+from llmgw.services.router import state as RS
+from llmgw.services.router.app import Router
+from llmgw.services.router.config import RouterConfig
+from llmgw.services.scheduler import state as SS
+from llmgw.services.scheduler.service import FOLDED
+from tests.support import wait_until
+
+LOG = 3_000  # events before the snapshot
+EVERY = 1_000
+
+
+@pytest.fixture
+async def routers() -> AsyncIterator[list[Router]]:
+    started: list[Router] = []
+    yield started
+    for r in started:
+        await r.stop()
+
+
+async def _router(store: EventStore, started: list[Router], every_events: int = EVERY) -> Router:
+    router = Router(store, RouterConfig(), snapshot_every_events=every_events, snapshot_every_s=0)
+    started.append(router)
+    await router.start()
+    return router
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[int]:
+    """The sequences of the events ``cls.apply`` folds from now on (the real apply runs)."""
+    seen: list[int] = []
+    real = cls.apply
+
+    def apply(self: object, e: RecordedEvent) -> None:
+        seen.append(e.seq)
+        real(self, e)
+
+    monkeypatch.setattr(cls, "apply", apply)
+    return seen
+
+
+async def _folded_from_0(store: EventStore, fold: RS.RouterState | SS.ClusterState) -> None:
+    async for batch in store.subscribe(f"{S.EVENTS_ROOT}.>", after=0, follow=False):
+        for e in batch:
+            if isinstance(e, RecordedEvent) and (isinstance(fold, RS.RouterState) or e.subject.split(".")[2] in FOLDED):
+                fold.apply(e)
+            fold.position = max(fold.position, e.seq)
+
+
+async def _tail(store: EventStore) -> tuple[str, str]:
+    """Events after the snapshot: a key made, one revoked, a replica stopped. (new prefix, revoked prefix)"""
+    await store.append_many(
+        [
+            (
+                S.event_subject("key", "key-new"),
+                NewEvent(
+                    payload=A.KeyCreated(
+                        key_id="key-new", prefix="sk-new", secret_sha256="0" * 64, project_id="proj-1"
+                    ),
+                    actor="test",
+                ),
+            ),
+            (S.event_subject("key", "key-0000001"), NewEvent(payload=A.KeyRevoked(key_id="key-0000001"), actor="test")),
+            (
+                S.event_subject(R.AGGREGATE, "rep-00000000"),
+                NewEvent(payload=R.ReplicaStopped(replica_id="rep-00000000", node_id="node-0000"), actor="test"),
+            ),
+        ]
+    )
+    return "sk-new", "sk-000000001"
+
+
+async def test_a_router_started_after_a_snapshot_reaches_the_state_folded_from_0_reading_only_the_tail(
+    store: EventStore, routers: list[Router], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.append_many(list(realistic_log(LOG)))
+    logged = await store.stream_last_seq()
+    first = await _router(store, routers)
+    await wait_until(lambda: first.snapshotter is not None and first.snapshotter.saves >= 1, what="a snapshot saved")
+    saved = await (await SnapshotStore.open(store.js)).load(RS.SNAPSHOT_NAME, RS.SNAPSHOT_VERSION)
+    assert saved is not None
+    at = saved[0]
+    assert at == logged
+    new, revoked = await _tail(store)
+    assert revoked in RS.RouterState.decode(saved[1]).keys  # live in the snapshot: only the tail revokes it
+    head = await store.stream_last_seq()
+
+    applied = _counting(monkeypatch, RS.RouterState)
+    second = await _router(store, routers)
+    await wait_until(lambda: second.state.position >= head, what="the second router to read the tail")
+
+    assert applied == list(range(at + 1, head + 1))  # the tail, and nothing before it
+    assert new in second.state.keys and revoked not in second.state.keys
+    monkeypatch.undo()
+    reference = RS.RouterState()
+    await _folded_from_0(store, reference)
+    assert second.state.encode() == reference.encode()
+    assert second.state.aliases == reference.aliases
+    assert {m: [r.replica_id for r in second.state.ready(m)] for m in reference.models} == {
+        m: [r.replica_id for r in reference.ready(m)] for m in reference.models
+    }
+
+
+async def test_the_scheduler_fold_started_from_its_snapshot_reaches_the_state_folded_from_0_reading_only_the_tail(
+    store: EventStore,
+) -> None:
+    await store.append_many(list(realistic_log(LOG)))
+    snapshots = await SnapshotStore.open(store.js)
+    state = SS.ClusterState()
+    saver = Snapshotter(
+        snapshots, SS.SNAPSHOT_NAME, SS.SNAPSHOT_VERSION, state.encode, lambda: state.position, every_events=1
+    )
+    await _folded_from_0(store, state)
+    saver.folded()
+    await saver.flush()
+    assert saver.saves == 1
+    await _tail(store)
+    head = await store.stream_last_seq()
+
+    restored = await snapshots.restore(SS.SNAPSHOT_NAME, SS.SNAPSHOT_VERSION, SS.ClusterState.decode, head)
+    assert restored is not None and restored.position == state.position
+    started = restored.state
+    applied: list[int] = []
+
+    def apply(e: RecordedEvent) -> None:
+        applied.append(e.seq)
+        if e.subject.split(".")[2] in FOLDED:
+            started.apply(e)
+
+    fold = LiveFold(store, f"{S.EVENTS_ROOT}.>", apply, name="scheduler-test", after=restored.position).start()
+    try:
+        assert await fold.wait_caught_up(30)
+    finally:
+        await fold.close()
+    started.position = fold.position
+
+    assert applied == list(range(restored.position + 1, head + 1))
+    assert started.replicas["rep-00000000"].state == "stopped"
+    reference = SS.ClusterState()
+    await _folded_from_0(store, reference)
+    assert started.encode() == reference.encode()
+    assert [r.id for r in started.replicas_on("node-0001")] == [r.id for r in reference.replicas_on("node-0001")]
+
+
+async def _started_from_0(store: EventStore, routers: list[Router], monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Start a router; assert it folded the whole log (it knows the log's keys); return the warnings."""
+    head = await store.stream_last_seq()
+    applied = _counting(monkeypatch, RS.RouterState)
+    with capture_logs() as logs:
+        router = await _router(store, routers)
+    await wait_until(lambda: router.state.position >= head, what="the router to read the log")
+    assert applied[0] == 1 and applied[-1] == head
+    assert "sk-000000001" in router.state.keys  # made at the log's start: a fold from 0 knows it
+    return [e for e in logs if e["log_level"] == "warning"]
+
+
+async def test_a_snapshot_of_an_older_schema_version_is_ignored_and_the_router_folds_from_0(
+    store: EventStore, routers: list[Router], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.append_many(list(realistic_log(LOG)))
+    head = await store.stream_last_seq()
+    snapshots = await SnapshotStore.open(store.js)
+    # An empty state at the head: trusted, it would know no key at all.
+    await snapshots.save(RS.SNAPSHOT_NAME, RS.SNAPSHOT_VERSION - 1, head, RS.RouterState().encode())
+
+    warnings = await _started_from_0(store, routers, monkeypatch)
+
+    assert any("another schema version" in w["event"] for w in warnings), warnings
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(b"\x93not a snapshot", id="bytes-that-are-no-snapshot"),
+        pytest.param(
+            encode_snapshot(RS.SNAPSHOT_NAME, RS.SNAPSHOT_VERSION, 10, msgspec.msgpack.encode({"keys": 3})),
+            id="a-state-that-does-not-decode",
+        ),
+    ],
+)
+async def test_a_corrupt_snapshot_is_ignored_logged_and_the_router_folds_from_0(
+    store: EventStore, routers: list[Router], monkeypatch: pytest.MonkeyPatch, data: bytes
+) -> None:
+    await store.append_many(list(realistic_log(LOG)))
+    snapshots = await SnapshotStore.open(store.js)
+    await snapshots.objects.put(RS.SNAPSHOT_NAME, data)
+
+    warnings = await _started_from_0(store, routers, monkeypatch)
+
+    assert any("does not decode" in w["event"] for w in warnings), warnings
+
+
+async def test_a_snapshot_past_the_logs_head_is_ignored_and_the_router_folds_from_0(
+    store: EventStore, routers: list[Router], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.append_many(list(realistic_log(LOG)))
+    snapshots = await SnapshotStore.open(store.js)
+    # Saved over a log since deleted and begun again: its position is beyond this log's head.
+    await snapshots.save(RS.SNAPSHOT_NAME, RS.SNAPSHOT_VERSION, LOG * 10, RS.RouterState().encode())
+
+    warnings = await _started_from_0(store, routers, monkeypatch)
+
+    assert any("past the log's head" in w["event"] for w in warnings), warnings
