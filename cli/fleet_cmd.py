@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,6 @@ import yaml
 
 from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
-from llmgw.events import mirror as MI
 from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events import scheduler as SCH
@@ -27,7 +25,10 @@ from llmgw.events.agent_rpc import (
     logs_subject,
     weights_subject,
 )
-from llmgw.events.commands import CommandError, CommandRejectedError, Unreachable
+from llmgw.events.commands import CommandError, Unreachable
+from llmgw.events.envelope import RecordedEvent
+from llmgw.events.store import EventStore
+from llmgw.events.subjects import event_subject
 
 
 def load_model_file(path: str) -> list[M.ModelSpec]:
@@ -117,7 +118,7 @@ _simple("stop", lambda n: M.StopModel(name=n), "Stop a model: it keeps its defin
 _simple("start", lambda n: M.StartModel(name=n), "Start a stopped model with its saved scaling.")
 
 
-PURGE_WAIT_S = 60.0
+PURGE_START_WAIT_S = 30.0  # how long the CLI waits for the mirror service to take a purge on
 
 
 def _ref(source: str | None) -> str | None:
@@ -146,6 +147,63 @@ async def _node_ids(s: Session) -> list[str]:
     return [n["id"] for n in (await s.api("GET", "/api/v1/nodes"))["nodes"]]
 
 
+def purge_line(p: msgspec.Struct) -> str | None:
+    """How `model remove --purge` shows one of the model's purge events; None for other events."""
+    match p:
+        case M.PurgeStarted():
+            lines = [f"purge: {len(p.mirror)} mirror file(s), the nodes' copies of {', '.join(p.nodes) or 'nothing'}"]
+            lines += [f"kept {f}: {why}" for f, why in sorted(p.kept.items())]
+            if p.waiting_for:
+                lines.append(f"waiting for {len(p.waiting_for)} replica(s) to stop: {', '.join(p.waiting_for)}")
+            return "\n".join(lines)
+        case M.PurgeFileRemoved():
+            return f"removed {p.file} from {'the mirror' if p.where == 'mirror' else 'node ' + p.where}"
+        case M.PurgeFinished():
+            lines = [p.note] if p.note else []
+            lines += [
+                f"node {n}: did not answer; `llmgw ctl weights --collect` removes its copy later" for n in p.unreached
+            ]
+            lines.append(f"purge finished: {p.removed} file(s) removed")
+            return "\n".join(lines)
+        case M.PurgeFailed():
+            return f"purge failed: {p.reason}"
+    return None
+
+
+async def follow_purge(store: EventStore, name: str, after: int, start_wait_s: float = PURGE_START_WAIT_S) -> int:
+    """Print the purge of ``name`` that follows its removal (the removal is after sequence ``after``), each
+    file as it goes, until it finishes; its exit code. Stopping here does not stop the purge."""
+    subject = event_subject(M.AGGREGATE, name)
+    stream = store.subscribe(subject, after=after).__aiter__()
+    removed, started = False, False
+    loop = asyncio.get_running_loop()
+    end = loop.time() + start_wait_s
+    while True:
+        try:
+            batch = await (asyncio.wait_for(anext(stream), end - loop.time()) if not started else anext(stream))
+        except (TimeoutError, StopAsyncIteration):
+            click.echo(
+                f"the mirror service has not taken up the purge of {name} yet; it is recorded, and the mirror "
+                "carries it out when it runs (follow it with `llmgw events tail`)"
+            )
+            return 0
+        for e in batch:
+            if not isinstance(e, RecordedEvent):
+                continue
+            p = e.payload
+            if isinstance(p, M.ModelRemoved):
+                removed = p.purge
+                continue
+            if not removed or (line := purge_line(p)) is None:
+                continue
+            started = True
+            click.echo(line, err=isinstance(p, M.PurgeFailed))
+            if isinstance(p, M.PurgeFinished):
+                return 0
+            if isinstance(p, M.PurgeFailed):
+                return 1
+
+
 @model.command("remove")
 @click.argument("name")
 @click.option(
@@ -153,66 +211,17 @@ async def _node_ids(s: Session) -> list[str]:
 )
 @click.pass_context
 def model_remove(ctx: click.Context, name: str, purge: bool) -> None:
-    """Remove a model from the catalog; its replicas stop. --purge: its files go too, once they stopped."""
+    """Remove a model from the catalog; its replicas stop. --purge: the mirror service deletes its files
+    once they stopped, and this follows it (stopping here does not stop the purge)."""
 
     async def go(s: Session) -> int:
-        ref = (
-            _ref(
-                next(
-                    (m.get("source") for m in (await s.api("GET", "/api/v1/models"))["models"] if m["name"] == name),
-                    None,
-                )
-            )
-            if purge
-            else None
-        )
+        store = await s.store()
+        before = await store.last_seq(event_subject(M.AGGREGATE, name)) if purge else 0
         out = await s.command(M.SERVICE, "remove", M.RemoveModel(name=name, purge=purge))
         click.echo(out.message)
         if not purge:
             return 0
-        end = time.monotonic() + PURGE_WAIT_S
-        left = (await s.api("GET", "/api/v1/replicas", params={"model": name}))["replicas"]
-        if left:
-            click.echo(f"waiting for {len(left)} replica(s) of {name} to stop (up to {PURGE_WAIT_S:.0f} s)")
-        while left and time.monotonic() < end:
-            await asyncio.sleep(0.5)
-            left = (await s.api("GET", "/api/v1/replicas", params={"model": name}))["replicas"]
-        if left:
-            raise CommandError(
-                f"{len(left)} replica(s) of {name} still run after {PURGE_WAIT_S:.0f} s "
-                f"({', '.join(r['id'] + ' on ' + r['node_id'] for r in left)}); nothing was purged. "
-                "Run `llmgw ctl weights --collect` once they stopped"
-            )
-        click.echo(f"replicas of {name} stopped")
-        if ref is None:
-            click.echo(f"model {name}'s source is a local path: no mirror files or node copies to purge")
-            return 0
-        others = await _sources_in_use(s)
-        others.pop(name, None)
-        used = set(others.values())
-        mmodel, version, _ = ref.split("/")
-        if ref in used:
-            users = sorted(n for n, r in others.items() if r == ref)
-            click.echo(f"{ref} stays on the mirror and the nodes: {', '.join(users)} use(s) it")
-            return 0
-        sharing = sorted(n for n, r in others.items() if r.startswith(f"{mmodel}/{version}/"))
-        if sharing:
-            click.echo(f"mirror {mmodel}/{version} stays: {', '.join(sharing)} use(s) its other files")
-        else:
-            try:
-                done = await s.command(MI.SERVICE, "remove", MI.MirrorRemove(model=mmodel, version=version))
-                click.echo(f"mirror: {done.message}")
-            except CommandRejectedError as exc:
-                click.echo(f"mirror: {exc}")
-        for node in await _node_ids(s):
-            reply = await _ask_agent(s, node, WeightsRequest(action="remove", remove=[ref], keep=sorted(used)))
-            if reply is None:
-                click.echo(f"node {node}: did not answer; `llmgw ctl weights --collect` later removes its copy")
-            elif reply.error:
-                click.echo(f"node {node}: {reply.error}")
-            else:
-                click.echo(f"node {node}: removed {', '.join(reply.removed) or 'nothing (held no copy)'}")
-        return 0
+        return await follow_purge(store, name, before)
 
     run(ctx, go)
 

@@ -135,6 +135,35 @@ class ModelRetried(msgspec.Struct, frozen=True, kw_only=True):
     """Unparked by `ctl retry`: placement is tried again at once."""
 
 
+class PurgeStarted(msgspec.Struct, frozen=True, kw_only=True):
+    """The mirror service took on a ``model.removed{purge}``: what it will delete, and what stays and why."""
+
+    source: str  # the model's source when it was removed
+    mirror: list[str] = []  # MODEL/VERSION/FILE deleted from the mirror
+    nodes: list[str] = []  # MODEL/VERSION/FILE deleted from every node's weights cache
+    kept: dict[str, str] = {}  # MODEL/VERSION/FILE -> why it stays (the models that use it)
+    waiting_for: list[str] = []  # replicas of the model still running: nothing is deleted before they stop
+
+
+class PurgeFileRemoved(msgspec.Struct, frozen=True, kw_only=True):
+    where: str  # "mirror", or the node id whose cache held the copy
+    file: str  # MODEL/VERSION/FILE
+
+
+class PurgeFinished(msgspec.Struct, frozen=True, kw_only=True):
+    removed: int = 0  # files deleted, over every ``purge_file_removed`` of this purge
+    kept: dict[str, str] = {}  # as in ``purge_started``, with files another model took up meanwhile
+    unreached: list[str] = []  # nodes that did not answer: `ctl weights --collect` removes their copies later
+    note: str = ""
+
+
+class PurgeFailed(msgspec.Struct, frozen=True, kw_only=True):
+    reason: str
+
+
+PURGE_EVENTS = (PurgeStarted, PurgeFileRemoved, PurgeFinished, PurgeFailed)
+
+
 class ModelStatus(msgspec.Struct, kw_only=True):
     """A model as every reader of the catalog folds it: the scheduler, the routers and the catalog
     service add what only they need around this, so the lifecycle is decided in one place."""
@@ -228,6 +257,20 @@ EVENTS = (
     EventType("model.removed", 1, ModelRemoved, "A model left the catalog."),
     EventType("model.parked", 1, ModelParked, "The scheduler stopped placing a model after repeated start failures."),
     EventType("model.retried", 1, ModelRetried, "A parked model is to be placed again (`ctl retry`)."),
+    EventType(
+        "model.purge_started",
+        1,
+        PurgeStarted,
+        "The mirror service began purging a removed model's files: those it deletes, those it keeps and why.",
+    ),
+    EventType(
+        "model.purge_file_removed",
+        1,
+        PurgeFileRemoved,
+        "One file of a purge was deleted, from the mirror or from one node's weights cache.",
+    ),
+    EventType("model.purge_finished", 1, PurgeFinished, "A purge is done: how many files went, which stayed."),
+    EventType("model.purge_failed", 1, PurgeFailed, "A purge stopped, with a reason a person can act on."),
 )
 
 
@@ -260,7 +303,7 @@ class StartModel(msgspec.Struct, frozen=True, kw_only=True, tag="start", forbid_
 
 class RemoveModel(msgspec.Struct, frozen=True, kw_only=True, tag="remove", forbid_unknown_fields=True):
     name: str
-    purge: bool = False  # the CLI then deletes its mirror files and the nodes' copies (CAT-4)
+    purge: bool = False  # the mirror service then deletes its mirror files and the nodes' copies (CAT-4)
 
 
 class RetryModel(msgspec.Struct, frozen=True, kw_only=True, tag="retry", forbid_unknown_fields=True):

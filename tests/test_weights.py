@@ -179,9 +179,9 @@ async def test_remove_purge_deletes_mirror_files_and_node_copies_but_keeps_share
     code, out, err = await rig.cli("ctl", "model", "remove", "other", "--purge")
     assert code == 0, err
     assert "model other removed" in out
-    assert "replicas of other stopped" in out
-    assert "mirror: " in out
-    assert f"node n1: removed {OTHER}" in out
+    assert f"removed {OTHER} from the mirror" in out
+    assert f"removed {OTHER} from node n1" in out
+    assert "purge finished: 2 file(s) removed" in out
     assert not (mirror_root / "other").exists()
     assert not (cache / OTHER).exists()
     await rig.holds("n1", {TINY})
@@ -190,7 +190,8 @@ async def test_remove_purge_deletes_mirror_files_and_node_copies_but_keeps_share
 
     code, out, err = await rig.cli("ctl", "model", "remove", "tiny", "--purge")
     assert code == 0, err
-    assert f"{TINY} stays on the mirror and the nodes: tiny-too use(s) it" in out
+    assert f"kept {TINY}: tiny-too use(s) it" in out
+    assert "purge finished: 0 file(s) removed" in out
     assert (mirror_root / TINY).exists()
     assert (cache / TINY).exists()
     await rig.fleet.wait_ready("tiny-too", 1)

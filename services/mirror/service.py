@@ -32,6 +32,7 @@ from llmgw.services.mirror.download import DiskGuard, DownloadError, download
 from llmgw.services.mirror.files import file_server
 from llmgw.services.mirror.hub import DEFAULT_HUB, HubClient, HubError
 from llmgw.services.mirror.peer import PeerMirror
+from llmgw.services.mirror.purge import Purger
 from llmgw.services.mirror.rules import check_model, check_repo, digest_mismatch, human, plan_fetch, should_report
 from llmgw.services.mirror.state import FETCHING, MirrorState, VersionState
 
@@ -53,6 +54,7 @@ class MirrorConfig(msgspec.Struct, frozen=True, kw_only=True):
     hub_timeout_s: float = 20.0
     peer_of: str | None = None  # a primary's file server: this mirror only copies from it (MIR-4)
     peer_name: str = "peer"  # the peer's own aggregate, llmgw.evt.mirror_peer.<peer_name>
+    purge_replica_wait_s: float = 600.0  # a purge fails when the model's replicas still run after this long
 
 
 class MirrorService:
@@ -75,6 +77,7 @@ class MirrorService:
         self.token: str | None = None  # what the file server accepts, derived from the cluster secret
         self._session: aiohttp.ClientSession | None = None
         self._follower: LiveFold | None = None
+        self.purger: Purger | None = None  # purges of removed models' files (CAT-4), primary only
         self._processor: CommandProcessor | None = None
         self.peer: PeerMirror | None = None
         self._stopped = asyncio.Event()
@@ -130,6 +133,17 @@ class MirrorService:
             after=self.state.position,
             registry=self.folds,
         ).start()
+        # Purges the log shows open are taken up again once the purger's folds caught up.
+        self.purger = Purger(
+            self.store,
+            self.root,
+            lambda: self.state,
+            cancel_fetch=self._cancel,
+            forget_version=self._forget_version,
+            folds=self.folds,
+            replica_wait_s=self.config.purge_replica_wait_s,
+        )
+        await self.purger.start()
 
     def processor(self) -> CommandProcessor:
         if self._processor is None:
@@ -152,6 +166,8 @@ class MirrorService:
         self.stop()
         if self.peer is not None:
             await self.peer.close()
+        if self.purger is not None:
+            await self.purger.close()
         if self._follower is not None:
             await self._follower.close()
         tasks = list(self.tasks.values())
@@ -303,6 +319,11 @@ class MirrorService:
             with contextlib.suppress(OSError):
                 (self.root / model).rmdir()  # only when it held nothing else
         self.guard.refresh()
+
+    async def _forget_version(self, model: str, version: str, causation: str | None, correlation: str | None) -> None:
+        """A purge deleted every file of a version: the tombstone tells the fold and peers, and its folder goes."""
+        await self._append(model, E.MirrorRemoved(version=version), Cause(causation, correlation))
+        await asyncio.to_thread(self._delete, model, version)
 
     def _sweep_removed(self) -> None:
         """Finish removals a stop interrupted: the tombstone was written, the files may not be gone."""
