@@ -6,6 +6,7 @@ import errno
 import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import IO
 
 import aiohttp
 import pytest
@@ -193,7 +194,7 @@ async def test_the_weights_cache_fails_over_to_a_mirror_that_answers(tmp_path: P
 async def test_a_node_whose_disk_fills_gets_a_clear_reason_and_keeps_no_partial_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from llmgw.agent.weights import cache as cache_module
+    from llmgw.modelfiles import download as pipeline
 
     data = blob(3 * 1024 * 1024, seed=9)  # several MiB: the disk fills after the first
     sha = hashlib.sha256(data).hexdigest()
@@ -208,15 +209,15 @@ async def test_a_node_whose_disk_fills_gets_a_clear_reason_and_keeps_no_partial_
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     written: list[int] = []
-    real_write = cache_module._write_and_hash
+    real_write = pipeline._write
 
-    def write_until_full(f: object, chunk: bytes, h: object) -> int:
+    def write_until_full(f: IO[bytes], chunk: bytes) -> int:
         if written:
             raise OSError(errno.ENOSPC, "No space left on device")
         written.append(len(chunk))
-        return real_write(f, chunk, h)
+        return real_write(f, chunk)
 
-    monkeypatch.setattr(cache_module, "_write_and_hash", write_until_full)
+    monkeypatch.setattr(pipeline, "_write", write_until_full)
     try:
         cache = WeightsCache(tmp_path / "w", f"http://127.0.0.1:{port}", lambda: "t")
         with pytest.raises(WeightsError) as err:

@@ -3,8 +3,10 @@
 A model whose source is ``mirror:MODEL/VERSION/FILE`` is fetched from the mirror's file server
 (``GET /files/MODEL/VERSION/FILE`` with the cluster's mirror token) into
 ``AGENT_DATA/weights/MODEL/VERSION/FILE``: bytes go to ``FILE.partial`` first, a transfer cut off
-is resumed with ``Range``, and the whole file is hashed and compared with the sha256 the mirror
-verified (``X-Llmgw-Sha256``) before it is renamed into place. A file whose bytes do not match —
+is resumed with ``Range``, and the whole file is hashed as it arrives and compared with the sha256
+the mirror verified (``X-Llmgw-Sha256``) before it is renamed into place. The download itself is the
+one the mirror uses (:mod:`llmgw.modelfiles.download`); this module keeps the cache's policy: where
+files go, the token, which mirror to ask, and what a failure tells the operator. A file whose bytes do not match —
 downloaded or already cached — is deleted and never given to an engine.
 """
 
@@ -12,32 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import hashlib
 import os
-import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import msgspec
 import structlog
+
+from llmgw.modelfiles.download import DiskFull, DownloadError, Expected, Mismatch, download
 
 log = structlog.get_logger("llmgw.agent.weights")
 
 PARTIAL = ".partial"
 CHUNK = 1024 * 1024
 TRIES = 5
-
-
-PIPELINE_BYTES = 1 << 20
-
-
-def _write_and_hash(f: Any, data: bytes, h: Any) -> int:
-    f.write(data)
-    h.update(data)
-    return len(data)
 
 
 class WeightsError(Exception):
@@ -209,12 +201,9 @@ class WeightsCache:
             )
         try:
             await self._download(http, url, ref, expected)
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
-            # A partial file on a full disk only keeps it full: give the space back.
-            path.with_name(path.name + PARTIAL).unlink(missing_ok=True)
-            free = shutil.disk_usage(self.root).free
+        except DiskFull as exc:
+            # The download gave the space back: a partial file on a full disk only keeps it full.
+            free = exc.free
             raise WeightsError(
                 f"this node's disk is full: mirror:{ref} does not fit in its weights cache {self.root} "
                 f"({free} bytes free); the partial file was deleted. Free space, or remove weights no "
@@ -259,68 +248,33 @@ class WeightsCache:
         path = self.path_of(ref)
         partial = path.with_name(path.name + PARTIAL)
         partial.parent.mkdir(parents=True, exist_ok=True)
-        h = hashlib.sha256()
-        if partial.exists():
-            h = await asyncio.to_thread(_hash_file, partial, h)
-        have = partial.stat().st_size if partial.exists() else 0
-        resumed_from = have
-        stalls = 0
-        while True:
-            before = have
-            try:
-                headers = self._headers({"Range": f"bytes={have}-"} if have else None)
-                async with http.get(url, headers=headers) as resp:
-                    if resp.status == 416:  # the partial is as long as the file, or longer
-                        break
-                    if resp.status not in (200, 206):
-                        raise WeightsError(f"the mirror answered {resp.status} for {ref}")
-                    mode = "ab"
-                    if resp.status == 200 and have:
-                        have, h, mode = 0, hashlib.sha256(), "wb"  # the whole file again
-                    with partial.open(mode) as f:
-                        # One write+hash runs in a worker thread while the next bytes are received
-                        # (inline it held the fetch to 0.69 of a plain copy; docs/benchmarks.md).
-                        inflight: asyncio.Future | None = None
-                        pending: list[bytes] = []
-                        size = 0
-                        try:
-                            async for chunk in resp.content.iter_chunked(CHUNK):
-                                pending.append(chunk)
-                                size += len(chunk)
-                                if size >= PIPELINE_BYTES:
-                                    if inflight is not None:
-                                        have += await inflight
-                                    inflight = asyncio.ensure_future(
-                                        asyncio.to_thread(_write_and_hash, f, b"".join(pending), h)
-                                    )
-                                    pending, size = [], 0
-                        finally:
-                            # Whatever ends the read, the bytes that arrived are written, in order,
-                            # before the file closes: the next start resumes from a clean prefix.
-                            if inflight is not None:
-                                have += await asyncio.shield(inflight)
-                            if pending:
-                                have += _write_and_hash(f, b"".join(pending), h)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    break
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                stalls = 0 if have > before else stalls + 1
-                if stalls >= TRIES:
-                    raise WeightsError(
-                        f"fetching {ref} from the mirror failed {TRIES} times in a row ({exc}); "
-                        f"{have} bytes are kept and the next start resumes"
-                    ) from exc
-                log.warning("weights download cut off; resuming", ref=ref, have=have, error=str(exc))
-                await asyncio.sleep(0.2 * 2**stalls)
-        got = h.hexdigest()
-        if got != expected:
-            partial.unlink(missing_ok=True)
-            raise WeightsError(
-                f"mirror:{ref} arrived with sha256 {got}, and the mirror verified {expected}: "
-                "it was deleted and not used; the next start fetches it again"
+        token = f"Bearer {self.token()}"
+        try:
+            got = await download(
+                http,
+                url,
+                partial,
+                Expected(sha256=expected),
+                headers=lambda _url: {"Authorization": token},
+                retries=TRIES - 1,
+                backoff_s=0.4,
+                user_agent="llmgw-agent",
             )
+        except Mismatch as exc:
+            raise WeightsError(
+                f"mirror:{ref} arrived with sha256 {exc.got.sha256}, and the mirror verified {expected}: "
+                "it was deleted and not used; the next start fetches it again"
+            ) from exc
+        except DownloadError as exc:
+            if exc.code == "network":
+                raise WeightsError(
+                    f"fetching {ref} from the mirror failed {TRIES} times in a row ({exc.reason}); "
+                    f"{exc.have} bytes are kept and the next start resumes"
+                ) from exc
+            if exc.status is not None:
+                raise WeightsError(f"the mirror answered {exc.status} for {ref}") from exc
+            raise WeightsError(f"fetching {ref} from the mirror failed: {exc.reason}") from exc
         partial.replace(path)
         _fsync_dir(path.parent)
-        self._remember(ref, path, got)
-        log.info("weights fetched", ref=ref, bytes=have, resumed_from=resumed_from)
+        self._remember(ref, path, got.sha256)
+        log.info("weights fetched", ref=ref, bytes=got.downloaded, resumed_from=got.resumed_from)
