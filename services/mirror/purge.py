@@ -180,6 +180,7 @@ class Purger:
         self.ended: set[str] = set()  # purges (their model.removed ids) this process ran to their end
         self._changed = asyncio.Event()
         self._folds: list[LiveFold] = []
+        self._waker: asyncio.Task | None = None
 
     async def start(self) -> None:
         def follow(aggregate: str, apply: Callable[[RecordedEvent], None], name: str) -> LiveFold:
@@ -197,8 +198,16 @@ class Purger:
             follow(R.AGGREGATE, self._apply_replica, "mirror-purge-replicas"),
             follow(N.AGGREGATE, self._apply_node, "mirror-purge-nodes"),
         ]
+        self._waker = asyncio.create_task(self._kick_when_caught_up(), name="purge-caught-up")
+
+    async def _kick_when_caught_up(self) -> None:
+        """A fold with nothing to read has no batch to kick from: once all caught up, look at open purges."""
+        await asyncio.gather(*(f.caught_up.wait() for f in self._folds))
+        self._kick()
 
     async def close(self) -> None:
+        if self._waker is not None:
+            self._waker.cancel()
         for fold in self._folds:
             await fold.close()
         tasks = list(self.tasks.values())
