@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.cli.fleet_cmd import purge_line
 from llmgw.events import mirror as E
 from llmgw.events import models as M
 from llmgw.events import nodes as N
@@ -100,6 +101,21 @@ def test_a_removal_without_purge_opens_no_purge() -> None:
     fold_catalog(view, "tiny", _recorded(1, M.ModelAdded(spec=M.ModelSpec(name="tiny", source=f"mirror:{TINY}"))))
     fold_catalog(view, "tiny", _recorded(2, M.ModelRemoved(purge=False)))
     assert view.purges == {}
+
+
+def test_the_cli_names_what_a_purge_keeps_and_the_nodes_that_did_not_answer() -> None:
+    started = purge_line(
+        M.PurgeStarted(source=f"mirror:{TINY}", nodes=[TINY], kept={README: "big use(s) it"}, waiting_for=["r1"])
+    )
+    assert started is not None
+    assert f"kept {README}: big use(s) it" in started
+    assert "waiting for 1 replica(s) to stop: r1" in started
+    finished = purge_line(M.PurgeFinished(removed=1, unreached=["n2"]))
+    assert finished is not None
+    assert "node n2: did not answer; `llmgw ctl weights --collect` removes its copy later" in finished
+    assert finished.endswith("purge finished: 1 file(s) removed")
+    assert purge_line(M.PurgeFailed(reason="replicas of tiny still run")) == "purge failed: replicas of tiny still run"
+    assert purge_line(M.ModelScaled(min=1, max=1)) is None
 
 
 # -- the service -------------------------------------------------------------------------------
