@@ -224,7 +224,9 @@ class Purger:
         rid = getattr(e.payload, "replica_id", None)
         if rid is not None:
             replica = fold_replica(self.replicas.get(rid), e.payload, e.envelope.at.timestamp())
-            if replica is not None:
+            if replica is not None and replica.state in ("stopped", "failed"):
+                self.replicas.pop(rid, None)  # ended for good: only the live ones are waited for
+            elif replica is not None:
                 self.replicas[rid] = replica
 
     def _apply_node(self, e: RecordedEvent) -> None:
