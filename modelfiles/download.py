@@ -268,6 +268,7 @@ class _Download:
         self.refusal = refusal
         self.guard = guard
         self.progress = progress
+        self._reporting: asyncio.Future[None] | None = None
         self.chunk_bytes = chunk_bytes
         self.ahead_bytes = max(ahead_bytes, chunk_bytes)
         self.user_agent = user_agent
@@ -351,6 +352,27 @@ class _Download:
             raise _Transient(f"the connection ended at byte {self.have} of {self.size}")
         return True
 
+    def _report(self) -> None:
+        """Tell ``progress`` what is held, without holding the socket: at most one report runs at a
+        time, and one asked for while another runs is skipped (the next one carries the news)."""
+        if self._reporting is not None:
+            if not self._reporting.done():
+                return
+            self._reporting.result()  # a report that failed fails the download, as if awaited inline
+        self._reporting = asyncio.ensure_future(self.progress(self.have))
+
+    async def reported(self) -> None:
+        """Wait for the report in flight, so none lands after the download has returned."""
+        if self._reporting is not None:
+            try:
+                await self._reporting
+            finally:
+                self._reporting = None
+
+    def stop_reporting(self) -> None:
+        if self._reporting is not None and not self._reporting.done():
+            self._reporting.cancel()
+
     def _too_long(self) -> DownloadError:
         self.part.unlink(missing_ok=True)
         return DownloadError(f"{_name(self.part)} is longer than the {self.size} bytes published", "checksum")
@@ -374,7 +396,7 @@ class _Download:
                         size = 0
                         await overlap.put(data)
                         self.have = start + overlap.done
-                        await self.progress(self.have)
+                        self._report()
             except (aiohttp.ClientError, TimeoutError) as exc:
                 # Bytes that arrived are good bytes: keep them for the resume.
                 if chunks:
@@ -443,25 +465,30 @@ async def download(
         user_agent=user_agent,
     )
     try:
-        resumed_from = await d.open_partial()
-        failures = 0
-        whole = expected.size == 0
-        if whole:
-            part.touch()  # nothing to ask for
-        while not whole:
-            before = d.have
-            try:
-                whole = await d.once()
-            except _Transient as exc:
-                failures = 0 if d.have > before else failures + 1  # progress resets the count
-                if failures > retries:
-                    raise DownloadError(
-                        f"{exc}, {failures} times in a row; the {d.have} bytes that arrived are kept and the next "
-                        "try resumes from there",
-                        "network",
-                        have=d.have,
-                    ) from exc
-                await asyncio.sleep(min(backoff_s * 2 ** max(failures - 1, 0), 30.0))  # backoff before retrying
+        try:
+            resumed_from = await d.open_partial()
+            failures = 0
+            whole = expected.size == 0
+            if whole:
+                part.touch()  # nothing to ask for
+            while not whole:
+                before = d.have
+                try:
+                    whole = await d.once()
+                except _Transient as exc:
+                    failures = 0 if d.have > before else failures + 1  # progress resets the count
+                    if failures > retries:
+                        raise DownloadError(
+                            f"{exc}, {failures} times in a row; the {d.have} bytes that arrived are kept and the next "
+                            "try resumes from there",
+                            "network",
+                            have=d.have,
+                        ) from exc
+                    await asyncio.sleep(min(backoff_s * 2 ** max(failures - 1, 0), 30.0))  # backoff before retrying
+            await d.reported()
+        except BaseException:
+            d.stop_reporting()
+            raise
     except OSError as exc:
         if exc.errno != errno.ENOSPC or isinstance(exc, DiskFull):
             raise
@@ -479,7 +506,5 @@ async def download(
         part.unlink(missing_ok=True)
         want = {"size": expected.size, "sha256": expected.sha256, "blob_id": expected.blob_id}[field]
         have = {"size": got.size, "sha256": got.sha256, "blob_id": got.blob_id}[field]
-        raise Mismatch(
-            f"{part.name.removesuffix('.partial')} arrived with {field} {have}, and {want} was expected", field, got
-        )
+        raise Mismatch(f"{_name(part)} arrived with {field} {have}, and {want} was expected", field, got)
     return got
