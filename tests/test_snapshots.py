@@ -4,13 +4,19 @@ starts from 0. Real nats-server; the log is the cold-start benchmark's realistic
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgspec
 import pytest
+from click.testing import CliRunner
 from structlog.testing import capture_logs
 
 from llmgw.bench.coldstart import realistic_log
+from llmgw.cli.main import main
 from llmgw.events import access as A
 from llmgw.events import replicas as R
 from llmgw.events import subjects as S
@@ -25,6 +31,7 @@ from llmgw.services.scheduler import state as SS
 from llmgw.services.scheduler.service import FOLDED
 from tests.support import wait_until
 
+LLMGW = str(Path(sys.executable).parent / "llmgw")
 LOG = 3_000  # events before the snapshot
 EVERY = 1_000
 
@@ -219,3 +226,23 @@ async def test_a_snapshot_past_the_logs_head_is_ignored_and_the_router_folds_fro
     warnings = await _started_from_0(store, routers, monkeypatch)
 
     assert any("past the log's head" in w["event"] for w in warnings), warnings
+
+
+def test_bench_coldstart_prints_each_services_start_from_0_and_from_a_snapshot(tmp_path: Path) -> None:
+    args = ["bench", "coldstart", "--events", "400", "--dir", str(tmp_path), "--json"]
+    result = subprocess.run([LLMGW, *args], capture_output=True, text=True, timeout=240)
+
+    assert result.returncode == 0, result.stderr
+    (run,) = json.loads(result.stdout)["runs"]
+    assert run["events"] == 400
+    assert [s["service"] for s in run["starts"]] == ["router", "scheduler"]
+    # 400 events is less than one snapshot interval: the snapshot is at 0 and the tail the whole log.
+    assert all(s["tail_events"] == 400 and s["snapshot_bytes"] > 0 for s in run["starts"])
+    assert not list(tmp_path.iterdir()), "the temporary server and its store are gone after the run"
+
+
+def test_bench_coldstart_refuses_event_counts_that_are_not_numbers() -> None:
+    result = CliRunner().invoke(main, ["bench", "coldstart", "--events", "lots"])
+
+    assert result.exit_code == 2
+    assert "--events takes event counts separated by commas, not 'lots'" in result.output
