@@ -4,6 +4,7 @@ starts from 0. Real nats-server; the log is the cold-start benchmark's realistic
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from llmgw.services.router import state as RS
 from llmgw.services.router.app import Router
 from llmgw.services.router.config import RouterConfig
 from llmgw.services.scheduler import state as SS
-from llmgw.services.scheduler.service import FOLDED
+from llmgw.services.scheduler.service import FOLDED, SchedulerService
 from tests.support import wait_until
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
@@ -65,8 +66,14 @@ def _counting(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[int]:
 
 
 async def _folded_from_0(store: EventStore, fold: RS.RouterState | SS.ClusterState) -> None:
-    async for batch in store.subscribe(f"{S.EVENTS_ROOT}.>", after=0, follow=False):
+    await _folded_to(store, fold, await store.stream_last_seq())
+
+
+async def _folded_to(store: EventStore, fold: RS.RouterState | SS.ClusterState, until: int) -> None:
+    async for batch in store.subscribe(f"{S.EVENTS_ROOT}.>", after=0, follow=False, until=until):
         for e in batch:
+            if e.seq > until:
+                break
             if isinstance(e, RecordedEvent) and (isinstance(fold, RS.RouterState) or e.subject.split(".")[2] in FOLDED):
                 fold.apply(e)
             fold.position = max(fold.position, e.seq)
@@ -165,6 +172,45 @@ async def test_the_scheduler_fold_started_from_its_snapshot_reaches_the_state_fo
     await _folded_from_0(store, reference)
     assert started.encode() == reference.encode()
     assert [r.id for r in started.replicas_on("node-0001")] == [r.id for r in reference.replicas_on("node-0001")]
+
+
+async def test_a_scheduler_started_after_its_leaders_snapshot_reaches_the_state_folded_from_0_reading_only_the_tail(
+    store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.append_many(list(realistic_log(LOG)))
+    first = SchedulerService(store, instance="first", lease_ttl_s=2.0, snapshot_every_events=EVERY, snapshot_every_s=0)
+    running = asyncio.create_task(first.run())
+    try:
+        await wait_until(
+            lambda: first.snapshotter is not None and first.snapshotter.saves >= 1,
+            deadline_s=30,
+            what="the leader's snapshot saved",
+        )
+    finally:
+        first.stop()
+        await running
+    saved = await (await SnapshotStore.open(store.js)).load(SS.SNAPSHOT_NAME, SS.SNAPSHOT_VERSION)
+    assert saved is not None
+    at = saved[0]
+    await _tail(store)
+    head = await store.stream_last_seq()
+
+    applied = _counting(monkeypatch, SS.ClusterState)
+    # It saves nothing of its own (a trigger that never fires): what it folds is the only thing checked.
+    second = SchedulerService(store, instance="second", lease_ttl_s=2.0, snapshot_every_events=2**40)
+    running = asyncio.create_task(second.run())
+    try:
+        await wait_until(lambda: second.state.position >= head, deadline_s=30, what="the second to read the tail")
+    finally:
+        second.stop()
+        await running
+
+    assert applied and min(applied) > at  # only events after the snapshot were folded…
+    assert second.state.replicas["rep-00000000"].state == "stopped"  # …the tail among them
+    monkeypatch.undo()
+    reference = SS.ClusterState()
+    await _folded_to(store, reference, second.fold.position)
+    assert second.state.encode() == reference.encode()
 
 
 async def _started_from_0(store: EventStore, routers: list[Router], monkeypatch: pytest.MonkeyPatch) -> list[dict]:
