@@ -17,6 +17,7 @@ snapshot would answer from wrong state. Deleting the store (``nats object rm``) 
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import time
 from collections.abc import Callable
@@ -116,7 +117,7 @@ class SnapshotStore:
     async def load(self, name: str, schema_version: int) -> tuple[int, bytes] | None:
         """(position, state bytes) of ``name``'s snapshot, or None: none saved, another schema version, or corrupt."""
         # Into a buffer: without one nats-py joins the chunks as ``bytes += chunk``, quadratic in the
-        # size (47 s for a 97 MB snapshot, against under a second this way).
+        # size: a 97 MB snapshot took 47 s to load that way, 7 s this way (decoding included).
         buffer = io.BytesIO()
         try:
             await self.objects.get(name, writeinto=buffer)  # type: ignore[arg-type]
@@ -142,6 +143,8 @@ class SnapshotStore:
                 "a snapshot past the log's head is ignored; folding from 0", snapshot=name, position=position, head=head
             )
             return None
+        collecting = gc.isenabled()
+        gc.disable()  # decoding makes ~10^5 objects that all live on: collections meanwhile only cost (3x here)
         try:
             state = decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, KeyError) as exc:
@@ -149,6 +152,9 @@ class SnapshotStore:
                 "a snapshot whose state does not decode is ignored; folding from 0", snapshot=name, error=str(exc)
             )
             return None
+        finally:
+            if collecting:
+                gc.enable()
         log.info("started from a snapshot", snapshot=name, position=position, size=len(data))
         return Restored(position=position, state=state)
 
