@@ -193,26 +193,33 @@ class _Overlap:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="download-write")
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="download-hash")
 
-    def _write(self, data: bytes) -> None:
-        if self._failed is not None:
-            return  # never write past a failed write: the file would not be a prefix
-        try:
-            _write(self.fh, data)
-        except BaseException as exc:
-            self._failed = exc
-            raise
+    def _write(self, pieces: list[bytes]) -> None:
+        for piece in pieces:
+            if self._failed is not None:
+                return  # never write past a failed write: the file would not be a prefix
+            try:
+                _write(self.fh, piece)
+            except BaseException as exc:
+                self._failed = exc
+                raise
 
-    def submit(self, data: bytes) -> None:
+    def _hash(self, pieces: list[bytes]) -> None:
+        for piece in pieces:
+            self.hashes.update(piece)
+
+    def submit(self, pieces: list[bytes]) -> None:
+        """Queue the pieces as received: not joined, which would copy every byte once more."""
+        n = sum(len(p) for p in pieces)
         if self.guard is not None:
-            self.guard.claim(len(data))
+            self.guard.claim(n)
         loop = asyncio.get_running_loop()
-        w = loop.run_in_executor(self._writer, self._write, data)
-        h = loop.run_in_executor(self._hasher, self.hashes.update, data)
-        self._pending.append((w, h, len(data)))
-        self.queued += len(data)
+        w = loop.run_in_executor(self._writer, self._write, pieces)
+        h = loop.run_in_executor(self._hasher, self._hash, pieces)
+        self._pending.append((w, h, n))
+        self.queued += n
 
-    async def put(self, data: bytes) -> None:
-        self.submit(data)
+    async def put(self, pieces: list[bytes]) -> None:
+        self.submit(pieces)
         while self.queued > self.ahead:
             await self._settle_one()
 
@@ -391,28 +398,26 @@ class _Download:
                     chunks.append(chunk)
                     size += len(chunk)
                     if size >= self.chunk_bytes:
-                        data = b"".join(chunks)
-                        chunks.clear()
-                        size = 0
+                        data, chunks, size = chunks, [], 0
                         await overlap.put(data)
                         self.have = start + overlap.done
                         self._report()
             except (aiohttp.ClientError, TimeoutError) as exc:
                 # Bytes that arrived are good bytes: keep them for the resume.
                 if chunks:
-                    overlap.submit(b"".join(chunks))
+                    overlap.submit(chunks)
                 await overlap.drain()
                 raise _Transient(f"{type(exc).__name__}: {exc}") from exc
             if chunks:
-                overlap.submit(b"".join(chunks))
-                chunks.clear()
+                overlap.submit(chunks)
+                chunks = []  # the list is the writer's now: never cleared under it
             await overlap.drain()
             await asyncio.to_thread(_sync, fh)
         except asyncio.CancelledError:
             # Stopped mid-file: keep what arrived, so the next start resumes from it.
             if chunks:
                 with contextlib.suppress(OSError):
-                    overlap.submit(b"".join(chunks))
+                    overlap.submit(chunks)
             raise
         finally:
             overlap.close()  # an error or a stop may leave writes queued: never close the file under them
