@@ -177,6 +177,13 @@ def _sync(fh: IO[bytes]) -> None:
     os.fsync(fh.fileno())
 
 
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Mark a write's or hash's error as seen: the path that ended the read reports it, or the one
+    that failed first did; asyncio need not log it again."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 class _Overlap:
     """Writes and hashes chunks in order, the writer and the hasher each on a thread of its own, at
     most ``ahead`` bytes behind the receiver. ``done`` counts the bytes both have finished."""
@@ -215,6 +222,8 @@ class _Overlap:
         loop = asyncio.get_running_loop()
         w = loop.run_in_executor(self._writer, self._write, pieces)
         h = loop.run_in_executor(self._hasher, self._hash, pieces)
+        for fut in (w, h):
+            fut.add_done_callback(_retrieved)
         self._pending.append((w, h, n))
         self.queued += n
 
@@ -241,10 +250,7 @@ class _Overlap:
         self._writer.shutdown(wait=True)
         self._hasher.shutdown(wait=True)
         while self._pending:
-            w, h, n = self._pending.popleft()
-            for fut in (w, h):
-                if fut.done() and not fut.cancelled():
-                    fut.exception()  # retrieved: an error here is reported by the path that ended the read
+            _, _, n = self._pending.popleft()
             if self._failed is None:
                 self.done += n
         self.queued = 0

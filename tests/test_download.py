@@ -8,6 +8,7 @@ around it are tested in tests/test_mirror.py, tests/test_mirror_peers.py and tes
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import os
@@ -19,19 +20,20 @@ import pytest
 from aiohttp import web
 
 from llmgw.modelfiles.download import DiskFull, Expected, Mismatch, download
-from tests.support import free_port
+from tests.support import free_port, wait_until
 
 MiB = 1 << 20
 
 
 class Files:
-    """Serves bytes at a URL: ``/file`` answers ``Range`` like any file server, ``/whole`` ignores it.
-    ``asked`` is the ``Range`` header of each request, in order."""
+    """Serves bytes at a URL: ``/file`` answers ``Range`` like any file server, ``/whole`` ignores it,
+    ``/stalls`` sends half and then hangs. ``asked`` is the ``Range`` header of each request, in order."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.asked: list[str] = []
         self.runners: list[web.AppRunner] = []
+        self.release = asyncio.Event()  # ends the stalled responses
 
     async def __call__(self, data: bytes) -> str:
         src = self.tmp / f"src{len(self.runners)}.bin"
@@ -45,9 +47,19 @@ class Files:
             self.asked.append(request.headers.get("Range", ""))
             return web.Response(body=data)
 
+        async def stalls(request: web.Request) -> web.StreamResponse:
+            """The first ``len(data) // 2`` bytes, then nothing more until the client goes."""
+            self.asked.append(request.headers.get("Range", ""))
+            resp = web.StreamResponse(headers={"Content-Length": str(len(data))})
+            await resp.prepare(request)
+            await resp.write(data[: len(data) // 2])
+            await self.release.wait()
+            return resp
+
         app = web.Application()
         app.router.add_get("/file", file)
         app.router.add_get("/whole", whole)
+        app.router.add_get("/stalls", stalls)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         port = free_port()
@@ -60,6 +72,7 @@ class Files:
 async def serve(tmp_path: Path) -> AsyncIterator[Files]:
     files = Files(tmp_path)
     yield files
+    files.release.set()
     for r in files.runners:
         await r.cleanup()
 
@@ -147,3 +160,24 @@ async def test_a_server_that_ignores_range_sends_the_whole_file_into_an_emptied_
     async with aiohttp.ClientSession() as http:
         got = await download(http, f"{base}/whole", part, Expected(sha256=hashlib.sha256(data).hexdigest()))
     assert part.read_bytes() == data and got.downloaded == len(data)
+
+
+async def test_a_download_stopped_mid_file_keeps_a_clean_prefix_that_the_next_one_resumes(
+    serve: Files, tmp_path: Path
+) -> None:
+    data = os.urandom(4 * MiB)
+    base = await serve(data)
+    part = tmp_path / "model.gguf.partial"
+    sha = hashlib.sha256(data).hexdigest()
+    async with aiohttp.ClientSession() as http:
+        stopped = asyncio.create_task(download(http, f"{base}/stalls", part, Expected(size=len(data), sha256=sha)))
+        await wait_until(
+            lambda: part.exists() and part.stat().st_size >= MiB, what="the first MiB on disk before the stop"
+        )
+        stopped.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopped
+        kept = part.read_bytes()
+        assert 0 < len(kept) <= len(data) // 2 and data.startswith(kept), "what is kept is a prefix of the file"
+        got = await download(http, f"{base}/file", part, Expected(size=len(data), sha256=sha))
+    assert got.resumed_from == len(kept) and got.sha256 == sha and part.read_bytes() == data
