@@ -354,7 +354,8 @@ class EventStore:
 
     async def _kv_streams(self) -> list[str]:
         names = await retrying("list streams", self.js.streams_info)
-        return sorted(i.config.name for i in names if (i.config.name or "").startswith("KV_llmgw"))
+        # Key-value buckets and object stores (the services' snapshots): streams underneath, kept at the replicas too.
+        return sorted(i.config.name for i in names if (i.config.name or "").startswith(("KV_llmgw", "OBJ_llmgw")))
 
     async def replica_counts(self, specs: Sequence[StreamSpec] = STREAMS) -> list[tuple[str, int]]:
         """Each existing llmgw stream and bucket with its replica count."""

@@ -292,3 +292,11 @@ def test_bench_coldstart_refuses_event_counts_that_are_not_numbers() -> None:
 
     assert result.exit_code == 2
     assert "--events takes event counts separated by commas, not 'lots'" in result.output
+
+
+async def test_the_snapshot_store_is_listed_with_the_streams_whose_replicas_an_operator_sets(
+    store: EventStore, routers: list[Router]
+) -> None:
+    await _router(store, routers)
+
+    assert ("OBJ_llmgw_snapshots", 1) in await store.replica_counts()
