@@ -29,6 +29,7 @@ from llmgw.services.router import state as RS
 from llmgw.services.router.app import Router
 from llmgw.services.router.config import RouterConfig
 from llmgw.services.scheduler import state as SS
+from llmgw.services.scheduler.reconcile import Config
 from llmgw.services.scheduler.service import FOLDED, SchedulerService
 from tests.support import wait_until
 
@@ -300,3 +301,26 @@ async def test_the_snapshot_store_is_listed_with_the_streams_whose_replicas_an_o
     await _router(store, routers)
 
     assert ("OBJ_llmgw_snapshots", 1) in await store.replica_counts()
+
+
+async def test_a_scheduler_forgets_replicas_that_stopped_or_failed_long_ago_and_keeps_the_rest(
+    store: EventStore,
+) -> None:
+    await store.append_many(list(realistic_log(LOG)))
+    await _tail(store)  # rep-00000000 stopped
+    reference = SS.ClusterState()
+    await _folded_from_0(store, reference)
+    inactive = {r.id for r in reference.replicas.values() if not r.active and r.state != "draining"}
+    assert "rep-00000000" in inactive
+
+    scheduler = SchedulerService(store, config=Config(forget_after_s=0.0), snapshot_every_events=0, snapshot_every_s=0)
+    task = asyncio.create_task(scheduler.run())
+    try:
+        head = await store.stream_last_seq()
+        await wait_until(lambda: scheduler.state.position >= head, deadline_s=30, what="the scheduler caught up")
+        kept = set(scheduler.state.replicas)
+        assert not kept & inactive
+        assert {r.id for r in reference.replicas.values() if r.active} <= kept
+    finally:
+        scheduler.stop()
+        await asyncio.wait_for(task, 30)

@@ -33,6 +33,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     backoff_cap_s: float = 300.0
     stop_grace_s: float = 30.0
     idle_s: float = 300.0  # an on-demand model's replica stops after this long without a request
+    forget_after_s: float = 3600.0  # stopped and failed replicas placed longer ago leave the state
 
 
 def wanted_replicas(m: ModelState, demand_at: float | None, now_epoch: float, cfg: Config) -> tuple[int, int]:

@@ -56,6 +56,7 @@ log = structlog.get_logger("llmgw.services.scheduler")
 LEASE_BUCKET = "llmgw_leases"
 LEASE_KEY = "scheduler"
 BLOCKED_REPEAT_S = 600.0
+FORGET_EVERY_S = 60.0  # how often long-inactive replicas are dropped from the state (a full scan)
 FOLDED = ("model", "node", "replica")
 
 
@@ -96,6 +97,7 @@ class SchedulerService:
         self.term = 0
         self.fence_seq = 0
         self.passes = 0
+        self._forgot_at = float("-inf")
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._seen_position = asyncio.Condition()
@@ -173,6 +175,11 @@ class SchedulerService:
     async def _folded(self) -> None:
         # Events the scheduler does not fold move its position too: _wait_folded waits on it.
         self.state.position = max(self.state.position, self.fold.position)
+        now = time.monotonic()
+        if now - self._forgot_at >= min(FORGET_EVERY_S, self.cfg.forget_after_s):
+            # Leader and standby alike: otherwise the state (and its snapshot) keeps every replica ever placed.
+            self.state.forget_inactive(self.cfg.forget_after_s, time.time())
+            self._forgot_at = now
         if self.snapshotter is not None:
             self.snapshotter.folded()
         async with self._seen_position:
