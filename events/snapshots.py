@@ -21,7 +21,7 @@ import gc
 import io
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import msgspec
 import structlog
@@ -30,6 +30,9 @@ from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.object_store import ObjectStore
 
 from llmgw.events.buckets import open_object_store
+
+if TYPE_CHECKING:
+    from llmgw.events.store import EventStore
 
 log = structlog.get_logger("llmgw.events.snapshots")
 
@@ -253,3 +256,41 @@ __all__ = [
     "encode_snapshot",
     "encode_state",
 ]
+
+
+async def resume(
+    store: EventStore,
+    name: str,
+    schema_version: int,
+    decode: Callable[[bytes], T],
+    encode: Callable[[], bytes],
+    position: Callable[[], int],
+    *,
+    every_events: int,
+    every_s: float,
+    live: Callable[[], bool],
+) -> tuple[Restored[T] | None, Snapshotter] | None:
+    """A service's start from snapshots: the newest of ``name`` that decodes at this schema (None: fold
+    from 0) and the snapshotter that saves the next ones. None when both triggers are off (0) or the
+    store cannot be opened — a snapshot is a shortcut only, so the fold then starts from 0 and saves
+    none. ``encode`` and ``position`` are read at each save, so they may follow a state replaced later."""
+    if every_events <= 0 and every_s <= 0:
+        return None
+    try:
+        snapshots = await SnapshotStore.open(store.js)
+        head = await store.stream_last_seq()
+    except Exception as exc:
+        log.warning("snapshots are not available; folding from 0 and saving none", error=str(exc))
+        return None
+    restored = await snapshots.restore(name, schema_version, decode, head)
+    saver = Snapshotter(
+        snapshots,
+        name,
+        schema_version,
+        encode,
+        position,
+        every_events=every_events if every_events > 0 else 2**62,
+        every_s=every_s if every_s > 0 else float("inf"),
+        live=live,
+    )
+    return restored, saver

@@ -34,7 +34,7 @@ from llmgw.events import subjects as S
 from llmgw.events.ids import new_id
 from llmgw.events.live_fold import FoldRegistry, LiveFold, health_body
 from llmgw.events.secrets import engine_key_secret
-from llmgw.events.snapshots import EVERY_EVENTS, EVERY_S, SnapshotStore, Snapshotter
+from llmgw.events.snapshots import EVERY_EVENTS, EVERY_S, Snapshotter, resume
 from llmgw.events.store import EventStore
 from llmgw.services.router import admission as adm
 from llmgw.services.router.budgets import BudgetBook, BudgetExceeded
@@ -151,28 +151,23 @@ class Router:
     async def _restore(self) -> None:
         """Start from the newest snapshot (if one decodes at this schema) and set up the next ones."""
         every_events, every_s = self.snapshot_every
-        if every_events <= 0 and every_s <= 0:
+        resumed = await resume(
+            self.store,
+            SNAPSHOT_NAME,
+            SNAPSHOT_VERSION,
+            RouterState.decode,
+            lambda: self.state.encode(),
+            lambda: self.state.position,
+            every_events=every_events,
+            every_s=every_s,
+            live=self.fold.caught_up.is_set,
+        )
+        if resumed is None:
             return
-        try:
-            snapshots = await SnapshotStore.open(self.store.js)
-            head = await self.store.stream_last_seq()
-        except Exception as exc:  # a shortcut only: without it the fold starts from 0, as it always could
-            log.warning("snapshots are not available; folding from 0 and saving none", error=str(exc))
-            return
-        restored = await snapshots.restore(SNAPSHOT_NAME, SNAPSHOT_VERSION, RouterState.decode, head)
+        restored, self.snapshotter = resumed
         if restored is not None:
             self.state = restored.state
             self.fold.start_at(restored.position, self.state)
-        self.snapshotter = Snapshotter(
-            snapshots,
-            SNAPSHOT_NAME,
-            SNAPSHOT_VERSION,
-            lambda: self.state.encode(),
-            lambda: self.state.position,
-            every_events=every_events if every_events > 0 else 2**62,
-            every_s=every_s if every_s > 0 else float("inf"),
-            live=self.fold.caught_up.is_set,
-        )
         self.fold.on_batch = self.snapshotter.folded
 
     async def stop(self) -> StopReport:

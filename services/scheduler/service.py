@@ -30,7 +30,7 @@ from llmgw.events.envelope import RecordedEvent, utc_now
 from llmgw.events.ids import new_id
 from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.retry import is_transient, keep_running, retrying
-from llmgw.events.snapshots import EVERY_EVENTS, EVERY_S, SnapshotStore, Snapshotter
+from llmgw.events.snapshots import EVERY_EVENTS, EVERY_S, Snapshotter, resume
 from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
 from llmgw.events.subjects import event_subject
 from llmgw.services.scheduler.explain import explain
@@ -142,28 +142,23 @@ class SchedulerService:
     async def _restore(self) -> None:
         """Start from the newest snapshot (if one decodes at this schema) and set up the next ones."""
         every_events, every_s = self.snapshot_every
-        if every_events <= 0 and every_s <= 0:
+        resumed = await resume(
+            self.store,
+            SNAPSHOT_NAME,
+            SNAPSHOT_VERSION,
+            ClusterState.decode,
+            lambda: self.state.encode(),
+            lambda: self.state.position,
+            every_events=every_events,
+            every_s=every_s,
+            live=lambda: self.leader and self.fold.caught_up.is_set(),  # one writer: identical folds agree anyway
+        )
+        if resumed is None:
             return
-        try:
-            snapshots = await SnapshotStore.open(self.store.js)
-            head = await self.store.stream_last_seq()
-        except Exception as exc:  # a shortcut only: without it the fold starts from 0, as it always could
-            log.warning("snapshots are not available; folding from 0 and saving none", error=str(exc))
-            return
-        restored = await snapshots.restore(SNAPSHOT_NAME, SNAPSHOT_VERSION, ClusterState.decode, head)
+        restored, self.snapshotter = resumed
         if restored is not None:
             self.state = restored.state
             self.fold.start_at(restored.position)  # _apply folds into self.state, whichever it is
-        self.snapshotter = Snapshotter(
-            snapshots,
-            SNAPSHOT_NAME,
-            SNAPSHOT_VERSION,
-            lambda: self.state.encode(),
-            lambda: self.state.position,
-            every_events=every_events if every_events > 0 else 2**62,
-            every_s=every_s if every_s > 0 else float("inf"),
-            live=lambda: self.leader and self.fold.caught_up.is_set(),  # one writer: identical folds agree anyway
-        )
 
     def _closed(self) -> bool:
         return self.store.nc.is_closed
