@@ -26,6 +26,7 @@ import msgspec
 import structlog
 from prometheus_client import CollectorRegistry
 
+from llmgw.events.retry import backoff_delay
 from llmgw.events.store import EventStore
 from llmgw.projections.backends import Backend, Transaction
 from llmgw.projections.base import Projection
@@ -353,7 +354,6 @@ class ProjectionRunner:
 
     async def _run(self, slot: _Slot) -> None:
         p = slot.projection
-        delay = RETRY_MIN_S
         retries = 0
         while True:
             try:
@@ -368,7 +368,6 @@ class ProjectionRunner:
                                 rewind = await self._apply(slot, batch)
                             except Exception as exc:
                                 raise _ApplyFailed() from exc
-                        delay = RETRY_MIN_S
                         if retries:
                             log.info("projection resumed", projection=p.name, position=slot.position, retries=retries)
                             retries = 0
@@ -390,6 +389,7 @@ class ProjectionRunner:
                 self.metrics.errors.labels(projection=p.name).inc()
                 slot.status, slot.error = "retrying", error
                 retries += 1
+                delay = backoff_delay(retries, RETRY_MIN_S, RETRY_MAX_S)
                 if retries == 1 or retries % 10 == 0:
                     log.warning(
                         "projection interrupted; retrying",
@@ -399,7 +399,6 @@ class ProjectionRunner:
                         retries=retries,
                     )
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_S)
                 slot.error = None
 
     async def _apply(self, slot: _Slot, batch: Sequence[Any]) -> bool:

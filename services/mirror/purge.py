@@ -31,6 +31,7 @@ from llmgw.events.agent_rpc import WeightsReply, WeightsRequest, weights_subject
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.replica_fold import Replica, fold_replica
+from llmgw.events.retry import backoff_delay
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 
@@ -363,7 +364,6 @@ class Purger:
         log a moment before the agent let go of it, so a file still held is asked for again a few times.
         """
         removed: list[str] = []
-        delay = 0.2
         for attempt in range(self.agent_attempts):
             reply = await self._ask(node, WeightsRequest(action="remove", remove=files, keep=keep))
             if reply is None or reply.error:
@@ -372,8 +372,8 @@ class Purger:
             files = [f for f in files if f in reply.held]
             if not files or attempt == self.agent_attempts - 1:
                 break
-            await asyncio.sleep(delay)  # the agent's own loop lets go of a stopped engine's file
-            delay = min(delay * 2, 5.0)
+            # the agent's own loop lets go of a stopped engine's file
+            await asyncio.sleep(backoff_delay(attempt + 1, 0.2, 5.0))
         return removed, files
 
     async def _ask(self, node: str, req: WeightsRequest) -> WeightsReply | None:

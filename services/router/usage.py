@@ -25,6 +25,7 @@ and failures are logged with their count and error, at most every 10 s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import time
 from collections import deque
@@ -37,6 +38,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from llmgw.events import subjects as S
+from llmgw.events.retry import backoff_delay
 from llmgw.events.usage import UsageRecord, usage_subject
 from llmgw.services.router.journal import Journal
 from llmgw.services.router.metrics import UsageMetrics
@@ -284,7 +286,7 @@ class UsagePublisher:
         return bool(self._memory) or self._journaled > 0
 
     async def _run(self) -> None:
-        delay = RETRY_MIN_S
+        refused = 0  # rounds in a row the bus refused: the pause before the next doubles with each
         while not self._stopping.is_set():
             if not self._has_work():
                 self._wake.clear()
@@ -296,13 +298,11 @@ class UsagePublisher:
                 log.exception("usage publisher step failed; retrying", error=str(exc))
                 ok = False
             if ok:
-                delay = RETRY_MIN_S
+                refused = 0
                 continue
-            try:
-                await asyncio.wait_for(self._stopping.wait(), delay)
-            except TimeoutError:
-                pass
-            delay = min(delay * 2, self.cfg.retry_max_s)
+            refused += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), backoff_delay(refused, RETRY_MIN_S, self.cfg.retry_max_s))
 
     async def _step(self, ack_timeout_s: float) -> bool:
         """One round: spill to the journal if records must be kept there, then publish a batch
