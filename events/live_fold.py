@@ -367,9 +367,6 @@ class FoldRegistry:
     def health(self) -> list[FoldHealth]:
         return [f.health() for f in self._folds.values()]
 
-    def unhealthy(self) -> list[FoldHealth]:
-        return [h for h in self.health() if not h.live]
-
 
 def health_body(folds: list[FoldHealth]) -> dict[str, Any]:
     """The folds' part of a ``/healthz`` answer: each fold's health, and why each one not live is not."""

@@ -116,11 +116,6 @@ async def read_checkpoint(reader: Backend | Transaction, name: str) -> Checkpoin
     return None if row is None else Checkpoint(row[0], int(row[1]), int(row[2]))
 
 
-async def all_checkpoints(backend: Backend) -> list[Checkpoint]:
-    rows = await backend.fetchall(f"SELECT name, position, version FROM {CHECKPOINTS} ORDER BY name")
-    return [Checkpoint(r[0], int(r[1]), int(r[2])) for r in rows]
-
-
 async def init_checkpoint(tx: Transaction, name: str, version: int) -> Checkpoint:
     """The projection's checkpoint, created at position 0 if it has none."""
     await tx.execute(

@@ -265,12 +265,6 @@ _snapshot_encoder = msgspec.msgpack.Encoder()
 _snapshot_decoder = msgspec.msgpack.Decoder(ClusterSnapshot)
 
 
-def format_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    return f"{n / GiB:.1f} GiB"
-
-
 def gib(n: float | None) -> int:
     return int((n or 0) * GiB)
 
