@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import stat
 import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,69 +14,12 @@ import pytest
 from llmgw.cli.context import cli_actor
 from llmgw.events.access import hash_api_key, key_prefix
 from tests.support import free_port
-
-LLMGW = str(Path(sys.executable).parent / "llmgw")
-
-
-class Up:
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.port = free_port()
-        self.admin_port = free_port()
-        self.proc: subprocess.Popen | None = None
-        self.log = data_dir.parent / f"up-{self.port}.log"
-
-    def start(self) -> Up:
-        self.proc = subprocess.Popen(
-            [
-                LLMGW,
-                "up",
-                "--data-dir",
-                str(self.data_dir),
-                "--port",
-                str(self.port),
-                "--admin-port",
-                str(self.admin_port),
-                "--nats-port",
-                "0",
-            ],
-            stdout=open(self.log, "ab"),
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"llmgw up exited early:\n{self.log.read_text()[-3000:]}"
-            if (self.data_dir / "run.json").exists() and self.health(self.admin_port) == 200:
-                return self
-            time.sleep(0.05)
-        raise AssertionError(f"llmgw up did not become healthy:\n{self.log.read_text()[-3000:]}")
-
-    def health(self, port: int) -> int:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
-                return r.status
-        except OSError:
-            return 0
-
-    def nats_pid(self) -> int:
-        out = subprocess.run(["pgrep", "-f", f"nats-server -c {self.data_dir}/nats"], capture_output=True, text=True)
-        return int(out.stdout.split()[0]) if out.stdout.strip() else 0
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
-        env = {**os.environ, "LLMGW_DATA_DIR": str(self.data_dir)}
-        env.pop("LLMGW_NATS_URL", None)
-        env.pop("LLMGW_API_URL", None)
-        return subprocess.run([LLMGW, *args], capture_output=True, text=True, env=env, timeout=60)
+from tests.up import LLMGW, Up
 
 
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[Up]:
-    u = Up(tmp_path / "data").start()
+    u = Up(tmp_path / "data", demo=True).start()
     yield u
     if u.proc and u.proc.poll() is None:
         u.stop()
