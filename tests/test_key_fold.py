@@ -28,7 +28,7 @@ from llmgw.projections.access import AccessProjection
 from llmgw.projections.backends import open_backend
 from llmgw.projections.fold import commit_batch, create_tables
 from llmgw.services.access.rules import AccessState
-from llmgw.services.router.state import RouterState, key_info
+from llmgw.services.router.state import RouterState
 from llmgw.services.tenancy.tree import TenancyTree
 
 T0 = 1_700_000_000.0
@@ -211,7 +211,7 @@ def test_the_projection_the_access_service_and_the_router_fold_keys_limits_price
     assert rows["prices"] == fold["prices"]
     assert rows["budgets"] == fold["budgets"]
 
-    live = {k.prefix: key_info(k) for k in state.keys.values() if not k.revoked}
+    live = {k.prefix: k for k in state.keys.values() if not k.revoked}
     assert router.keys == live, "a router accepts a key the access service holds revoked, or the reverse"
     held = {s: state.book.limit_of(s) for s in {*state.limits, *(f"key:{k}" for k in state.keys)}}
     assert router.limits == {s: (v.rpm, v.tpm) for s, v in held.items() if v is not None}

@@ -352,7 +352,7 @@ class FakeView:
     def __init__(self, key: KeyInfo, models: list[ModelInfo], ready: dict[str, int], starting: dict[str, int]) -> None:
         self.keys = {key.prefix: key}
         self.models = {m.name: m for m in models}
-        self.limits: dict[str, tuple[int | None, int | None]] = {f"key:{key.key_id}": (key.rpm, None)}
+        self.limits: dict[str, tuple[int | None, int | None]] = {f"key:{key.id}": (key.rpm, None)}
         self._ready, self._starting = ready, starting
 
     def resolve(self, name: str) -> ModelInfo | None:
@@ -365,7 +365,7 @@ class FakeView:
         return self._starting.get(model, 0)
 
     def scopes_of(self, key: KeyInfo) -> list[str]:
-        return [f"key:{key.key_id}", f"project:{key.project_id}"]
+        return [f"key:{key.id}", f"project:{key.project_id}"]
 
 
 def _model(name: str, *, fallbacks: tuple[str, ...] = (), min_: int = 1, **status) -> ModelInfo:
@@ -380,7 +380,7 @@ def _model(name: str, *, fallbacks: tuple[str, ...] = (), min_: int = 1, **statu
 
 
 SECRET, PREFIX, DIGEST = A.make_api_key()
-FULL_KEY = KeyInfo(key_id="k", prefix=PREFIX, secret_sha256=DIGEST, project_id="p", rpm=0, models=frozenset({"m", "b"}))
+FULL_KEY = KeyInfo(id="k", prefix=PREFIX, secret_sha256=DIGEST, project_id="p", rpm=0, models=["m", "b"])
 ROOMY_KEY = msgspec.structs.replace(FULL_KEY, rpm=10)
 
 
@@ -438,7 +438,7 @@ def test_a_model_refused_for_want_of_a_replica_is_asked_for_and_a_stopped_one_is
 
 
 def test_an_expired_key_is_refused_by_the_clock_it_is_given() -> None:
-    key = msgspec.structs.replace(ROOMY_KEY, expires_at=500.0)
+    key = msgspec.structs.replace(ROOMY_KEY, expires_at=datetime.fromtimestamp(500.0, UTC))
     assert isinstance(adm.authenticate(f"Bearer {SECRET}", {PREFIX: key}, 499.0), KeyInfo)
     refused = adm.authenticate(f"Bearer {SECRET}", {PREFIX: key}, 500.0)
     assert isinstance(refused, adm.Refusal) and refused.code == "expired_api_key"

@@ -32,7 +32,7 @@ from llmgw.services.router.state import KeyInfo, RouterState
 T0 = 1_700_000_000.0
 REGISTRY = default_registry()
 TREE = event_subject(T.AGGREGATE, T.TREE_ID)
-KEY = KeyInfo(key_id="k1", prefix="abcd1234", secret_sha256="0" * 64, project_id="p1")
+KEY = KeyInfo(id="k1", prefix="abcd1234", secret_sha256="0" * 64, project_id="p1")
 
 
 def recorded(payloads: list[msgspec.Struct]) -> list[RecordedEvent]:

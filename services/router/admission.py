@@ -134,7 +134,7 @@ def authenticate(authorization: str, keys: Mapping[str, KeyInfo], now: float) ->
     key = keys.get(prefix) if prefix else None
     if key is None or not hmac.compare_digest(key.secret_sha256, A.hash_api_key(secret)):
         return Refusal(status=401, code="invalid_api_key", message="invalid API key: it is unknown or was revoked")
-    if key.expires_at is not None and key.expires_at <= now:
+    if key.expires_at is not None and key.expires_at.timestamp() <= now:
         return Refusal(status=401, code="expired_api_key", message=f"API key {key.prefix} expired; make a new one")
     return key
 

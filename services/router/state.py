@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime
 
 import msgspec
 
@@ -20,19 +19,6 @@ from llmgw.events import scheduler as SCH
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.subjects import aggregate_of
 from llmgw.events.tenancy_fold import TREE_EVENTS, Scope, TenancyTree
-
-
-class KeyInfo(msgspec.Struct, kw_only=True):
-    key_id: str
-    prefix: str
-    secret_sha256: str
-    project_id: str
-    name: str = ""
-    user: str | None = None
-    rpm: int | None = None
-    tpm: int | None = None
-    models: frozenset[str] = frozenset()
-    expires_at: float | None = None  # epoch seconds
 
 
 class ModelInfo(msgspec.Struct, M.ModelStatusView, kw_only=True):
@@ -55,25 +41,11 @@ class ReplicaInfo(msgspec.Struct, kw_only=True):
     url: str | None = None
 
 
-# A scope's budget and a model's price as the shared fold keeps them.
+# A key, a scope's budget and a model's price as the shared fold keeps them: the router checks
+# the fold's own records, it does not copy them into structs of its own.
+KeyInfo = K.Key
 Budget = K.Budget
 Price = K.Price
-
-
-def key_info(key: K.Key) -> KeyInfo:
-    """What a router checks of a key, from the shared fold's record of it."""
-    return KeyInfo(
-        key_id=key.id,
-        prefix=key.prefix,
-        secret_sha256=key.secret_sha256,
-        project_id=key.project_id,
-        name=key.name,
-        user=key.user,
-        rpm=key.rpm,
-        tpm=key.tpm,
-        models=frozenset(key.models),
-        expires_at=key.expires_at.timestamp() if isinstance(key.expires_at, datetime) else None,
-    )
 
 
 SNAPSHOT_NAME = "router"
@@ -102,7 +74,7 @@ class RouterState:
         # Keys, limits, prices and budgets are the shared fold's (events/key_fold.py); the router
         # indexes the live keys by prefix and the limits as admission reads them.
         self.access = K.AccessBook()
-        self.keys: dict[str, KeyInfo] = {}  # live keys by prefix
+        self.keys: dict[str, K.Key] = {}  # live keys by prefix: the shared fold's records
         self.tree = TenancyTree()  # the shared fold (events/tenancy_fold.py): a key's project, team and org
         self.limits: dict[str, tuple[int | None, int | None]] = {}  # "project:<id>" -> (rpm, tpm)
         self.prices: dict[str, Price] = self.access.prices
@@ -128,9 +100,9 @@ class RouterState:
     def starting(self, model: str) -> int:
         return sum(1 for r in self.replicas.values() if r.model == model and r.state in ("placed", "starting"))
 
-    def scopes_of(self, key: KeyInfo) -> list[str]:
+    def scopes_of(self, key: K.Key) -> list[str]:
         """The key's scopes, most specific first: key, project, team, org."""
-        return [f"key:{key.key_id}", f"project:{key.project_id}", *self.tree.scopes_above(key.project_id)]
+        return [f"key:{key.id}", f"project:{key.project_id}", *self.tree.scopes_above(key.project_id)]
 
     def ready_event(self, model: str) -> asyncio.Event:
         ev = self._ready_signal.get(model)
@@ -172,7 +144,7 @@ class RouterState:
         state.limits = snap.key_limits
         state.tree.scopes, state.tree.placed, state.tree.last_seq = snap.scopes, snap.placed, snap.tree_seq
         state.models, state.replicas = snap.models, snap.replicas
-        state.keys = {k.prefix: key_info(k) for k in snap.keys.values() if not k.revoked}
+        state.keys = {k.prefix: k for k in snap.keys.values() if not k.revoked}
         for model, ids in snap.ready.items():
             ready = {i: snap.replicas[i] for i in ids if i in snap.replicas}
             if ready:
@@ -229,10 +201,10 @@ class RouterState:
         before = self.access.keys.get(key_id) if key_id is not None else None
         self.access.apply(p)
         if key_id is not None and (key := self.access.keys.get(key_id)) is not None:
-            if before is not None and (held := self.keys.get(before.prefix)) is not None and held.key_id == key_id:
+            if before is not None and (held := self.keys.get(before.prefix)) is not None and held.id == key_id:
                 del self.keys[before.prefix]
             if not key.revoked:
-                self.keys[key.prefix] = key_info(key)
+                self.keys[key.prefix] = key
         scope = f"key:{key_id}" if key_id is not None else getattr(p, "scope", None)
         if isinstance(p, A.KeyCreated | A.LimitSet) and scope is not None:
             limit = self.access.limit_of(scope)

@@ -63,7 +63,7 @@ def usage_record(call: Call, scopes: list[str], total_s: float, router: str) -> 
         request_id=call.request_id,
         at=call.at,
         status=call.status or 500,
-        key_id=key.key_id if key else None,
+        key_id=key.id if key else None,
         project_id=key.project_id if key else None,
         team_id=team,
         org_id=org,
