@@ -10,6 +10,8 @@ opened as it is: only `llmgw streams replicas N` changes its replicas.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats.js.errors
 from nats.js import JetStreamContext
@@ -20,21 +22,19 @@ from nats.js.object_store import ObjectStore
 from llmgw.events.retry import retrying
 from llmgw.events.store import _connect_urls, cluster_replicas
 
+T = TypeVar("T")
+
 
 async def open_bucket(js: JetStreamContext, config: KeyValueConfig, replicas: int | None = None) -> KeyValue:
     """The bucket ``config.bucket``, created with ``config`` at ``replicas`` (None: the cluster's size) if missing."""
     name = config.bucket
-    try:
-        return await retrying(f"bucket {name}", lambda: js.key_value(name))
-    except nats.js.errors.BucketNotFoundError:
-        pass
-    n = replicas if replicas is not None else cluster_replicas(_connect_urls(js._nc))
-    try:
-        return await retrying(
-            f"create bucket {name}", lambda: js.create_key_value(dataclasses.replace(config, replicas=n))
-        )
-    except nats.js.errors.APIError:
-        return await retrying(f"bucket {name}", lambda: js.key_value(name))  # created by another process meanwhile
+    return await _open_or_create(
+        js,
+        f"bucket {name}",
+        lambda: js.key_value(name),
+        lambda n: js.create_key_value(dataclasses.replace(config, replicas=n)),
+        replicas,
+    )
 
 
 async def open_object_store(
@@ -42,15 +42,29 @@ async def open_object_store(
 ) -> ObjectStore:
     """The object store ``config.bucket``, created with ``config`` at ``replicas`` (None: the cluster's size)."""
     name = config.bucket
+    return await _open_or_create(
+        js,
+        f"object store {name}",
+        lambda: js.object_store(name),
+        lambda n: js.create_object_store(name, config=dataclasses.replace(config, replicas=n)),
+        replicas,
+    )
+
+
+async def _open_or_create(
+    js: JetStreamContext,
+    what: str,
+    open_existing: Callable[[], Awaitable[T]],
+    create: Callable[[int], Awaitable[T]],
+    replicas: int | None,
+) -> T:
+    """``open_existing()``, else ``create`` at ``replicas`` (None: the cluster's size) if it is missing."""
     try:
-        return await retrying(f"object store {name}", lambda: js.object_store(name))
+        return await retrying(what, open_existing)
     except nats.js.errors.BucketNotFoundError:
         pass
     n = replicas if replicas is not None else cluster_replicas(_connect_urls(js._nc))
     try:
-        return await retrying(
-            f"create object store {name}",
-            lambda: js.create_object_store(name, config=dataclasses.replace(config, replicas=n)),
-        )
+        return await retrying(f"create {what}", lambda: create(n))
     except nats.js.errors.APIError:
-        return await retrying(f"object store {name}", lambda: js.object_store(name))  # made by another process
+        return await retrying(what, open_existing)  # created by another process meanwhile
