@@ -53,6 +53,7 @@ def request_lines(r: dict[str, Any]) -> list[str]:
     served = r["model_served"] or "-"
     fields = [
         ("request", r["request_id"]),
+        ("client id", r.get("client_request_id") or "-"),
         ("at", r["at"]),
         ("status", f"{r['status']}" + (f" ({r['error']})" if r.get("error") else "")),
         ("model", f"asked {r['model_asked'] or '-'}, served {served}"),
@@ -69,7 +70,13 @@ def request_lines(r: dict[str, Any]) -> list[str]:
         ("user", r["user"] or "-"),
         ("router", r["router"] or "-"),
     ]
-    return [f"{name:<11} {value}" for name, value in fields]
+    lines = [f"{name:<11} {value}" for name, value in fields]
+    if r.get("same_client_request_id"):
+        others = r["same_client_request_id"]
+        lines.append(
+            f"{len(others)} other request(s) carried the same client id; by the gateway's id: " + ", ".join(others[:10])
+        )
+    return lines
 
 
 @ctl.command("usage")
@@ -101,7 +108,9 @@ def usage(ctx: click.Context, scope: str | None, since: str, by: str, as_json: b
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def request(ctx: click.Context, request_id: str, as_json: bool) -> None:
-    """One request's usage record: status, models, replica, tokens, timings, cost, key, project."""
+    """One request's usage record: status, models, replica, tokens, timings, cost, key, project.
+
+    REQUEST_ID is the gateway's id (its x-request-id header) or the client's own X-Request-Id."""
 
     async def go(s: Session) -> None:
         body = await s.api("GET", f"/api/v1/requests/{quote(request_id, safe='')}")

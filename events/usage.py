@@ -1,7 +1,9 @@
 """One usage record per request (SPEC GW-8, USE-1), on ``llmgw.usage.<project id>``.
 
 Published by the router with ``Nats-Msg-Id`` = the request id, so a record sent twice is stored
-once. The accountant folds them into per-minute rollups (USE-2).
+once. That id is the gateway's own (SPEC GW-2 as tightened by "Trust"): a client that repeats its
+``X-Request-Id`` is billed for every request; its id is kept as ``client_request_id``.
+The accountant folds them into per-minute rollups (USE-2).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import msgspec
 
 
 class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
-    request_id: str
+    request_id: str  # made by the gateway, never the client's (a client may repeat its own)
+    client_request_id: str | None = None  # the client's X-Request-Id, when it sent a plain one
     at: datetime  # when the request arrived
     status: int
     key_id: str | None = None

@@ -42,6 +42,7 @@ PERIODS = ("day", "month")
 
 REQUEST_COLUMNS = (
     "request_id",
+    "client_request_id",
     "seq",
     "at",
     "status",
@@ -184,10 +185,13 @@ def rollup_keys(r: UsageRecord) -> list[tuple[str, str, str | None, str | None, 
 
 class UsageProjection(Projection):
     name = "usage"
+    # 2: the client's X-Request-Id kept beside the gateway's own (requests.client_request_id)
+    version = 2
     stream = STREAM_USAGE
     subject = f"{USAGE_ROOT}.>"
     tables = {
-        "requests": "request_id TEXT NOT NULL, seq BIGINT NOT NULL, at TEXT NOT NULL, status INTEGER NOT NULL, "
+        "requests": "request_id TEXT NOT NULL, client_request_id TEXT, seq BIGINT NOT NULL, at TEXT NOT NULL, "
+        "status INTEGER NOT NULL, "
         "key_id TEXT, project_id TEXT, team_id TEXT, org_id TEXT, user_name TEXT, model_asked TEXT NOT NULL, "
         "model_served TEXT, replica_id TEXT, node_id TEXT, endpoint TEXT NOT NULL, stream INTEGER NOT NULL, "
         "tokens_in BIGINT NOT NULL, tokens_out BIGINT NOT NULL, queue_s DOUBLE PRECISION NOT NULL, "
@@ -200,7 +204,7 @@ class UsageProjection(Projection):
     }
     primary_keys = {"requests": ["request_id"], "rollups": ["minute", "dimension", "value", "model"]}
     indexes = {
-        "requests": [["at"], ["project_id", "at"], ["key_id", "at"]],
+        "requests": [["at"], ["project_id", "at"], ["key_id", "at"], ["client_request_id", "at"]],
         "rollups": [["dimension", "value", "minute"]],  # the key, which starts with the minute, serves the rest
     }
     handlers = {}  # one type, folded a batch at a time (apply_batch)
@@ -261,6 +265,7 @@ def micros(seconds: float) -> int:
 def _request_row(seq: int, r: UsageRecord) -> tuple[Any, ...]:
     return (
         r.request_id,
+        r.client_request_id,
         seq,
         stamp(r.at),
         r.status,
@@ -431,15 +436,27 @@ async def usage_totals(backend: Backend, by: str, scope: tuple[str, str] | None,
 
 
 async def request_record(backend: Backend, request_id: str) -> dict[str, Any] | None:
-    """One stored request, by id, with the record's field names (``user``, ``stream`` as a bool)."""
-    rows = await backend.query(
-        "usage", f"SELECT {', '.join(REQUEST_COLUMNS)} FROM {{requests}} WHERE request_id = ?", request_id
-    )
+    """One stored request, with the record's field names (``user``, ``stream`` as a bool), found by the
+    gateway's id or else by the client's ``X-Request-Id``. A client may send one id with several
+    requests: the newest is answered, and ``same_client_request_id`` lists the gateway's ids of the
+    others (newest first)."""
+    columns = ", ".join(REQUEST_COLUMNS)
+    rows = await backend.query("usage", f"SELECT {columns} FROM {{requests}} WHERE request_id = ?", request_id)
+    others: list[str] = []
+    if not rows:
+        rows = await backend.query(
+            "usage",
+            f"SELECT {columns} FROM {{requests}} WHERE client_request_id = ? ORDER BY at DESC, seq DESC",
+            request_id,
+        )
+        others = [r[0] for r in rows[1:]]
     if not rows:
         return None
     out = dict(zip(REQUEST_COLUMNS, rows[0], strict=True))
     out["user"] = out.pop("user_name")
     out["stream"] = bool(out["stream"])
+    if others:
+        out["same_client_request_id"] = others
     return out
 
 

@@ -148,7 +148,7 @@ async def test_the_openai_client_works_unchanged(gw: Fleet, tiny: Path) -> None:
         await client(gw, "llmgw-aaaaaaaa-" + "x" * 43).models.list()
 
 
-async def test_a_request_id_is_kept_or_made_and_set_on_every_answer(gw: Fleet, tiny: Path) -> None:
+async def test_the_gateway_makes_its_own_request_id_and_echoes_the_clients(gw: Fleet, tiny: Path) -> None:
     tenant = await make_tenant(gw.store)
     key, _ = await make_key(gw.store, tenant)
     await router_caught_up(gw, 0)
@@ -157,11 +157,17 @@ async def test_a_request_id_is_kept_or_made_and_set_on_every_answer(gw: Fleet, t
         async with s.post(
             url, data=b"{not json", headers={"Authorization": f"Bearer {key}", "X-Request-Id": "req-123"}
         ) as r:
-            assert r.status == 400 and r.headers["x-request-id"] == "req-123"
+            assert r.status == 400 and r.headers["x-client-request-id"] == "req-123"  # the client's, echoed
+            assert len(r.headers["x-request-id"]) == 36  # and the gateway's own
             body = await r.json()
             assert body["error"]["type"] == "invalid_request_error" and "not valid JSON" in body["error"]["message"]
-        async with s.post(url, json={"model": "x", "messages": []}, headers={"X-Request-Id": "bad id\u00e9" * 30}) as r:
-            assert r.status == 400 and len(r.headers["x-request-id"]) == 36  # generated: the given one was not plain
+        async with s.post(
+            url,
+            json={"model": "x", "messages": []},
+            headers={"Authorization": f"Bearer {key}", "X-Request-Id": "bad id\u00e9" * 30},
+        ) as r:
+            assert r.status == 400 and len(r.headers["x-request-id"]) == 36
+            assert "x-client-request-id" not in r.headers  # not a plain id: not echoed
 
 
 async def test_statuses_case_by_case(gw: Fleet, tiny: Path) -> None:
@@ -327,6 +333,91 @@ async def test_a_budget_is_never_overshot_by_concurrent_streaming_requests(gw: F
     assert 0 < spent <= budget
 
 
+async def usage_records(gw: Fleet, project: str) -> list[UsageRecord]:
+    """Every usage record of ``project`` in the usage stream."""
+    out = []
+    info = await gw.store.js.stream_info("LLMGW_USAGE")
+    for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
+        try:
+            msg = await gw.store.js.get_msg("LLMGW_USAGE", seq)
+        except nats.js.errors.NotFoundError:
+            continue
+        if msg.subject == f"llmgw.usage.{project}":
+            out.append(msgspec.json.decode(msg.data, type=UsageRecord))
+    return out
+
+
+async def test_requests_that_share_a_client_request_id_are_each_billed_and_never_overshoot_a_budget(
+    gw: Fleet, tiny: Path
+) -> None:
+    # A client that sends one X-Request-Id with every request used to be billed once (the records were
+    # de-duplicated on it) and its concurrent requests overwrote each other's budget hold.
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant)
+    await set_event(
+        gw.store,
+        A.PRICE_AGGREGATE,
+        "tiny",
+        A.PriceSet(model="tiny", input_usd_per_m=1_000_000, output_usd_per_m=1_000_000),
+    )
+    budget = 150.0
+    scope = f"project:{tenant.project}"
+    await set_event(gw.store, A.BUDGET_AGGREGATE, scope, A.BudgetSet(scope=scope, usd=budget, period="day"))
+    await ready_model(gw, tiny)
+    await router_caught_up(gw, 0)
+    url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 8}
+    headers = {"Authorization": f"Bearer {key}", "X-Request-Id": "same-1"}
+
+    async with aiohttp.ClientSession() as s:
+
+        async def one() -> tuple[int, str]:
+            async with s.post(url, json=body, headers=headers) as r:
+                assert r.headers["x-client-request-id"] == "same-1"
+                await r.read()
+                return r.status, r.headers["x-request-id"]
+
+        answers = await asyncio.gather(*(one() for _ in range(30)))
+    statuses = [status for status, _ in answers]
+    assert 200 in statuses and 429 in statuses, statuses  # the budget ran out part way
+    assert len({rid for _, rid in answers}) == 30  # each its own id
+
+    async def all_recorded() -> list[UsageRecord] | None:
+        found = [r for r in await usage_records(gw, tenant.project) if r.client_request_id == "same-1"]
+        return found if len(found) == 30 else None
+
+    records = await wait_until(all_recorded, what="a usage record for each of the 30 requests")
+    assert sorted(r.request_id for r in records) == sorted(rid for _, rid in answers)
+    assert sorted(r.status for r in records) == sorted(statuses)
+    from llmgw.services.router.budgets import BudgetBook
+
+    spent = await BudgetBook(gw.store.js).spent(scope, "day")
+    billed = sum(r.cost_usd for r in records)
+    assert 0 < spent <= budget
+    assert round(spent, 2) == round(billed, 2)  # the budget book reconciles with the records
+
+    # `ctl request same-1` finds the newest, and names the others by the gateway's ids.
+    runner = gw.handles["runner"]
+    assert await runner.wait_until("usage", (await gw.store.js.stream_info("LLMGW_USAGE")).state.last_seq, timeout=60)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"http://127.0.0.1:{gw.admin_port}/api/v1/requests/same-1") as r,
+    ):
+        assert r.status == 200, await r.text()
+        found = await r.json()
+    assert found["client_request_id"] == "same-1"
+    assert sorted([found["request_id"], *found["same_client_request_id"]]) == sorted(rid for _, rid in answers)
+
+
+async def test_a_request_without_a_key_is_answered_401_before_its_body_is_judged(gw: Fleet) -> None:
+    url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+    async with aiohttp.ClientSession() as s:
+        for data in (b"{not json", b"x" * (5 * 1024 * 1024)):  # malformed, and past the 4 MiB limit
+            async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 401, (r.status, await r.text())
+                assert (await r.json())["error"]["code"] in ("missing_api_key", "invalid_api_key")
+
+
 async def test_a_replica_killed_before_the_first_byte_is_retried_on_another(gw: Fleet, tiny: Path) -> None:
     gw.agent("n2")
     tenant = await make_tenant(gw.store)
@@ -370,7 +461,7 @@ async def test_a_client_that_disconnects_mid_stream_is_recorded_as_499(gw: Fleet
         except nats.js.errors.NotFoundError:
             return None
         rec = msgspec.json.decode(msg.data, type=UsageRecord)
-        return rec if rec.request_id == "gone-1" else None
+        return rec if rec.client_request_id == "gone-1" else None
 
     rec = await wait_until(record, what="the usage record of the disconnected request")
     assert rec.status == 499
@@ -552,7 +643,7 @@ async def test_a_model_that_cannot_answer_falls_back_to_the_next(gw: Fleet, tiny
         except nats.js.errors.NotFoundError:
             return None  # not published yet: records leave the request path through a queue
         rec = msgspec.json.decode(msg.data, type=UsageRecord)
-        return rec if rec.request_id == "fb-1" else None
+        return rec if rec.client_request_id == "fb-1" else None
 
     rec = await wait_until(record, what="the fallback request's usage record")
     assert (rec.model_asked, rec.model_served) == ("primary", "backup")

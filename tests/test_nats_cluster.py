@@ -311,7 +311,7 @@ async def billed(store: EventStore, request_ids: list[str]) -> bool:
     try:
         for seq in range(1, await usage.stream_last_seq() + 1):
             with contextlib.suppress(nats.js.errors.NotFoundError):
-                seen.add(decode_usage((await store.js.get_msg(S.STREAM_USAGE, seq)).data or b"").request_id)
+                seen.add(decode_usage((await store.js.get_msg(S.STREAM_USAGE, seq)).data or b"").client_request_id)
     except Exception as exc:
         if not is_transient(exc):
             raise

@@ -93,7 +93,7 @@ async def usage_in_stream(js: Any) -> Counter[str]:
             msg = await js.get_msg("LLMGW_USAGE", seq)
         except nats.js.errors.NotFoundError:
             continue
-        ids[msgspec.json.decode(msg.data)["request_id"]] += 1
+        ids[msgspec.json.decode(msg.data)["client_request_id"]] += 1  # the id each test request was sent with
     return ids
 
 
@@ -269,7 +269,7 @@ async def test_a_full_disk_under_the_bus_loses_no_usage_record_and_none_is_count
             runner = fleet.handles["runner"]
             last = (await store.js.stream_info("LLMGW_USAGE")).state.last_seq
             assert await runner.wait_until("usage", last, timeout=60)
-            rows = await fleet.handles["backend"].query("usage", "SELECT request_id FROM {requests}")
+            rows = await fleet.handles["backend"].query("usage", "SELECT client_request_id FROM {requests}")
             counted = Counter(r[0] for r in rows)
             assert {rid: counted[rid] for rid in served} == dict.fromkeys(served, 1)
             assert not list((tmp_path / "usage-journal").glob("*.journal")), "acknowledged segments are deleted"
@@ -385,7 +385,7 @@ async def test_records_a_stopping_router_could_not_publish_are_journaled_and_pub
     assert left and left[0]["records"] == 5 and left[0]["log_level"] == "warning"
 
     kept = Journal(journal)
-    in_journal = [msgspec.json.decode(r)["request_id"] for s in kept.segments() for r in kept.read(s)[0]]
+    in_journal = [msgspec.json.decode(r)["client_request_id"] for s in kept.segments() for r in kept.read(s)[0]]
     assert sorted(in_journal) == sorted(served), "the stopped router left its unacknowledged records in the journal"
 
     nats.start()

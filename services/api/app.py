@@ -477,7 +477,8 @@ class AdminApi:
             return error(
                 404,
                 f"no usage record for request {rid}: a record is written when the request ends; "
-                "check the id in the gateway's x-request-id header or access log",
+                "check the id in the gateway's x-request-id header or access log (the client's own id, "
+                "echoed as x-client-request-id, finds it too)",
                 "not_found",
             )
         return web.json_response(found)

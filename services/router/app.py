@@ -2,7 +2,7 @@
 
 The request path is a fixed sequence of layers, each able to answer early:
 
-    request id → body → key → model → servable? → limits → budget → replica → proxy → usage
+    request id → key → body → model → servable? → limits → budget → replica → proxy → usage
 
 This module is the wiring and that sequence; each layer's decisions are elsewhere (docs/gateway.md
 has the table): the body in :mod:`.validation`, admission in :mod:`.admission` (pure verdicts),
@@ -39,7 +39,7 @@ from llmgw.events.store import EventStore
 from llmgw.services.router import admission as adm
 from llmgw.services.router.budgets import BudgetBook, BudgetExceeded
 from llmgw.services.router.config import RouterConfig
-from llmgw.services.router.errors import ApiError, http_error
+from llmgw.services.router.errors import ApiError, http_error, id_headers
 from llmgw.services.router.gossip import SUBJECT as GOSSIP_SUBJECT
 from llmgw.services.router.gossip import LimitGossip
 from llmgw.services.router.journal import JournalError
@@ -62,6 +62,13 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 _dec = msgspec.json.Decoder()
 _enc = msgspec.json.Encoder()
 DEMAND_ROOT = f"{S.PREFIX}.demand"
+
+
+def _client_request_id(request: web.Request) -> str | None:
+    """The client's own ``X-Request-Id`` when it is a plain string of reasonable length: kept beside the
+    gateway's id and echoed, never used as a key (two requests may carry the same one)."""
+    given = request.headers.get("x-request-id")
+    return given if given and _REQUEST_ID.match(given) else None
 
 
 def _refused(refusal: adm.Refusal) -> ApiError:
@@ -227,21 +234,17 @@ class Router:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return http_error(exc, request).response(self._request_id(request))
+            return http_error(exc, request).response(new_id(), _client_request_id(request))
         except (asyncio.CancelledError, ConnectionError):
             raise
         except Exception as exc:
-            rid = self._request_id(request)
-            log.exception("request failed", request_id=rid, path=request.path)
+            rid, cid = new_id(), _client_request_id(request)
+            log.exception("request failed", request_id=rid, client_request_id=cid, path=request.path)
             return ApiError(
                 500,
                 f"internal error in the gateway ({type(exc).__name__}); request id {rid} is in the gateway's log",
                 "internal_error",
-            ).response(rid)
-
-    def _request_id(self, request: web.Request) -> str:
-        given = request.headers.get("x-request-id")
-        return given if given and _REQUEST_ID.match(given) else new_id()
+            ).response(rid, cid)
 
     def _authenticate(self, request: web.Request) -> KeyInfo:
         got = adm.authenticate(request.headers.get("authorization", ""), self.state.keys, self.clock())
@@ -250,11 +253,11 @@ class Router:
         return got
 
     async def list_models(self, request: web.Request) -> web.Response:
-        rid = self._request_id(request)
+        rid, cid = new_id(), _client_request_id(request)
         try:
             key = self._authenticate(request)
         except ApiError as exc:
-            return exc.response(rid)
+            return exc.response(rid, cid)
         data = []
         for m in sorted(self.state.models.values(), key=lambda m: m.name):
             if key.models and m.name not in key.models:
@@ -262,7 +265,7 @@ class Router:
             data.append(
                 {"id": m.name, "object": "model", "created": 0, "owned_by": "llmgw", "aliases": list(m.spec.aliases)}
             )
-        return web.json_response({"object": "list", "data": data}, headers={"x-request-id": rid})
+        return web.json_response({"object": "list", "data": data}, headers=id_headers(rid, cid))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "/v1/chat/completions")
@@ -277,12 +280,16 @@ class Router:
 
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         call = Call(
-            request_id=self._request_id(request),
+            request_id=new_id(),
+            client_request_id=_client_request_id(request),
             started=time.monotonic(),
             at=datetime.fromtimestamp(self.clock(), UTC),
             endpoint=endpoint,
         )
         try:
+            # The key before the body: without one nothing is read, so a stranger learns no more than
+            # 401 (not which body would be too large or malformed) and costs no body's read.
+            self._authenticate(request)
             body, raw = await self._body(request, endpoint)
             prompt = prompt_text(body, endpoint)
             limit_headers = self._admit(call, request, body, prompt)
@@ -290,21 +297,21 @@ class Router:
             return await self._route(request, call, body, raw, prompt, limit_headers)
         except ApiError as exc:
             call.status, call.error = exc.status, exc.message
-            return exc.response(call.request_id)
+            return exc.response(call.request_id, call.client_request_id)
         except (asyncio.CancelledError, ConnectionError):
             # The client went away (ConnectionError covers aiohttp's "Connection lost" on a write
             # waiting for the client to read, as well as a reset).
             call.status = 499
             raise
         except Exception as exc:
-            log.exception("request failed", request_id=call.request_id)
+            log.exception("request failed", request_id=call.request_id, client_request_id=call.client_request_id)
             call.status, call.error = 500, f"internal error: {exc}"
             return ApiError(
                 500,
                 f"internal error in the gateway ({type(exc).__name__}); request id "
                 f"{call.request_id} is in the gateway's log",
                 "internal_error",
-            ).response(call.request_id)
+            ).response(call.request_id, call.client_request_id)
         finally:
             await self._finish(call)
 
@@ -485,6 +492,7 @@ class Router:
         access_log.info(
             "request",
             request_id=call.request_id,
+            client_request_id=call.client_request_id,
             model_asked=call.model_asked,
             model_served=record.model_served,
             replica=record.replica_id,

@@ -35,7 +35,7 @@ class ApiError(Exception):
         self.param = param
         super().__init__(message)
 
-    def response(self, request_id: str) -> web.Response:
+    def response(self, request_id: str, client_request_id: str | None = None) -> web.Response:
         body = {
             "error": {
                 "message": self.message,
@@ -44,7 +44,7 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
-        headers = {"x-request-id": request_id, **self.headers}
+        headers = {**id_headers(request_id, client_request_id), **self.headers}
         close = headers.pop("Connection", None) == "close"
         resp = web.Response(
             body=_enc.encode(body), status=self.status, headers=headers, content_type="application/json"
@@ -52,6 +52,14 @@ class ApiError(Exception):
         if close:
             resp.force_close()  # the rest of the body cannot be read: the client must not reuse the connection
         return resp
+
+
+def id_headers(request_id: str, client_request_id: str | None) -> dict[str, str]:
+    """The ids an answer carries: the gateway's own (the one its usage record and the logs are keyed
+    on) and, echoed, the client's ``X-Request-Id`` when it sent a plain one."""
+    if client_request_id is None:
+        return {"x-request-id": request_id}
+    return {"x-request-id": request_id, "x-client-request-id": client_request_id}
 
 
 def http_error(exc: web.HTTPException, request: web.Request) -> ApiError:

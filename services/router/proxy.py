@@ -18,7 +18,7 @@ from aiohttp import web
 
 from llmgw.events.secrets import engine_key
 from llmgw.services.router.config import RouterConfig
-from llmgw.services.router.errors import ApiError
+from llmgw.services.router.errors import ApiError, id_headers
 from llmgw.services.router.metrics import RouterMetrics
 from llmgw.services.router.state import ReplicaInfo
 from llmgw.services.router.usage_record import Call
@@ -172,7 +172,7 @@ class Upstream:
         elif upstream.status >= 400:
             call.error = data[:300].decode(errors="replace")
         call.ttft_s = time.monotonic() - call.started
-        headers = {"x-request-id": call.request_id, **limit_headers}
+        headers = {**id_headers(call.request_id, call.client_request_id), **limit_headers}
         return web.Response(
             body=data, status=upstream.status, headers=headers, content_type=upstream.content_type or "application/json"
         )
@@ -185,7 +185,7 @@ class Upstream:
             headers={
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
-                "x-request-id": call.request_id,
+                **id_headers(call.request_id, call.client_request_id),
                 **limit_headers,
             },
         )

@@ -19,7 +19,8 @@ CHARGED = (200, 499, 504, 502)
 class Call(msgspec.Struct, kw_only=True):
     """One request's facts, filled in layer by layer, ending as its usage record."""
 
-    request_id: str
+    request_id: str  # the gateway's own: keys the usage record, its de-duplication and budget holds
+    client_request_id: str | None = None  # the client's X-Request-Id, kept beside it and echoed
     started: float
     at: datetime
     endpoint: str
@@ -61,6 +62,7 @@ def usage_record(call: Call, scopes: list[str], total_s: float, router: str) -> 
     org = next((s.split(":", 1)[1] for s in scopes if s.startswith("org:")), None)
     return UsageRecord(
         request_id=call.request_id,
+        client_request_id=call.client_request_id,
         at=call.at,
         status=call.status or 500,
         key_id=key.id if key else None,
