@@ -13,7 +13,6 @@ recognise work already done).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from llmgw.events.retry import backoff_delay, is_transient
 from llmgw.events.secrets import engine_key, engine_key_secret, mirror_token
 from llmgw.events.store import AppendConflict, AppendResult, EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
+from llmgw.events.tasks import cancel_and_wait
 from llmgw.modelfiles.gguf_header import GGUFHeader, read_header_file
 from llmgw.modelfiles.http import read_header_url
 from llmgw.modelfiles.picking import RepoFile, validate_repo_id
@@ -112,12 +112,7 @@ class JobsService:
     async def close(self) -> None:
         """Stop the runners where they are; the next start resumes them."""
         self.stop()
-        tasks = list(self.tasks.values())
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self.tasks.values())
 
     # -- the log -----------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from llmgw.events.envelope import RecordedEvent
 from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
+from llmgw.events.tasks import cancel_and_wait
 from llmgw.services.mirror.download import DiskGuard, DownloadError, download
 from llmgw.services.mirror.state import PRESENT, FileState, MirrorState
 
@@ -169,11 +170,7 @@ class PeerMirror:
     async def close(self) -> None:
         if self._follower is not None:
             await self._follower.close()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)
 
     async def _catch_up(self) -> None:
         async for batch in self.store.subscribe(self.subject, after=self.own.position, follow=False):

@@ -34,6 +34,7 @@ from llmgw.events.replica_fold import Replica, fold_replica
 from llmgw.events.retry import backoff_delay
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
+from llmgw.events.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from llmgw.services.mirror.state import MirrorState
@@ -211,12 +212,7 @@ class Purger:
             self._waker.cancel()
         for fold in self._folds:
             await fold.close()
-        tasks = list(self.tasks.values())
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self.tasks.values())
 
     def _apply_model(self, e: RecordedEvent) -> None:
         fold_catalog(self.catalog, aggregate_of(e.subject)[1], e)

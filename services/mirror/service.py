@@ -28,6 +28,7 @@ from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.secrets import engine_key_secret, mirror_token
 from llmgw.events.store import AppendResult, EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
+from llmgw.events.tasks import cancel_and_wait
 from llmgw.services.mirror.download import DiskGuard, DownloadError, download
 from llmgw.services.mirror.files import file_server
 from llmgw.services.mirror.hub import DEFAULT_HUB, HubClient, HubError
@@ -170,12 +171,7 @@ class MirrorService:
             await self.purger.close()
         if self._follower is not None:
             await self._follower.close()
-        tasks = list(self.tasks.values())
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self.tasks.values())
         if self._session is not None:
             await self._session.close()
 
