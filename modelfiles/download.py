@@ -82,11 +82,16 @@ class DiskFull(OSError):
 
 
 class Expected(msgspec.Struct, frozen=True, kw_only=True):
-    """What the file should be, each part when known: more bytes than ``size`` fail at once."""
+    """What the file should be, each part when known: more bytes than ``size`` fail at once.
+
+    ``source`` says who vouches for it (``the hub published``, ``the mirror verified``), so that a
+    mismatch's message tells the reader whose word the file failed (empty: ``not the expected …``).
+    """
 
     size: int | None = None
     sha256: str | None = None
     blob_id: str | None = None
+    source: str = ""
 
 
 class Guard(Protocol):
@@ -104,6 +109,18 @@ def mismatch(expected: Expected, got: Digests) -> str | None:
     if expected.sha256 is None and expected.blob_id is not None and got.blob_id.lower() != expected.blob_id.lower():
         return "blob_id"
     return None
+
+
+_SHOWN = {"size": "{} bytes", "sha256": "sha256 {}", "blob_id": "git blob id {}"}
+
+
+def mismatch_reason(name: str, expected: Expected, got: Digests, field: str) -> str:
+    """What a :class:`Mismatch` of ``field`` says: what arrived, and what was expected by whom."""
+    have, want = getattr(got, field), getattr(expected, field)
+    if isinstance(want, str):
+        want = want.lower()
+    arrived = f"{name} arrived with {_SHOWN[field].format(have)}"
+    return f"{arrived}, and {expected.source} {want}" if expected.source else f"{arrived}, not the expected {want}"
 
 
 def transient_status(status: int) -> bool:
@@ -515,7 +532,5 @@ async def download(
     field = mismatch(expected, got)
     if field is not None:
         part.unlink(missing_ok=True)
-        want = {"size": expected.size, "sha256": expected.sha256, "blob_id": expected.blob_id}[field]
-        have = {"size": got.size, "sha256": got.sha256, "blob_id": got.blob_id}[field]
-        raise Mismatch(f"{_name(part)} arrived with {field} {have}, and {want} was expected", field, got)
+        raise Mismatch(mismatch_reason(_name(part), expected, got, field), field, got)
     return got

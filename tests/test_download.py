@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from llmgw.modelfiles.download import DiskFull, Expected, Mismatch, download
+from llmgw.modelfiles.download import Digests, DiskFull, Expected, Mismatch, download, mismatch, mismatch_reason
 from tests.support import free_port, wait_until
 
 MiB = 1 << 20
@@ -114,6 +114,17 @@ async def test_a_file_that_is_not_what_was_expected_is_deleted(serve: Files, tmp
     assert err.value.field == "sha256" and err.value.got.sha256 == hashlib.sha256(data).hexdigest()
     assert f"arrived with sha256 {hashlib.sha256(data).hexdigest()}" in err.value.reason
     assert not part.exists(), "a file that is not what was expected is never kept"
+
+
+def test_a_mismatch_says_what_arrived_and_whose_word_it_failed() -> None:
+    got = Digests(size=5, sha256="CD" * 32, blob_id="", resumed_from=0, downloaded=5)
+    hub = Expected(size=5, sha256="AB" * 32, source="the hub published")
+    assert mismatch(hub, got) == "sha256"
+    assert (
+        mismatch_reason("m.gguf", hub, got, "sha256")
+        == f"m.gguf arrived with sha256 {'CD' * 32}, and the hub published {'ab' * 32}"
+    )
+    assert mismatch_reason("m.gguf", Expected(size=6), got, "size") == "m.gguf arrived with 5 bytes, not the expected 6"
 
 
 async def test_bytes_past_the_published_size_fail_at_once_and_the_partial_file_is_deleted(

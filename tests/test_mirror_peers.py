@@ -135,6 +135,7 @@ async def test_a_corrupted_file_on_the_primary_is_not_copied(store: EventStore, 
 
             end = await wait_until(failed, deadline_s=30, what="the peer to refuse the corrupted copy")
             assert end.payload.code == "checksum" and hashlib.sha256(data).hexdigest() in end.payload.reason
+            assert "the primary verified" in end.payload.reason, "whose word the copy failed"
             assert files_under(peer.root) == [], "no copy, not even a partial one"
             assert (await get(peer, f"/files/{ref}"))[0] == 404
             assert not await _copied(store, ref)

@@ -5,7 +5,8 @@ The pipeline (HTTP ``Range`` resume from ``FILE.partial``, receive, write and ha
 shared with the node agent; what stays here is the mirror's: how much its directory may take
 (:class:`DiskGuard`), the hub's refusals in words a person can act on (gated, token, missing), the
 token only for the hub's own host (``auth``), and git's blob id for files the hub publishes no
-sha256 for. The caller compares the digests with what the hub published.
+sha256 for. The digests are checked against what the hub published (or, for a peer's copy, what
+the primary verified) by the pipeline, which deletes a mismatch and raises :class:`Mismatch`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import aiohttp
 
 from llmgw.events.mirror import MirrorFile
 from llmgw.modelfiles import download as pipeline
-from llmgw.modelfiles.download import Digests, DownloadError
+from llmgw.modelfiles.download import Digests, DownloadError, Mismatch
 
-__all__ = ["Digests", "DiskGuard", "DownloadError", "download"]
+__all__ = ["Digests", "DiskGuard", "DownloadError", "Mismatch", "download"]
 
 
 class DiskGuard:
@@ -107,18 +108,21 @@ async def download(
     chunk_bytes: int = 1 << 20,
     retries: int = 5,
     backoff_s: float = 1.0,
+    source: str = "the hub published",
 ) -> Digests:
-    """Bring ``part`` to ``f.size`` bytes, resuming from what it holds; the digests of the whole file.
+    """Bring ``part`` to the whole of ``f``, resuming from what it holds; the digests of the whole file.
 
-    Raises :class:`DownloadError`, ``OSError`` (ENOSPC: the disk is full; the partial file was
-    deleted), or ``CancelledError`` (the partial file is kept).
+    ``source``: who vouches for ``f``'s size and digests, for a mismatch's message. Raises
+    :class:`DownloadError` (:class:`Mismatch`: the file is not ``f``; the partial file was
+    deleted), ``OSError`` (ENOSPC: the disk is full; the partial file was deleted), or
+    ``CancelledError`` (the partial file is kept).
     """
     try:
         return await pipeline.download(
             session,
             url,
             part,
-            pipeline.Expected(size=f.size),
+            pipeline.Expected(size=f.size, sha256=f.sha256, blob_id=f.blob_id, source=source),
             headers=auth,
             refusal=_hub_refusal(f),
             guard=guard,

@@ -187,15 +187,3 @@ def should_report(
     if done <= last_done or done >= size:
         return False  # the end is `file_verified`
     return now - last_at >= interval_s or done - last_done >= step * size
-
-
-def digest_mismatch(f: E.MirrorFile, size: int, sha256: str, blob_id: str) -> str | None:
-    """Why a downloaded file is not what the hub published, or None when it is."""
-    if size != f.size:
-        return f"{f.name} arrived with {size} bytes, and the hub published {f.size}"
-    if f.sha256 is not None:
-        if sha256.lower() != f.sha256.lower():
-            return f"{f.name} arrived with sha256 {sha256}, and the hub published {f.sha256.lower()}"
-    elif f.blob_id is not None and blob_id.lower() != f.blob_id.lower():
-        return f"{f.name} arrived with git blob id {blob_id}, and the hub published {f.blob_id.lower()}"
-    return None

@@ -29,12 +29,12 @@ from llmgw.events.secrets import engine_key_secret, mirror_token
 from llmgw.events.store import AppendResult, EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.events.tasks import cancel_and_wait
-from llmgw.services.mirror.download import DiskGuard, DownloadError, download
+from llmgw.services.mirror.download import DiskGuard, DownloadError, Mismatch, download
 from llmgw.services.mirror.files import file_server
 from llmgw.services.mirror.hub import DEFAULT_HUB, HubClient, HubError
 from llmgw.services.mirror.peer import PeerMirror
 from llmgw.services.mirror.purge import Purger
-from llmgw.services.mirror.rules import check_model, check_repo, digest_mismatch, human, plan_fetch, should_report
+from llmgw.services.mirror.rules import check_model, check_repo, human, plan_fetch, should_report
 from llmgw.services.mirror.state import FETCHING, MirrorState, VersionState
 
 log = structlog.get_logger("llmgw.services.mirror")
@@ -446,10 +446,16 @@ class MirrorService:
                 backoff_s=self.config.retry_backoff_s,
             )
         except DownloadError as exc:
-            if exc.code == "checksum":
-                part.unlink(missing_ok=True)
-                return f"{exc.reason}: it was deleted and is not served", exc.code, 0
-            return exc.reason, exc.code, 0
+            if exc.code != "checksum":
+                return exc.reason, exc.code, 0
+            # The pipeline compared what arrived with what the hub published, and deleted it.
+            self.guard.refresh()
+            return (
+                f"{exc.reason}: it was deleted and is not served. Fetch it again; if this repeats, the hub's copy "
+                "is damaged",
+                exc.code,
+                exc.got.downloaded if isinstance(exc, Mismatch) else 0,
+            )
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
@@ -460,16 +466,6 @@ class MirrorService:
                 "used (`llmgw mirror remove MODEL[/VERSION]`) or give the mirror more room, then fetch again",
                 "disk_full",
                 0,
-            )
-        mismatch = digest_mismatch(f, got.size, got.sha256, got.blob_id)
-        if mismatch is not None:
-            part.unlink(missing_ok=True)
-            self.guard.refresh()
-            return (
-                f"{mismatch}: it was deleted and is not served. Fetch it again; if this repeats, the hub's copy "
-                "is damaged",
-                "checksum",
-                got.downloaded,
             )
         os.replace(part, final)
         await asyncio.to_thread(_sync_dir, folder)
