@@ -13,8 +13,10 @@ import click
 from llmgw.bench import BenchError
 from llmgw.bench.backbone import BackboneOptions, backbone_text, run_backbone
 from llmgw.bench.coldstart import ColdstartOptions, coldstart_json, coldstart_text, run_coldstart
+from llmgw.bench.replay import ReplayOptions, replay_json, replay_text, run_replay
 from llmgw.bench.scheduler import SchedulerOptions, run_scheduler, scheduler_json, scheduler_text
 from llmgw.cli import logs
+from llmgw.projections.replay_snapshots import EVERY_EVENTS
 
 
 def progress(line: str) -> None:
@@ -120,3 +122,29 @@ def coldstart(events: str, base_dir: str | None, as_json: bool) -> None:
     except BenchError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(json.dumps(coldstart_json(results), indent=2) if as_json else coldstart_text(results))
+
+
+@bench.command("replay")
+@click.option(
+    "--events",
+    default="200000",
+    show_default=True,
+    help="Events in the log, or several separated by commas (one fresh server each).",
+)
+@click.option("--every", default=EVERY_EVENTS, show_default=True, help="Events between two replay snapshots.")
+@click.option("--dir", "base_dir", help="Where the temporary server goes (default: the system's temp).")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
+def replay(events: str, every: int, base_dir: str | None, as_json: bool) -> None:
+    """`events replay --until T` on a long log: from 0, and from the newest replay snapshot plus its tail."""
+    try:
+        sizes = tuple(int(s) for s in events.split(",") if s.strip())
+    except ValueError:
+        raise click.BadParameter(f"--events takes event counts separated by commas, not {events!r}") from None
+    if not sizes or min(sizes) < 1 or every < 1:
+        raise click.BadParameter("--events must name at least one count of 1 or more, and --every be 1 or more")
+    logs.configure("warning")
+    try:
+        results = asyncio.run(run_replay(ReplayOptions(events=sizes, every=every, base_dir=base_dir), progress))
+    except BenchError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(json.dumps(replay_json(results), indent=2) if as_json else replay_text(results))

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import msgspec
+import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig, StorageType
@@ -163,6 +164,14 @@ class SnapshotStore:
 
     async def delete(self, name: str) -> None:
         await self.objects.delete(name)
+
+    async def names(self, prefix: str = "") -> list[str]:
+        """The names of the snapshots saved (deleted ones left out) that start with ``prefix``, sorted."""
+        try:
+            infos = await self.objects.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:  # nats-py's answer for an empty store
+            return []
+        return sorted(i.name for i in infos if i.name.startswith(prefix) and not i.deleted)
 
 
 class Snapshotter:

@@ -4,13 +4,15 @@ The same projections that keep the live tables fold the event log from its start
 event written at or before the moment, into a scratch database of their own; the live tables and
 their runners are not touched. The moment is found on the log by the time the server stamped on
 each message (a binary search over sequence numbers: the stream's times only grow), so a replay
-is exact whatever clocks the event writers had.
+is exact whatever clocks the event writers had. A replay may start from a replay snapshot (the
+projections' rows saved at a position, :mod:`llmgw.projections.replay_snapshots`) and fold only
+the events after it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 import nats.js.errors
@@ -43,6 +45,14 @@ async def position_at(store: EventStore, when: datetime) -> tuple[int, datetime 
     return found
 
 
+async def stamp_of(store: EventStore, seq: int) -> datetime | None:
+    """The time the server stamped on the message at ``seq``; None when there is none (deleted, or never written)."""
+    if seq <= 0:
+        return None
+    found, stamped = await _time_of(store, seq, seq)
+    return stamped if found == seq else None
+
+
 async def _time_of(store: EventStore, seq: int, hi: int) -> tuple[int, datetime | None]:
     """The first message at or after ``seq`` (up to ``hi``) and its stamp; a deleted one is skipped."""
     while seq <= hi:
@@ -53,17 +63,28 @@ async def _time_of(store: EventStore, seq: int, hi: int) -> tuple[int, datetime 
     return seq, None
 
 
-async def replay_into(store: EventStore, backend: Backend, until: int, projections: Sequence[Projection]) -> int:
-    """Fold the events up to sequence ``until`` into ``backend`` (fresh tables); the events folded."""
+async def replay_into(
+    store: EventStore,
+    backend: Backend,
+    until: int,
+    projections: Sequence[Projection],
+    after: Mapping[str, int] | None = None,
+) -> int:
+    """Fold the events up to sequence ``until`` into ``backend``; the events folded.
+
+    Each projection folds from its position in ``after`` (its rows up to there already in ``backend``:
+    a replay snapshot's, :mod:`llmgw.projections.replay_snapshots`), else from 0 into fresh tables.
+    """
     folded = 0
     for projection in projections:
         if projection.stream != S.STREAM_EVENTS:
             raise ValueError(f"{projection.name} reads {projection.stream}; a replay folds the event log only")
         async with backend.transaction(projection) as tx:
             await create_tables(tx, projection)
-        if until <= 0:
+        start = (after or {}).get(projection.name, 0)
+        if until <= start:
             continue
-        batches = read_log(store, projection.subject, follow=False, until=until, decode=projection.decode)
+        batches = read_log(store, projection.subject, after=start, follow=False, until=until, decode=projection.decode)
         async with contextlib.aclosing(batches):
             async for batch in batches:
                 folded += await commit_batch(backend, projection, batch)

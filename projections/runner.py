@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -140,6 +140,7 @@ class ProjectionRunner:
         metrics: ProjectionMetrics | None = None,
         registry: CollectorRegistry | None = None,
         lag_interval_s: float | None = 5.0,
+        on_batch: Callable[[str, int], None] | None = None,
     ) -> None:
         names = [p.name for p in projections]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -153,6 +154,8 @@ class ProjectionRunner:
         self.batch_size = batch_size
         self.metrics = metrics if metrics is not None else ProjectionMetrics(registry)
         self.lag_interval_s = lag_interval_s
+        # Told (projection, new checkpoint) after each committed batch: the replay snapshots' saver.
+        self.on_batch = on_batch
         self._slots = {p.name: _Slot(p, store) for p in self.projections}
         self._lag_task: asyncio.Task[None] | None = None
         self._started = False
@@ -441,6 +444,11 @@ class ProjectionRunner:
             self.metrics.applied.labels(projection=p.name).inc(len(events))
             self._gauge(slot)
             await self._notify(slot)
+            if self.on_batch is not None:
+                try:
+                    self.on_batch(p.name, target)
+                except Exception as exc:  # a listener's fault must not stop the projection
+                    log.warning("projection batch listener failed", projection=p.name, error=str(exc))
             return False
         return False
 

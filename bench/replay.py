@@ -1,0 +1,209 @@
+"""`llmgw bench replay`: how long `events replay --until T` takes on a long log — folding from 0, and
+from the newest replay snapshot at or before T plus its tail — and what saving the snapshots costs.
+
+It starts its own nats-server (durable, how llmgw runs) in a temporary directory and writes the
+cold-start benchmark's realistic log (:func:`llmgw.bench.coldstart.realistic_log`). Then the live
+projections run over it as a server runs them — a :class:`~llmgw.projections.runner.ProjectionRunner`
+on SQLite with the :class:`~llmgw.projections.replay_snapshots.ReplaySnapshotter` as its batch
+listener — until they have caught up, so the snapshots are the ones a running system saves. Each
+replay is the admin API's own ``cluster_at`` (the whole answer: the fold, the views), timed twice at
+the same moment, from 0 and from snapshots, and the two answers are compared (a difference is an
+error). The moments: the head, and one mid-log just before a snapshot (the longest tail a replay
+folds: the worst point of the snapshot cycle). Nothing here asserts a time; it prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats.errors
+from prometheus_client import CollectorRegistry
+
+from llmgw.bench import BenchError
+from llmgw.bench.backbone import events_spec, nats_server
+from llmgw.bench.coldstart import Echo, write_log
+from llmgw.events.catalog import default_registry
+from llmgw.events.snapshots import SnapshotStore
+from llmgw.events.store import EventStore
+from llmgw.projections.backends import open_backend
+from llmgw.projections.replay import stamp_of
+from llmgw.projections.replay_snapshots import (
+    EVERY_EVENTS,
+    PREFIX,
+    ReplaySnapshotter,
+    newest_at_or_before,
+    position_of,
+    replay_projections,
+    start_from_snapshot,
+)
+from llmgw.projections.runner import ProjectionRunner
+from llmgw.services.api.replay import cluster_at
+
+TIMEOUT_S = 3600.0
+
+
+class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
+    events: tuple[int, ...] = (200_000,)
+    every: int = EVERY_EVENTS
+    base_dir: str | None = None
+
+
+class Moment(msgspec.Struct, kw_only=True):
+    where: str
+    position: int
+    from_zero_s: float
+    from_snapshot_s: float
+    snapshot: int | None  # the snapshot it started from
+    load_s: float  # of from_snapshot_s: reading, decoding and inserting the snapshot's rows
+    tail_events: int  # events folded after the snapshot (the three projections together)
+    zero_events: int  # events folded from 0 (the same)
+
+
+class Result(msgspec.Struct, kw_only=True):
+    events: int
+    every: int
+    write_s: float
+    catch_up_s: float  # the projections folding the whole log while saving snapshots
+    saves: int
+    kept: int  # snapshots in the store after thinning
+    snapshot_bytes: int  # the last one saved
+    dump_s: float  # reading the rows for the last one (a read-only transaction beside the runner)
+    encode_s: float  # encoding and deflating them (in a thread)
+    moments: list[Moment]
+
+
+async def _catch_up(store: EventStore, db: Path, every: int, head: int) -> tuple[float, ReplaySnapshotter]:
+    backend = await open_backend(f"sqlite:///{db}")
+    saver = ReplaySnapshotter(store, backend, every=every)
+    runner = ProjectionRunner(
+        store, backend, replay_projections(), registry=CollectorRegistry(), lag_interval_s=None, on_batch=saver.folded
+    )
+    started = time.perf_counter()
+    await runner.start()
+    try:
+        for p in replay_projections():
+            if not await runner.wait_until(p.name, head, timeout=TIMEOUT_S):
+                raise BenchError(f"projection {p.name} did not catch up within {TIMEOUT_S:.0f} s")
+        await saver.flush()
+        return time.perf_counter() - started, saver
+    finally:
+        await runner.stop()
+        await saver.close()
+        await backend.close()
+
+
+async def _load_s(store: EventStore, tmp: Path, position: int) -> float:
+    """start_from_snapshot alone, into a scratch database: the load part of a replay from a snapshot."""
+    backend = await open_backend(f"sqlite:///{tmp / f'load-{position}.db'}")
+    try:
+        started = time.perf_counter()
+        await start_from_snapshot(store, backend, position, replay_projections())
+        return time.perf_counter() - started
+    finally:
+        await backend.close()
+
+
+async def _moment(store: EventStore, tmp: Path, where: str, seq: int, saved: list[int]) -> Moment:
+    when = await stamp_of(store, seq)
+    if when is None:
+        raise BenchError(f"no event at sequence {seq} to replay to")
+    started = time.perf_counter()
+    zero = await cluster_at(store, when, from_snapshots=False)
+    from_zero_s = time.perf_counter() - started
+    started = time.perf_counter()
+    snap = await cluster_at(store, when)
+    from_snapshot_s = time.perf_counter() - started
+    how = ("from_snapshot", "events_folded")
+    if {k: v for k, v in zero.items() if k not in how} != {k: v for k, v in snap.items() if k not in how}:
+        raise BenchError(f"the replay to #{seq} from a snapshot differs from the replay from 0")
+    if snap["from_snapshot"] != newest_at_or_before(saved, snap["position"]):
+        raise BenchError(f"the replay to #{seq} started from {snap['from_snapshot']}, not the newest snapshot before")
+    return Moment(
+        where=where,
+        position=snap["position"],
+        from_zero_s=from_zero_s,
+        from_snapshot_s=from_snapshot_s,
+        snapshot=snap["from_snapshot"],
+        load_s=await _load_s(store, tmp, snap["position"]),
+        tail_events=snap["events_folded"],
+        zero_events=zero["events_folded"],
+    )
+
+
+async def measure(store: EventStore, tmp: Path, n: int, every: int, echo: Echo) -> Result:
+    await store.ensure_streams(events_spec())
+    echo(f"writing {n:,} events…")
+    write_s, head = await write_log(store, n, echo)
+    echo(f"the projections fold {head:,} events, saving a replay snapshot every {every:,}…")
+    catch_up_s, saver = await _catch_up(store, tmp / "live.db", every, head)
+    snapshots = await SnapshotStore.open(store.js, replicas=1)
+    saved = sorted(p for name in await snapshots.names(PREFIX) if (p := position_of(name)) is not None)
+    if not saved:
+        raise BenchError(f"no replay snapshot was saved on a log of {head:,} events (every {every:,})")
+    # Mid-log, the event just before the first snapshot past the middle: the longest tail there is.
+    later = [p for p in saved if p > head // 2]
+    mid = (later[0] - 1) if later else head // 2
+    moments = []
+    for where, seq in (("head", head), ("mid-log, before a snapshot", mid)):
+        echo(f"replaying to #{seq:,} ({where}) from 0 and from snapshots…")
+        moments.append(await _moment(store, tmp, where, seq, saved))
+    return Result(
+        events=head,
+        every=every,
+        write_s=write_s,
+        catch_up_s=catch_up_s,
+        saves=saver.saves,
+        kept=len(saved),
+        snapshot_bytes=saver.last_bytes,
+        dump_s=saver.last_dump_s,
+        encode_s=saver.last_encode_s,
+        moments=moments,
+    )
+
+
+async def run_replay(opts: ReplayOptions, echo: Echo) -> list[Result]:
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-replay-", dir=opts.base_dir) as tmp:
+        for n in opts.events:
+            where = Path(tmp) / f"n{n}"
+            with nats_server(where, durable=True) as server:
+                try:
+                    store = await EventStore.connect(server.url, default_registry())
+                except (OSError, nats.errors.Error) as exc:
+                    raise BenchError(f"cannot connect to the bench's nats-server at {server.url}: {exc}") from exc
+                try:
+                    results.append(await measure(store, where, n, opts.every, echo))
+                finally:
+                    with contextlib.suppress(Exception):
+                        await store.close()
+    return results
+
+
+def replay_json(results: list[Result]) -> dict[str, Any]:
+    return {"machine": f"{platform.machine()} {platform.processor()}".strip(), "runs": msgspec.to_builtins(results)}
+
+
+def replay_text(results: list[Result]) -> str:
+    lines = [
+        "events replay --until T: from 0 vs from the newest replay snapshot + its tail (same log, same run)",
+        f"{'events':>10} {'moment':<27} {'position':>10} {'from 0':>9} {'snapshot':>9} {'ratio':>7} "
+        f"{'load':>7} {'tail':>8}",
+    ]
+    for r in results:
+        for m in r.moments:
+            lines.append(
+                f"{r.events:>10,} {m.where:<27} {m.position:>10,} {m.from_zero_s:>8.2f}s {m.from_snapshot_s:>8.2f}s "
+                f"{m.from_zero_s / max(m.from_snapshot_s, 1e-9):>6.1f}x {m.load_s:>6.2f}s {m.tail_events:>8,}"
+            )
+        lines.append(
+            f"{'':>10} (log written in {r.write_s:.1f} s; the projections caught up in {r.catch_up_s:.1f} s saving "
+            f"{r.saves} snapshots every {r.every:,} events, {r.kept} kept; the last: {r.snapshot_bytes:,} bytes, "
+            f"read in {r.dump_s:.2f} s, encoded in {r.encode_s:.2f} s)"
+        )
+    return "\n".join(lines)

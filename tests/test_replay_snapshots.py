@@ -1,0 +1,287 @@
+"""Replay snapshots (SPEC EVT-2): `events replay --until T` starts from the newest replay snapshot at
+or before T and folds only the tail, and answers exactly what a replay from 0 answers; a snapshot it
+cannot trust is ignored, logged, and the replay folds from 0. The series of snapshots the projection
+runner saves is thinned so its size grows with the log's length only logarithmically.
+Real nats-server; the log is the cold-start benchmark's realistic mix."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from structlog.testing import capture_logs
+
+from llmgw.bench.coldstart import realistic_log
+from llmgw.events.snapshots import SnapshotStore
+from llmgw.events.store import EventStore
+from llmgw.projections.backends import open_backend
+from llmgw.projections.replay import replay_into, stamp_of
+from llmgw.projections.replay_snapshots import (
+    FORMAT,
+    PREFIX,
+    ReplaySnapshotter,
+    decode_state,
+    dump,
+    encode_state,
+    newest_at_or_before,
+    position_of,
+    replay_projections,
+    snapshot_name,
+    start_from_snapshot,
+    to_keep,
+)
+from llmgw.projections.runner import ProjectionRunner
+from llmgw.services.api.replay import cluster_at
+from tests.support import wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+LOG = 3_000
+EVERY = 500
+CHUNK = 100  # events appended at a time: each chunk gets later server stamps than the one before
+
+
+async def _write(store: EventStore, events: list[Any]) -> int:
+    last = 0
+    for i in range(0, len(events), CHUNK):
+        last = await store.append_many(events[i : i + CHUNK])
+    return last
+
+
+async def _run_projections(
+    store: EventStore, tmp_path: Path, saver_every: int = EVERY, newest: int = 20, batch_size: int = 100
+) -> Any:
+    """The live projections as a server runs them, with the replay snapshots' saver, caught up with the log."""
+    backend = await open_backend(f"sqlite:///{tmp_path / f'live-{uuid.uuid4().hex[:6]}.db'}")
+    saver = ReplaySnapshotter(store, backend, every=saver_every, newest=newest)
+    runner = ProjectionRunner(
+        store, backend, replay_projections(), batch_size=batch_size, on_batch=saver.folded, lag_interval_s=None
+    )
+    await runner.start()
+    head = await store.stream_last_seq()
+    for p in replay_projections():
+        assert await runner.wait_until(p.name, head, timeout=60)
+    # The last batch may have found a save under way and let it be: ask once more, then wait for it.
+    await saver.flush()
+    saver.folded("fleet", head)
+    await saver.flush()
+    return runner, saver, backend
+
+
+@pytest.fixture
+async def logged(store: EventStore, tmp_path: Path) -> AsyncIterator[tuple[EventStore, list[int]]]:
+    """A log of LOG events with replay snapshots saved by the running projections; their positions."""
+    await _write(store, list(realistic_log(LOG)))
+    runner, saver, backend = await _run_projections(store, tmp_path)
+    try:
+        snapshots = await SnapshotStore.open(store.js)
+        positions = sorted(p for n in await snapshots.names(PREFIX) if (p := position_of(n)) is not None)
+        assert len(positions) >= 3, positions
+        yield store, positions
+    finally:
+        await runner.stop()
+        await saver.close()
+        await backend.close()
+
+
+async def _tables(store: EventStore, tmp_path: Path, position: int, from_snapshots: bool) -> tuple[Any, dict]:
+    """Every row of the replayed projections at ``position`` (from the newest snapshot, or from 0)."""
+    backend = await open_backend(f"sqlite:///{tmp_path / f'scratch-{uuid.uuid4().hex[:6]}.db'}")
+    projections = replay_projections()
+    try:
+        start = await start_from_snapshot(store, backend, position, projections) if from_snapshots else None
+        await replay_into(store, backend, position, projections, start.after if start else None)
+        tables = {}
+        for p in projections:
+            for logical in p.tables:
+                rows = await backend.fetchall(f"SELECT * FROM {p.table_name(logical)}")
+                tables[p.table_name(logical)] = sorted(rows, key=repr)
+        return start, tables
+    finally:
+        await backend.close()
+
+
+def _without_how(answer: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in answer.items() if k not in ("from_snapshot", "events_folded")}
+
+
+async def _moment(store: EventStore, seq: int) -> datetime:
+    stamped = await stamp_of(store, seq)
+    assert stamped is not None
+    return stamped
+
+
+# -- the pure parts -------------------------------------------------------------------------------
+
+
+def test_a_snapshot_name_carries_its_position_and_other_names_carry_none() -> None:
+    assert snapshot_name(1_234) == "replay-000000001234"
+    assert position_of(snapshot_name(1_234)) == 1_234
+    assert position_of("router") is None and position_of("replay-x") is None
+
+
+def test_a_replay_starts_from_the_newest_snapshot_at_or_before_its_position() -> None:
+    assert newest_at_or_before([100, 200, 300], 250) == 200
+    assert newest_at_or_before([100, 200, 300], 300) == 300
+    assert newest_at_or_before([100, 200, 300], 99) is None
+    assert newest_at_or_before([], 1_000) is None
+
+
+def test_the_series_keeps_the_newest_and_thins_older_ones_to_a_logarithmic_count() -> None:
+    every, newest = 1_000, 20
+    kept: set[int] = set()
+    for i in range(1, 3_001):  # a saver's life: one snapshot per `every` events, thinned after each save
+        kept.add(i * every + i % 7)  # batch edges: a little past each multiple
+        kept = to_keep(kept, every=every, newest=newest)
+        head = max(kept)
+        ordered = sorted(kept, reverse=True)
+        recent = {j * every + j % 7 for j in range(max(1, i - newest + 1), i + 1)}
+        assert set(ordered[:newest]) == recent
+        # No gap wider than half the age of the snapshot after it (a replay there folds at most that much).
+        for newer, older in zip(ordered[newest - 1 :], ordered[newest:], strict=False):
+            assert newer - older <= max(2 * every + 7, (head - older) // 2), (i, newer, older)
+    assert len(kept) <= newest + newest // 2 * 12  # 3,000 snapshots' worth of history: ~8 doublings past the newest
+
+
+def test_thinning_a_kept_series_again_keeps_it() -> None:
+    positions = {i * 500 for i in range(1, 400)}
+    kept = to_keep(positions, every=500, newest=10)
+    assert to_keep(kept, every=500, newest=10) == kept
+    assert to_keep({500, 1_000}, every=500, newest=10) == {500, 1_000}
+
+
+# -- replaying from one ---------------------------------------------------------------------------
+
+
+async def test_a_replay_from_a_snapshot_answers_what_a_replay_from_0_answers_at_every_moment(
+    logged: tuple[EventStore, list[int]], tmp_path: Path
+) -> None:
+    store, saved = logged
+    head = await store.stream_last_seq()
+    first, second = saved[0], saved[1]
+    moments = {
+        "before the first snapshot": first - 1,
+        "at a snapshot": second,
+        "between two snapshots": (first + second) // 2,
+        "at the head": head,
+    }
+    for what, seq in moments.items():
+        when = await _moment(store, seq)
+        snap = await cluster_at(store, when)
+        zero = await cluster_at(store, when, from_snapshots=False)
+        assert _without_how(snap) == _without_how(zero), what
+        assert zero["from_snapshot"] is None and zero["events_folded"] > 0, what
+        expected = newest_at_or_before(saved, snap["position"])
+        assert snap["from_snapshot"] == expected, what
+        if expected is not None:
+            assert snap["events_folded"] < zero["events_folded"], what
+        # Every row, not only what the views show (stopped replicas, limits, …).
+        start, rows = await _tables(store, tmp_path, snap["position"], from_snapshots=True)
+        _, rows_from_0 = await _tables(store, tmp_path, snap["position"], from_snapshots=False)
+        assert (start.position if start else None) == expected
+        assert rows == rows_from_0, what
+
+
+async def test_the_answer_says_which_snapshot_a_replay_started_from(
+    logged: tuple[EventStore, list[int]],
+) -> None:
+    store, saved = logged
+    answer = await cluster_at(store, await _moment(store, await store.stream_last_seq()))
+    assert answer["from_snapshot"] == saved[-1]
+    assert answer["position"] >= saved[-1]
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "other projection versions", "another log", "rows that do not load"])
+async def test_a_snapshot_that_cannot_be_trusted_is_ignored_and_the_replay_folds_from_0(
+    store: EventStore, tmp_path: Path, kind: str
+) -> None:
+    head = await _write(store, list(realistic_log(1_200)))
+    runner, saver, backend = await _run_projections(store, tmp_path, saver_every=10**9)  # saves none itself
+    try:
+        state = await dump(store, backend, replay_projections())
+    finally:
+        await runner.stop()
+        await saver.close()
+        await backend.close()
+    assert state is not None and state.position == head
+    if kind == "corrupt":
+        data = b"\x93not a snapshot"
+    elif kind == "other projection versions":
+        changed = [msgspec.structs.replace(r, version=r.version + 1) for r in state.projections]
+        data = encode_state(msgspec.structs.replace(state, projections=changed))
+    elif kind == "another log":
+        data = encode_state(msgspec.structs.replace(state, recorded=datetime(2020, 1, 1).astimezone()))
+    else:
+        broken = [
+            msgspec.structs.replace(r, tables=[msgspec.structs.replace(t, columns=["nope"]) for t in r.tables])
+            for r in state.projections
+        ]
+        data = encode_state(msgspec.structs.replace(state, projections=broken))
+    snapshots = await SnapshotStore.open(store.js)
+    if kind == "corrupt":
+        await snapshots.objects.put(snapshot_name(state.position), data)
+    else:
+        await snapshots.save(snapshot_name(state.position), FORMAT, state.position, data)
+
+    when = await _moment(store, head)
+    with capture_logs() as logs:
+        answer = await cluster_at(store, when)
+    zero = await cluster_at(store, when, from_snapshots=False)
+    assert answer["from_snapshot"] is None
+    assert _without_how(answer) == _without_how(zero) and answer["events_folded"] == zero["events_folded"]
+    assert any("is ignored" in e["event"] for e in logs), logs
+
+
+async def test_a_replay_with_no_snapshot_saved_folds_from_0(store: EventStore) -> None:
+    head = await _write(store, list(realistic_log(300)))
+    answer = await cluster_at(store, await _moment(store, head))
+    assert answer["from_snapshot"] is None and answer["position"] == head and len(answer["nodes"]) > 0
+
+
+# -- saving them ----------------------------------------------------------------------------------
+
+
+async def test_the_saver_keeps_a_bounded_series_and_a_restarted_one_does_not_save_again_at_once(
+    store: EventStore, tmp_path: Path
+) -> None:
+    events = list(realistic_log(4_000))
+    await _write(store, events[:3_000])
+    runner, saver, backend = await _run_projections(store, tmp_path, saver_every=200, newest=3)
+    await runner.stop()
+    await saver.close()
+    await backend.close()
+    snapshots = await SnapshotStore.open(store.js)
+    names = await snapshots.names(PREFIX)
+    positions = sorted(p for n in names if (p := position_of(n)) is not None)
+    assert saver.saves >= 8  # one per 200 events of a 3,000-event log, as the runner's batches allow
+    assert len(positions) < saver.saves  # thinned as it went
+    assert positions == sorted(to_keep(positions, every=200, newest=3))
+
+    # Started again on the same database: nothing new to fold, so nothing saved; 1,000 more events, and it saves.
+    runner, saver, backend = await _run_projections(store, tmp_path, saver_every=200, newest=3)
+    try:
+        assert saver.saves == 0 and saver.saved_at == positions[-1]
+        await _write(store, events[3_000:])
+        await wait_until(lambda: saver.saves > 0, deadline_s=60, what="a save after 1,000 more events")
+        assert saver.saved_at is not None and saver.saved_at > positions[-1]
+    finally:
+        await runner.stop()
+        await saver.close()
+        await backend.close()
+
+
+async def test_a_replay_snapshot_records_the_time_the_log_stamped_at_its_position(
+    logged: tuple[EventStore, list[int]],
+) -> None:
+    store, saved = logged
+    snapshots = await SnapshotStore.open(store.js)
+    found = await snapshots.load(snapshot_name(saved[-1]), FORMAT)
+    assert found is not None
+    state = decode_state(found[1])
+    assert state.position == saved[-1] == max(r.checkpoint for r in state.projections)
+    assert state.recorded == await stamp_of(store, saved[-1])
