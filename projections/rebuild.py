@@ -136,30 +136,24 @@ async def rebuild(
     started = time.monotonic()
     name = projection.name
     store = store.on_stream(projection.stream)  # positions are sequences of the projection's stream
-    await ensure_checkpoints(backend)
-    async with backend.shadow_lock(name):
-        try:
-            await _reset_shadow(backend, projection)
-            # Most of the log while the live tables keep serving.
-            position = await store.stream_last_seq()
-            events = await _fold_shadow(store, backend, projection, 0, position, batch_size)
-            async with _paused(runner, name):
-                for _ in range(SWAP_TRIES):
-                    end = await store.stream_last_seq()
-                    events += await _fold_shadow(store, backend, projection, position, end, batch_size)
-                    position = max(position, end)
-                    if await _swap(backend, projection, position):
-                        break
-                else:
-                    raise ProjectionError(
-                        f"projection {name} kept moving ahead of the rebuild (another process runs it?); "
-                        "stop the other runners and try again"
-                    )
-                if runner is not None and name in runner:
-                    await runner.note_checkpoint(name, position)
-        finally:
-            with contextlib.suppress(Exception):
-                await _drop_shadow(backend, projection)
+    async with _shadow(backend, projection):
+        # Most of the log while the live tables keep serving.
+        position = await store.stream_last_seq()
+        events = await _fold_shadow(store, backend, projection, 0, position, batch_size)
+        async with _paused(runner, name):
+            for _ in range(SWAP_TRIES):
+                end = await store.stream_last_seq()
+                events += await _fold_shadow(store, backend, projection, position, end, batch_size)
+                position = max(position, end)
+                if await _swap(backend, projection, position):
+                    break
+            else:
+                raise ProjectionError(
+                    f"projection {name} kept moving ahead of the rebuild (another process runs it?); "
+                    "stop the other runners and try again"
+                )
+            if runner is not None and name in runner:
+                await runner.note_checkpoint(name, position)
     seconds = time.monotonic() - started
     log.info("projection rebuilt", projection=name, position=position, events=events, seconds=round(seconds, 3))
     return RebuildResult(projection=name, position=position, events=events, seconds=seconds)
@@ -208,45 +202,37 @@ async def verify(
     """
     name = projection.name
     store = store.on_stream(projection.stream)
-    await ensure_checkpoints(backend)
-    async with backend.shadow_lock(name):
-        try:
-            await _reset_shadow(backend, projection)
-            folded = 0
-            for attempt in range(1, VERIFY_TRIES + 1):
-                # The last try holds the live runner (if it is ours) so the comparison can settle.
-                pause = _paused(runner, name) if attempt == VERIFY_TRIES else contextlib.nullcontext()
-                async with pause:
-                    live = await read_checkpoint(backend, name)
-                    if live is None:
-                        raise ProjectionError(f"projection {name} has never run on this database: nothing to verify")
-                    if live.position < folded:
-                        # The live one went back (rebuilt elsewhere); the shadow cannot, so it starts over.
-                        await _reset_shadow(backend, projection)
-                        folded = 0
-                    await _fold_shadow(store, backend, projection, folded, live.position, batch_size)
-                    folded = live.position
-                    async with backend.snapshot() as snap:
-                        seen = await read_checkpoint(snap, name)
-                        if seen is not None and seen.position == folded:
-                            differences = await _diff(snap, projection, limit)
-                            result = VerifyResult(
-                                projection=name,
-                                position=folded,
-                                identical=not differences,
-                                differences=differences,
-                                attempts=attempt,
-                            )
-                            log.info(
-                                "projection verified", projection=name, position=folded, identical=result.identical
-                            )
-                            return result
-            raise ProjectionError(
-                f"projection {name} kept moving while being verified ({VERIFY_TRIES} tries); try again when quieter"
-            )
-        finally:
-            with contextlib.suppress(Exception):
-                await _drop_shadow(backend, projection)
+    async with _shadow(backend, projection):
+        folded = 0
+        for attempt in range(1, VERIFY_TRIES + 1):
+            # The last try holds the live runner (if it is ours) so the comparison can settle.
+            pause = _paused(runner, name) if attempt == VERIFY_TRIES else contextlib.nullcontext()
+            async with pause:
+                live = await read_checkpoint(backend, name)
+                if live is None:
+                    raise ProjectionError(f"projection {name} has never run on this database: nothing to verify")
+                if live.position < folded:
+                    # The live one went back (rebuilt elsewhere); the shadow cannot, so it starts over.
+                    await _reset_shadow(backend, projection)
+                    folded = 0
+                await _fold_shadow(store, backend, projection, folded, live.position, batch_size)
+                folded = live.position
+                async with backend.snapshot() as snap:
+                    seen = await read_checkpoint(snap, name)
+                    if seen is not None and seen.position == folded:
+                        differences = await _diff(snap, projection, limit)
+                        result = VerifyResult(
+                            projection=name,
+                            position=folded,
+                            identical=not differences,
+                            differences=differences,
+                            attempts=attempt,
+                        )
+                        log.info("projection verified", projection=name, position=folded, identical=result.identical)
+                        return result
+        raise ProjectionError(
+            f"projection {name} kept moving while being verified ({VERIFY_TRIES} tries); try again when quieter"
+        )
 
 
 async def _diff(snap: Transaction, projection: Projection, limit: int) -> dict[str, TableDiff]:
@@ -295,6 +281,19 @@ def _sorted(keys: Any) -> list[tuple[Any, ...]]:
 
 
 # -- shared --------------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _shadow(backend: Backend, projection: Projection) -> AsyncIterator[None]:
+    """The projection's shadow tables, empty and this process's alone, dropped when done."""
+    await ensure_checkpoints(backend)
+    async with backend.shadow_lock(projection.name):
+        try:
+            await _reset_shadow(backend, projection)
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                await _drop_shadow(backend, projection)
 
 
 async def _reset_shadow(backend: Backend, projection: Projection) -> None:
