@@ -138,13 +138,14 @@ def http_request(method: str, path: str, port: int, headers: list[tuple[bytes, b
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
-async def usage_record(gw: Gateway, request_id: str) -> UsageRecord | None:
+async def usage_record(gw: Gateway, client_request_id: str) -> UsageRecord | None:
+    """The project's newest usage record, if it is that of the request the test sent with this X-Request-Id."""
     try:
         msg = await gw.fleet.store.js.get_last_msg("LLMGW_USAGE", f"llmgw.usage.{gw.tenant.project}", direct=True)
     except nats.js.errors.NotFoundError:
         return None
     rec = msgspec.json.decode(msg.data, type=UsageRecord)
-    return rec if rec.request_id == request_id else None
+    return rec if rec.client_request_id == client_request_id else None
 
 
 async def metrics(gw: Gateway) -> str:

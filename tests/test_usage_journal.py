@@ -93,7 +93,9 @@ async def usage_in_stream(js: Any) -> Counter[str]:
             msg = await js.get_msg("LLMGW_USAGE", seq)
         except nats.js.errors.NotFoundError:
             continue
-        ids[msgspec.json.decode(msg.data)["client_request_id"]] += 1  # the id each test request was sent with
+        record = msgspec.json.decode(msg.data)
+        # The id a test request was sent with (X-Request-Id), else the record's own (records put directly).
+        ids[record.get("client_request_id") or record["request_id"]] += 1
     return ids
 
 
