@@ -107,11 +107,7 @@ class AccessProjection(Projection):
     async def limit_set(self, tx: Tx, e: RecordedEvent) -> None:
         p: A.LimitSet = e.payload  # type: ignore[assignment]
         limit = K.fold_limit(p)
-        if limit is None:
-            await tx.execute("DELETE FROM {limits} WHERE scope = ?", p.scope)
-        else:
-            at = e.envelope.at.isoformat()
-            await tx.execute(_LIMIT_UPSERT, p.scope, limit.rpm, limit.tpm, at, e.envelope.actor)
+        await _set_scope(tx, e, "limits", _LIMIT_UPSERT, p.scope, None if limit is None else (limit.rpm, limit.tpm))
         key_id = K.key_of_scope(p.scope)
         if key_id is not None:  # a key's own limits: the latest of its creation and its `limit.set`
             before = await self._key(tx, key_id)
@@ -128,11 +124,19 @@ class AccessProjection(Projection):
     async def budget_set(self, tx: Tx, e: RecordedEvent) -> None:
         p: A.BudgetSet = e.payload  # type: ignore[assignment]
         budget = K.fold_budget(p)
-        if budget is None:
-            await tx.execute("DELETE FROM {budgets} WHERE scope = ?", p.scope)
-        else:
-            at = e.envelope.at.isoformat()
-            await tx.execute(_BUDGET_UPSERT, p.scope, budget.usd, budget.period, at, e.envelope.actor)
+        values = None if budget is None else (budget.usd, budget.period)
+        await _set_scope(tx, e, "budgets", _BUDGET_UPSERT, p.scope, values)
+
+
+async def _set_scope(
+    tx: Tx, e: RecordedEvent, table: str, upsert: str, scope: str, values: tuple[object, ...] | None
+) -> None:
+    """A scope's row in ``table`` after its event: ``values`` upserted with when and by whom, or the row
+    deleted when the fold cleared the setting (None)."""
+    if values is None:
+        await tx.execute(f"DELETE FROM {{{table}}} WHERE scope = ?", scope)
+    else:
+        await tx.execute(upsert, scope, *values, e.envelope.at.isoformat(), e.envelope.actor)
 
 
 # -- naming scopes for people: read helpers over this projection and the tenancy one -------------
