@@ -152,6 +152,14 @@ async def serve(
     routers: list[Router] = []
     mirrors: list[MirrorService] = []
     jobs_services: list[JobsService] = []
+    command_services: list[TenancyService | AccessService | CatalogService | FleetService] = []
+
+    def commands(name: str, service: Any) -> Any:
+        """A command service: its folds follow the log from now (in ``/healthz``), its commands are handled."""
+        service.start()
+        command_services.append(service)
+        background(name, service.processor())
+        return service
 
     def background(name: str, service: Any) -> Any:
         """Run a service's loop as a task; it is stopped (``stop()``) with the others."""
@@ -163,11 +171,13 @@ async def serve(
         if "projections" in config.services:
             await runner.start()
         if "tenancy" in config.services:
-            background("tenancy-commands", TenancyService(store).processor())
+            commands("tenancy-commands", TenancyService(store, folds=folds))
         if "access" in config.services:
-            background("access-commands", AccessService(store).processor())
+            commands("access-commands", AccessService(store, folds=folds))
         if "catalog" in config.services:
-            catalog = CatalogService(store)
+            catalog = CatalogService(store, folds=folds)
+            catalog.start()
+            command_services.append(catalog)
             try:
                 await catalog.sync_declared(list(config.declared_models))
             except Rejected as exc:
@@ -176,7 +186,7 @@ async def serve(
                 await catalog.add_once(config.demo_model, Path(config.demo_marker))
             background("catalog-commands", catalog.processor())
         if "fleet" in config.services:
-            background("fleet-commands", FleetService(store).processor())
+            commands("fleet-commands", FleetService(store, folds=folds))
         if "scheduler" in config.services:
             scheduler = SchedulerService(store, config=config.scheduler, registry=registry, folds=folds)
             handles["scheduler"] = background("scheduler", scheduler)
@@ -226,6 +236,7 @@ async def serve(
                     mirror_dir=config.mirror_dir if "mirror" in config.services else None,
                     mirror_url=config.mirror_urls or f"http://{config.host}:{config.mirror_port}",
                 ),
+                folds=folds,
             )
             jobs_services.append(jobs)
             await jobs.start()
@@ -264,6 +275,9 @@ async def serve(
             t.cancel()
         if tasks:
             await _bounded("stop the services", asyncio.gather(*tasks, return_exceptions=True))
+        # After their processors: a command being handled is cut off and comes again, never refused.
+        for c in command_services:
+            await _bounded("stop a command service's folds", c.close())
         await _bounded("stop the projections", runner.stop())
         await _bounded("stop the replay snapshots", replay_saver.close())
         await _bounded("close the database", backend.close())

@@ -1,13 +1,15 @@
 """One way to handle a command: catch up, already applied?, decide, append, retry, busy.
 
 Every command service is the same loop around its own rules. :class:`CommandShell` is that loop,
-once: it catches a :class:`LogFold` up with the log, answers "already applied" when an event the
-command caused is already folded (a redelivery after the events were written but before the
-outcome was), asks the service's ``decide`` for a :class:`Decision`, appends it with the expected
-sequence the decision was made at (or fenced on another subject's sequence), and on
-:class:`AppendConflict` catches up and decides again, a bounded number of times, before refusing
-the command as ``busy`` with what to do. It stamps every event by the one rule (docs/decisions.md):
-causation is the command's id, correlation the command's :attr:`Command.thread`.
+once: it waits until its :class:`LogFold` (the service's supervised live folds) has read the log up
+to its head, answers "already applied" when an event the command caused is already folded (a
+redelivery after the events were written but before the outcome was), asks the service's
+``decide`` for a :class:`Decision`, appends it with the expected sequence the decision was made at
+(or fenced on another subject's sequence), and on :class:`AppendConflict` catches up and decides
+again, a bounded number of times, before refusing the command as ``busy`` with what to do. A fold
+that cannot catch up in time (failed, stalled) refuses the command as ``unavailable``, naming the
+fold and why. It stamps every event by the one rule (docs/decisions.md): causation is the
+command's id, correlation the command's :attr:`Command.thread`.
 
 A service supplies only its fold (``apply``), its ``decide`` and, where it has them, the effects
 around the append as explicit hooks (the mirror cancels downloads before a removal is written and
@@ -16,8 +18,9 @@ starts one after a fetch is).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -25,6 +28,7 @@ import structlog
 
 from llmgw.events.commands import Accepted, Command, CommandProcessor, Rejected
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.store import AppendConflict, AppendResult, EventStore, NewEvent
 from llmgw.events.subjects import aggregate_of
 
@@ -72,34 +76,104 @@ def stamp(command: Command, payloads: Iterable[msgspec.Struct]) -> list[NewEvent
     ]
 
 
-class LogFold:
-    """Keeps a pure fold current with some subjects of the log, each read from its own position.
+class FoldNotCurrent(Exception):
+    """A fold did not read the log up to its head in time: a decision now would be on stale state."""
 
-    ``apply`` gets every event on those subjects once, in order per subject. The fold also remembers
-    which commands caused the events it read (their causation), which is how a command that was
-    applied already is recognised, whatever the service folds.
+
+CATCH_UP_S = 10.0  # the most a command waits for its service's folds; under a caller's 15 s deadline
+
+
+class LogFold:
+    """Keeps a pure fold current with some subjects of the log: one supervised :class:`LiveFold` each.
+
+    ``subjects`` maps each subject filter to its fold's name, as ``/healthz`` and the
+    ``llmgw_fold_healthy`` metric of ``registry`` (the process's) show it. ``apply`` gets every event
+    on those subjects once, in order per subject; an event it raises on is quarantined and the fold
+    goes on. The fold also remembers which commands caused the events it read (their causation),
+    which is how a command that was applied already is recognised, whatever the service folds.
+
+    The folds read in the background, from :meth:`start` (or the first :meth:`catch_up`) until
+    :meth:`close`; they apply events only while the event loop is free, never in the middle of a
+    synchronous ``decide``. A decision is still made on a fold that may move on while it is being
+    appended: the ``expected`` sequence it carries guards the append, as it always did.
     """
 
-    def __init__(self, store: EventStore, subjects: Iterable[str], apply: Callable[[RecordedEvent], None]) -> None:
+    def __init__(
+        self,
+        store: EventStore,
+        subjects: Mapping[str, str],
+        apply: Callable[[RecordedEvent], Awaitable[None] | None],
+        *,
+        registry: FoldRegistry | None = None,
+        wait_s: float = CATCH_UP_S,
+    ) -> None:
         self.store = store
         self.apply = apply
-        self.positions: dict[str, int] = dict.fromkeys(subjects, 0)
+        self.names = dict(subjects)
+        self.registry = registry if registry is not None else FoldRegistry()
+        self.wait_s = wait_s
         self.caused: dict[str, int] = {}  # command id -> sequence of the first event it caused
+        self.folds: dict[str, LiveFold] = {}
+        self._moved = asyncio.Condition()  # notified after each batch any of the folds applied
+        self._closed = False
 
-    async def catch_up(self) -> None:
-        for subject, after in self.positions.items():
-            # The last sequence on the subject (wildcards included) says whether there is anything to read,
-            # and up to where: a filtered read then ends on that event instead of waiting to be sure.
-            last = await self.store.last_seq(subject)
-            if last <= after:
+    @property
+    def positions(self) -> dict[str, int]:
+        """Each subject's position: the last sequence on it the fold has read (0 before it starts)."""
+        return {s: self.folds[s].position if s in self.folds else 0 for s in self.names}
+
+    def start(self) -> LogFold:
+        """Start following the log (once); the folds appear in the registry from here on."""
+        if self._closed:
+            raise FoldNotCurrent(f"the {', '.join(self.names.values())} fold is closed: the service is stopping")
+        if not self.folds:
+            self.folds = {
+                subject: LiveFold(
+                    self.store, subject, self._fold, name=name, after=0, registry=self.registry, on_batch=self._notify
+                ).start()
+                for subject, name in self.names.items()
+            }
+        return self
+
+    async def close(self) -> None:
+        self._closed = True
+        for fold in self.folds.values():
+            await fold.close()
+
+    def _fold(self, event: RecordedEvent) -> Awaitable[None] | None:
+        if event.envelope.causation:
+            self.caused.setdefault(event.envelope.causation, event.seq)
+        return self.apply(event)
+
+    async def _notify(self) -> None:
+        async with self._moved:
+            self._moved.notify_all()
+
+    async def catch_up(self, timeout: float | None = None) -> None:
+        """Return once every fold has read its subject up to the log's last event on it as of now.
+
+        Raises :class:`FoldNotCurrent` naming the fold and its health when one does not within
+        ``timeout`` seconds (default: the fold's ``wait_s``): a failed or stalled fold refuses, never hangs.
+        """
+        self.start()
+        # The last sequence on each subject (wildcards included): the fold is current once it has read that far.
+        heads = await asyncio.gather(*(self.store.last_seq(s) for s in self.folds))
+        targets = dict(zip(self.folds, heads, strict=True))
+        wait_s = self.wait_s if timeout is None else timeout
+        end = asyncio.get_running_loop().time() + wait_s
+        for subject, last in targets.items():
+            fold = self.folds[subject]
+            if fold.position >= last:
                 continue
-            async for batch in self.store.subscribe(subject, after=after, follow=False, until=last):
-                for event in batch:
-                    if isinstance(event, RecordedEvent):
-                        if event.envelope.causation:
-                            self.caused.setdefault(event.envelope.causation, event.seq)
-                        self.apply(event)
-            self.positions[subject] = last  # quarantined positions are moved past too
+            try:
+                async with asyncio.timeout_at(end), self._moved:
+                    await self._moved.wait_for(lambda f=fold, last=last: f.position >= last)
+            except TimeoutError:
+                raise FoldNotCurrent(
+                    f"the {fold.name} fold has read the log to {fold.position} of {last} and did not catch up "
+                    f"within {wait_s:.0f} s ({fold.health().reason()}): nothing was decided; send the command "
+                    "again once the process's /healthz shows the fold live"
+                ) from None
 
     def applied(self, command_id: str) -> int | None:
         """The sequence of the first event ``command_id`` caused, or None when it caused none yet."""
@@ -151,7 +225,10 @@ class CommandShell(Generic[P]):
     async def handle(self, command: Command, payload: P) -> Accepted:
         moved = ""  # the subject that moved last: named in the busy message
         for _ in range(self.attempts):
-            await self.fold.catch_up()
+            try:
+                await self.fold.catch_up()
+            except FoldNotCurrent as exc:  # deciding on state the log has moved past would be a guess
+                raise Rejected(str(exc), "unavailable") from exc
             seq = self.fold.applied(command.id)
             if seq is not None:
                 # Redelivered after its events were written but before its outcome was.

@@ -6,22 +6,22 @@ deletes a JetStream consumer, and a waiter that polls every fraction of a second
 server's API busy for nothing. A follower keeps one consumer per subject open for its life and
 hears of each event the moment it is written.
 
-The readers run in tasks of their own and hand events over through a queue, because an async
-generator cannot be waited on with a timeout: a cancelled ``__anext__`` closes the generator.
+Each subject is read by a supervised :class:`~llmgw.events.live_fold.LiveFold` whose apply puts the
+event on a queue: a deleted consumer, a restarted server or a cut connection is ridden out by the
+fold (it reads on from where it was, nothing skipped, nothing twice) instead of ending the wait,
+and the folds report their health in a registry (the process's, when the caller passes it). The
+queue is there because an async generator cannot be waited on with a timeout: a cancelled
+``__anext__`` closes the generator.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from types import TracebackType
 
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.live_fold import FoldHealth, FoldRegistry, LiveFold
 from llmgw.events.store import EventStore
-
-
-class _ReaderEnded(Exception):
-    """A reader task ended: the log ended (it never does when following) or reading it failed."""
 
 
 class LogFollower:
@@ -30,52 +30,62 @@ class LogFollower:
     Use it as ``async with LogFollower(store, {subject: after, ...}) as f: e = await f.next(timeout)``.
     Events of one subject come in log order; events of different subjects interleave as they
     arrive. Quarantined (undecodable) events are skipped, as every reader skips them.
+
+    ``registry`` is where its folds report, named ``NAME:SUBJECT`` (default: a registry of its own).
     """
 
-    def __init__(self, store: EventStore, subjects: dict[str, int]) -> None:
+    def __init__(
+        self,
+        store: EventStore,
+        subjects: dict[str, int],
+        *,
+        registry: FoldRegistry | None = None,
+        name: str = "follower",
+    ) -> None:
         self.store = store
         self.subjects = dict(subjects)
-        self._queue: asyncio.Queue[RecordedEvent | BaseException] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
+        self.name = name
+        self.registry = registry if registry is not None else FoldRegistry()
+        self._queue: asyncio.Queue[RecordedEvent] = asyncio.Queue()
+        self._folds: list[LiveFold] = []
 
     async def __aenter__(self) -> LogFollower:
-        self._tasks = [asyncio.create_task(self._read(s, after)) for s, after in self.subjects.items()]
+        self._folds = [
+            LiveFold(
+                self.store,
+                subject,
+                self._queue.put_nowait,
+                name=f"{self.name}:{subject}",
+                after=after,
+                registry=self.registry,
+            ).start()
+            for subject, after in self.subjects.items()
+        ]
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-
-    async def _read(self, subject: str, after: int) -> None:
-        try:
-            async for batch in self.store.subscribe(subject, after=after):
-                for e in batch:
-                    if isinstance(e, RecordedEvent):
-                        self._queue.put_nowait(e)
-            self._queue.put_nowait(_ReaderEnded(f"the log of {subject} ended"))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # handed to the waiter, who decides what a broken read means
-            self._queue.put_nowait(exc)
+        for fold in self._folds:
+            await fold.close()
 
     async def next(self, timeout: float | None) -> RecordedEvent | None:
         """The next event, or ``None`` when ``timeout`` seconds pass first (``None``: wait forever).
 
-        Raises what a reader raised (e.g. ``StoreError``), so a broken read is never mistaken for quiet.
+        NATS trouble does not end the wait: the folds read on once it passes. A caller whose wait
+        ends empty-handed can tell quiet from trouble by :meth:`not_live`.
         """
         try:
             if timeout is None:
-                item = await self._queue.get()
-            else:
-                async with asyncio.timeout(max(timeout, 0.0)):
-                    item = await self._queue.get()
+                return await self._queue.get()
+            async with asyncio.timeout(max(timeout, 0.0)):
+                return await self._queue.get()
         except TimeoutError:
             return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
+
+    def health(self) -> list[FoldHealth]:
+        return [fold.health() for fold in self._folds]
+
+    def not_live(self) -> list[str]:
+        """Why each of the follower's folds that is not live is not (empty: it is hearing the log)."""
+        return [h.reason() for h in self.health() if not h.live]

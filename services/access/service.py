@@ -16,6 +16,7 @@ from llmgw.events import tenancy as T
 from llmgw.events.command_shell import CommandShell, Decision, Fence, LogFold
 from llmgw.events.commands import Command, CommandProcessor
 from llmgw.events.envelope import utc_now
+from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import EVENTS_ROOT, event_subject
 from llmgw.services.access import rules
@@ -24,19 +25,19 @@ log = structlog.get_logger("llmgw.services.access")
 
 
 class AccessService:
-    def __init__(self, store: EventStore) -> None:
+    def __init__(self, store: EventStore, *, folds: FoldRegistry | None = None) -> None:
         self.store = store
         self.state = rules.AccessState()
         self.tree_subject = event_subject(T.AGGREGATE, T.TREE_ID)
-        # What the state folds, each read from its own position.
-        subjects = [
-            self.tree_subject,
-            *(
-                f"{EVENTS_ROOT}.{aggregate}.>"
+        # What the state folds, each subject by a live fold of its own (named as /healthz shows it).
+        subjects = {
+            self.tree_subject: "access-tenancy",
+            **{
+                f"{EVENTS_ROOT}.{aggregate}.>": f"access-{aggregate}s"
                 for aggregate in (A.KEY_AGGREGATE, A.LIMIT_AGGREGATE, A.PRICE_AGGREGATE, A.BUDGET_AGGREGATE)
-            ),
-        ]
-        self.fold = LogFold(store, subjects, lambda event: self.state.apply(event))
+            },
+        }
+        self.fold = LogFold(store, subjects, lambda event: self.state.apply(event), registry=folds)
         self.shell = CommandShell(
             store,
             service=A.SERVICE,
@@ -45,6 +46,13 @@ class AccessService:
             decide=self.decide,
             payload_type=A.AccessCommand,
         )
+
+    def start(self) -> None:
+        """Follow the log from now on (the first command would start it otherwise)."""
+        self.fold.start()
+
+    async def close(self) -> None:
+        await self.fold.close()
 
     async def catch_up(self) -> None:
         await self.fold.catch_up()
@@ -58,7 +66,9 @@ class AccessService:
             subject=decided.subject,
             payloads=decided.payloads,
             expected=self.state.subject_seqs.get(decided.subject, 0),
-            fence=Fence(self.tree_subject, self.state.tree.last_seq) if decided.fence_tree else None,
+            # Where the fold has read the tree to (past an event it quarantined too, so one poisoned
+            # event does not refuse every later key).
+            fence=Fence(self.tree_subject, self.fold.positions[self.tree_subject]) if decided.fence_tree else None,
             message=decided.message,
             result=decided.result,
         )

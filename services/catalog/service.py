@@ -13,6 +13,7 @@ from llmgw.events import models as M
 from llmgw.events.command_shell import CommandShell, Decision, LogFold
 from llmgw.events.commands import Command, CommandProcessor
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.catalog.rules import Catalog, decide
@@ -21,12 +22,12 @@ log = structlog.get_logger("llmgw.services.catalog")
 
 
 class CatalogService:
-    def __init__(self, store: EventStore) -> None:
+    def __init__(self, store: EventStore, *, folds: FoldRegistry | None = None) -> None:
         self.store = store
         self.catalog = Catalog()
         # Each model subject's last sequence, a removed model's too: adding it again expects that.
         self.seqs: dict[str, int] = {}
-        self.fold = LogFold(store, [f"{EVENTS_ROOT}.{M.AGGREGATE}.>"], self._apply)
+        self.fold = LogFold(store, {f"{EVENTS_ROOT}.{M.AGGREGATE}.>": "catalog"}, self._apply, registry=folds)
         self.shell = CommandShell(
             store,
             service=M.SERVICE,
@@ -40,6 +41,13 @@ class CatalogService:
         _, name = aggregate_of(event.subject)
         self.seqs[name] = event.seq
         self.catalog.apply(name, event)
+
+    def start(self) -> None:
+        """Follow the log from now on (the first command would start it otherwise)."""
+        self.fold.start()
+
+    async def close(self) -> None:
+        await self.fold.close()
 
     async def catch_up(self) -> None:
         await self.fold.catch_up()

@@ -14,6 +14,7 @@ from llmgw.events import nodes as N
 from llmgw.events.command_shell import CommandShell, Decision, LogFold
 from llmgw.events.commands import Command, CommandProcessor, Rejected
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 
@@ -46,20 +47,27 @@ def decide(node_state: NF.Node | None, command: N.FleetCommand) -> tuple[list[ms
 
 
 class FleetService:
-    def __init__(self, store: EventStore) -> None:
+    def __init__(self, store: EventStore, *, folds: FoldRegistry | None = None) -> None:
         self.store = store
         self.nodes: dict[str, NF.Node] = {}  # node id -> the node as the shared fold (events/node_fold.py) keeps it
         self.seqs: dict[str, int] = {}  # node id -> last sequence on its subject
-        self.fold = LogFold(store, [f"{EVENTS_ROOT}.{N.AGGREGATE}.>"], self._apply)
+        self.fold = LogFold(store, {f"{EVENTS_ROOT}.{N.AGGREGATE}.>": "fleet"}, self._apply, registry=folds)
         self.shell = CommandShell(
             store, service=N.SERVICE, what="the node", fold=self.fold, decide=self.decide, payload_type=N.FleetCommand
         )
 
     def _apply(self, event: RecordedEvent) -> None:
         _, node = aggregate_of(event.subject)
+        self.seqs[node] = event.seq  # first: an event the fold raises on (quarantined) is still passed
         if isinstance(event.payload, NF.NODE_EVENTS):
             self.nodes[node] = NF.fold_node(self.nodes.get(node), event.payload, event.envelope.at.timestamp())
-        self.seqs[node] = event.seq
+
+    def start(self) -> None:
+        """Follow the log from now on (the first command would start it otherwise)."""
+        self.fold.start()
+
+    async def close(self) -> None:
+        await self.fold.close()
 
     def decide(self, command: Command, payload: N.FleetCommand) -> Decision:
         node = payload.node_id

@@ -36,6 +36,7 @@ from llmgw.events.commands import (
 )
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.follow import LogFollower
+from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.retry import backoff_delay, is_transient
 from llmgw.events.secrets import engine_key, engine_key_secret, mirror_token
 from llmgw.events.store import AppendConflict, AppendResult, EventStore, NewEvent
@@ -70,19 +71,21 @@ class JobsConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class JobsService:
-    def __init__(self, store: EventStore, config: JobsConfig) -> None:
+    def __init__(self, store: EventStore, config: JobsConfig, *, folds: FoldRegistry | None = None) -> None:
         self.store = store
         self.config = config
+        self.folds = folds if folds is not None else FoldRegistry()
         self.hub = HubClient(config.hub, config.token)
         self.client = CommandClient(store)
         self.tasks: dict[str, asyncio.Task] = {}
         self._processor: CommandProcessor | None = None
         # Only which commands started a job is folded: a redelivered serve command starts none.
+        self.fold = LogFold(store, {f"{EVENTS_ROOT}.{J.AGGREGATE}.>": "jobs-commands"}, _nothing, registry=self.folds)
         self.shell = CommandShell(
             store,
             service=J.SERVICE,
             what="the job",
-            fold=LogFold(store, [f"{EVENTS_ROOT}.{J.AGGREGATE}.>"], lambda event: None),
+            fold=self.fold,
             decide=self.decide,
             payload_type=J.JobCommand,
             after_append=self._started,
@@ -93,6 +96,7 @@ class JobsService:
 
     async def start(self) -> None:
         """Fold every job from the log and resume the unfinished ones."""
+        self.fold.start()
         for job in (await self._jobs()).values():
             if job.request is not None and job.finished is None:
                 log.info("resuming a job", job=job.id, done=list(job.done))
@@ -113,6 +117,7 @@ class JobsService:
         """Stop the runners where they are; the next start resumes them."""
         self.stop()
         await cancel_and_wait(self.tasks.values())
+        await self.fold.close()
 
     # -- the log -----------------------------------------------------------------------------
 
@@ -236,7 +241,7 @@ class JobsService:
                 case "add":
                     return await self._add(job, req, d)
                 case "wait_ready":
-                    return await self._wait_ready(req, d)
+                    return await self._wait_ready(job, req, d)
                 case "smoke":
                     return await self._smoke(req, d)
         except CommandRejectedError as exc:
@@ -267,7 +272,9 @@ class JobsService:
         after = 0
         for e in await self.store.read(subject):
             after, status = e.seq, _fetch_status(e, version) or status
-        async with LogFollower(self.store, {subject: after}) as events:
+        # The follower's folds report in a registry of their own: a wait that begins is briefly catching
+        # up, and the process's /healthz must not flap with every job; a wait that ends empty-handed says why.
+        async with LogFollower(self.store, {subject: after}, name=f"job-{job.id}") as events:
             while True:
                 if isinstance(status, MI.FetchCompleted):
                     return StepResult(
@@ -280,6 +287,7 @@ class JobsService:
                 if e is None:
                     raise StepFailed(
                         f"the mirror did not finish fetching {model}/{version} within {self.config.fetch_s:.0f}s"
+                        + _trouble(events)
                     )
                 status = _fetch_status(e, version) or status
 
@@ -329,14 +337,14 @@ class JobsService:
             data={"added_seq": out.last_seq, "source": source},
         )
 
-    async def _wait_ready(self, req: J.JobStarted, d: dict[str, Any]) -> StepResult:
+    async def _wait_ready(self, job: JobState, req: J.JobStarted, d: dict[str, Any]) -> StepResult:
         if req.on_demand:
             return StepResult(message="on demand: a replica starts with the first request", data={})
         model, after = d["model"], d["added_seq"] - 1
         w = rules.Watch()
         start = time.monotonic()
         subjects = {event_subject(M.AGGREGATE, model): after, f"{EVENTS_ROOT}.{R.AGGREGATE}.>": after}
-        async with LogFollower(self.store, subjects) as events:
+        async with LogFollower(self.store, subjects, name=f"job-{job.id}") as events:
             while True:
                 now = time.monotonic()
                 v = rules.verdict(w, now, self.config.unplaceable_s)
@@ -349,7 +357,9 @@ class JobsService:
                         data={"replica": what, "url": w.ready[what]},
                     )
                 if now - start >= self.config.wait_ready_s:
-                    raise StepFailed(f"no replica of {model} was ready within {self.config.wait_ready_s:.0f}s")
+                    raise StepFailed(
+                        f"no replica of {model} was ready within {self.config.wait_ready_s:.0f}s" + _trouble(events)
+                    )
                 # Wake for the next event, or when being blocked would become too long, or at the end.
                 wake = start + self.config.wait_ready_s
                 if w.blocked_since is not None:
@@ -400,6 +410,16 @@ _STARTING = {
     "wait_ready": "waiting for a ready replica",
     "smoke": "sending one short chat request to the replica",
 }
+
+
+def _nothing(event: RecordedEvent) -> None:
+    """The jobs' command fold keeps nothing of its own: which commands caused events is the shell's."""
+
+
+def _trouble(events: LogFollower) -> str:
+    """Why a wait may have heard nothing, when its folds were not live: for the job's failure message."""
+    reasons = events.not_live()
+    return f" (and the log was not heard in full: {'; '.join(reasons)})" if reasons else ""
 
 
 def _fetch_status(e: RecordedEvent, version: str) -> msgspec.Struct | None:

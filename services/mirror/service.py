@@ -82,7 +82,8 @@ class MirrorService:
         self._processor: CommandProcessor | None = None
         self.peer: PeerMirror | None = None
         self._stopped = asyncio.Event()
-        self.fold = LogFold(store, [f"{EVENTS_ROOT}.{E.AGGREGATE}.>"], lambda event: self._apply([event]))
+        subjects = {f"{EVENTS_ROOT}.{E.AGGREGATE}.>": "mirror-commands"}
+        self.fold = LogFold(store, subjects, lambda event: self._apply([event]), registry=self.folds)
         self.shell = CommandShell(
             store,
             service=E.SERVICE,
@@ -171,6 +172,7 @@ class MirrorService:
             await self.purger.close()
         if self._follower is not None:
             await self._follower.close()
+        await self.fold.close()
         await cancel_and_wait(self.tasks.values())
         if self._session is not None:
             await self._session.close()
@@ -221,6 +223,7 @@ class MirrorService:
         free = await asyncio.to_thread(self.guard.free) - self._reserved()
         cmd = msgspec.structs.replace(p, repo=repo, revision=revision)
         plan = plan_fetch(self.state, cmd, info, has_token=bool(self.config.token), free_bytes=free)
+        expected = self.state.seqs.get(model, 0)  # read with the plan: the fold moves on during the preflight
         result = {"model": model, "version": plan.version, "commit": info.commit}
         if plan.already:
             held = self.state.version(model, plan.version)
@@ -239,7 +242,7 @@ class MirrorService:
         return Decision(
             subject=event_subject(E.AGGREGATE, model),
             payloads=[started],
-            expected=self.state.seqs.get(model, 0),
+            expected=expected,
             message=plan.message,
             result={**result, "state": FETCHING, "files": len(plan.files), "bytes": sum(f.size for f in plan.files)},
         )

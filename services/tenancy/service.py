@@ -16,6 +16,7 @@ from llmgw.events import tenancy as T
 from llmgw.events.command_shell import CommandShell, Decision, LogFold
 from llmgw.events.commands import Command, CommandProcessor
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import EVENTS_ROOT, event_subject
 from llmgw.services.tenancy.tree import TenancyTree, decide
@@ -24,7 +25,7 @@ log = structlog.get_logger("llmgw.services.tenancy")
 
 
 class TenancyService:
-    def __init__(self, store: EventStore) -> None:
+    def __init__(self, store: EventStore, *, folds: FoldRegistry | None = None) -> None:
         self.store = store
         self.tree = TenancyTree()
         self.subject = event_subject(T.AGGREGATE, T.TREE_ID)
@@ -32,7 +33,9 @@ class TenancyService:
         # A key is created only while the tree is unchanged (the access service fences on it), so a key
         # for a project deleted meanwhile is refused; a key created between this read and the delete's
         # append is the one race left, milliseconds wide (docs/decisions.md).
-        self.fold = LogFold(store, [self.keys_subject, self.subject], self._apply)
+        self.fold = LogFold(
+            store, {self.subject: "tenancy", self.keys_subject: "tenancy-keys"}, self._apply, registry=folds
+        )
         self.shell = CommandShell(
             store,
             service=T.SERVICE,
@@ -48,6 +51,13 @@ class TenancyService:
         else:
             self.tree.apply_key(event)
 
+    def start(self) -> None:
+        """Follow the log from now on (the first command would start it otherwise)."""
+        self.fold.start()
+
+    async def close(self) -> None:
+        await self.fold.close()
+
     async def catch_up(self) -> None:
         await self.fold.catch_up()
 
@@ -56,7 +66,9 @@ class TenancyService:
         return Decision(
             subject=self.subject,
             payloads=payloads,
-            expected=self.tree.last_seq,
+            # Where the fold has read the tree to, past an event it quarantined too: one poisoned
+            # event must not leave every later command conflicting with it for good.
+            expected=self.fold.positions[self.subject],
             message=describe(payload),
             result={"id": scope_id(payloads[0])},
         )
