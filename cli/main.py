@@ -36,6 +36,7 @@ from llmgw.cli.natsd import EmbeddedNats, NatsStartError
 from llmgw.cli.runtime import ALL_SERVICES, DEMO_KEY_FILE, ServerConfig, serve
 from llmgw.events.commands import CommandError
 from llmgw.events.store import StoreError
+from llmgw.services.api.exposure import exposure_refusal
 from llmgw.services.mirror.hub import DEFAULT_HUB
 from llmgw.services.router.app import RouterConfig
 
@@ -121,6 +122,28 @@ def _mirror_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--mirror-port", type=int, help="The mirror's file server port (default: admin port + 2).")(fn)
 
 
+def _admin_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Where the admin API listens, and the one way to put it beyond loopback without TLS or authentication."""
+    fn = click.option(
+        "--insecure",
+        is_flag=True,
+        help="Let the admin API listen beyond loopback with no TLS and no authentication (a warning at every start).",
+    )(fn)
+    return click.option(
+        "--admin-host",
+        default="127.0.0.1",
+        show_default=True,
+        help="Address the admin API listens on: loopback unless --insecure (reach it through an SSH tunnel).",
+    )(fn)
+
+
+def _refuse_exposed_admin(admin_host: str, admin_port: int, serves_api: bool, insecure: bool) -> None:
+    """Before anything starts: an admin API beyond loopback without --insecure is refused in one line."""
+    exposed = exposure_refusal(admin_host, admin_port, serves_api)
+    if exposed is not None and not insecure:
+        raise click.ClickException(exposed)
+
+
 SHUTDOWN_S = 20.0  # the most `up` waits for its services to stop before it goes on without them
 
 
@@ -134,7 +157,7 @@ def _install_stop(stop: asyncio.Event) -> None:
 @click.option(
     "--data-dir", "up_data_dir", help="Where the log and projections live ($LLMGW_DATA_DIR, else ~/.local/share/llmgw)."
 )
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address the gateway and admin API listen on.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the gateway listens on.")
 @click.option("--port", default=8080, show_default=True, help="Gateway (OpenAI API) port.")
 @click.option("--admin-port", default=8081, show_default=True, help="Admin API and /metrics port.")
 @click.option(
@@ -154,6 +177,7 @@ def _install_stop(stop: asyncio.Event) -> None:
 @click.option("--no-agent", is_flag=True, help="Run no local agent (this machine runs no engines).")
 @click.option("--log-level", default="info", show_default=True)
 @_mirror_options
+@_admin_options
 @click.pass_context
 def up(
     ctx: click.Context,
@@ -170,9 +194,12 @@ def up(
     mirror_port: int | None,
     mirror_max_gb: float | None,
     hf_endpoint: str,
+    admin_host: str,
+    insecure: bool,
 ) -> None:
     """Run everything on this machine: embedded NATS, SQLite projections, every service."""
     logs.configure(log_level)
+    _refuse_exposed_admin(admin_host, admin_port, True, insecure)
     chosen = up_data_dir or ctx.find_root().obj.get("data_dir")
     data_dir = (Path(chosen).expanduser() if chosen else default_data_dir()).resolve()
     problem = data_dir_problem(data_dir)
@@ -206,7 +233,9 @@ def up(
         router=RouterConfig(usage_journal=str(data_dir / "usage-journal")),
         host=host,
         port=port,
+        admin_host=admin_host,
         admin_port=admin_port,
+        insecure=insecure,
         mirror_dir=str(data_dir / "mirror"),
         mirror_port=mirror_port or _port_or_another(host, admin_port + 2),
         mirror_max_bytes=int(mirror_max_gb * 1e9) if mirror_max_gb else None,
@@ -220,14 +249,14 @@ def up(
             RunInfo(
                 pid=os.getpid(),
                 nats_url=natsd.url,
-                admin_url=f"http://{host}:{admin_port}",
+                admin_url=f"http://{admin_host}:{admin_port}",
                 gateway_url=f"http://{host}:{port}",
                 data_dir=str(data_dir),
                 mirror_url=f"http://{host}:{config.mirror_port}",
             ),
         )
         click.echo(
-            f"llmgw is up: gateway http://{host}:{port}, admin http://{host}:{admin_port}, "
+            f"llmgw is up: gateway http://{host}:{port}, admin http://{admin_host}:{admin_port}, "
             f"mirror http://{host}:{config.mirror_port}, NATS {natsd.url}, data in {data_dir}",
             err=True,
         )
@@ -313,7 +342,7 @@ def up(
 )
 @click.option("--db", "db_dsn", required=True, envvar="LLMGW_DB", help="postgresql://… or a SQLite file path.")
 @click.option("--services", default=",".join(ALL_SERVICES), show_default=True, help="Which services to run here.")
-@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address the gateway listens on.")
 @click.option("--port", default=8080, show_default=True)
 @click.option("--admin-port", default=8081, show_default=True)
 @click.option(
@@ -345,6 +374,7 @@ def up(
 )
 @click.option("--log-level", default="info", show_default=True)
 @_mirror_options
+@_admin_options
 def server(
     nats_url: str,
     db_dsn: str,
@@ -363,16 +393,22 @@ def server(
     mirror_port: int | None,
     mirror_max_gb: float | None,
     hf_endpoint: str,
+    admin_host: str,
+    insecure: bool,
 ) -> None:
     """Run services against an external NATS and PostgreSQL (the cluster shape)."""
     logs.configure(log_level)
+    chosen = tuple(s.strip() for s in services.split(",") if s.strip())
+    _refuse_exposed_admin(admin_host, admin_port, "api" in chosen, insecure)
     config = ServerConfig(
         nats_url=nats_url,
         db_dsn=db_dsn,
-        services=tuple(s.strip() for s in services.split(",") if s.strip()),
+        services=chosen,
         host=host,
         port=port,
+        admin_host=admin_host,
         admin_port=admin_port,
+        insecure=insecure,
         stream_replicas=replicas,
         declared_models=tuple(load_model_file(catalog_file)) if catalog_file else (),
         mirror_dir=mirror_dir or str(default_data_dir() / "mirror"),

@@ -35,6 +35,7 @@ from llmgw.services.access.bootstrap import ensure_demo_key
 from llmgw.services.access.service import AccessService
 from llmgw.services.accountant.service import RETENTION_DAYS, AccountantService
 from llmgw.services.api.app import AdminApi
+from llmgw.services.api.exposure import exposure_refusal
 from llmgw.services.catalog.service import CatalogService
 from llmgw.services.fleet.service import FleetService
 from llmgw.services.jobs.service import JobsConfig, JobsService
@@ -66,9 +67,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str
     db_dsn: str
     services: tuple[str, ...] = ALL_SERVICES
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the gateway's (and the mirror's file server's) address
     port: int = 8080
+    admin_host: str = "127.0.0.1"  # the admin API's: loopback unless insecure (services/api/exposure.py)
     admin_port: int = 8081
+    insecure: bool = False  # let the admin API listen beyond loopback without TLS or authentication
     stream_replicas: int | None = None  # None: the cluster's size, at most 3 (1 on a single server)
     declared_models: tuple[ModelSpec, ...] = ()
     demo_model: ModelSpec | None = None
@@ -134,6 +137,16 @@ async def serve(
     unknown = set(config.services) - set(ALL_SERVICES)
     if unknown:
         raise SystemExit(f"error: unknown service(s) {', '.join(sorted(unknown))}; known: {', '.join(ALL_SERVICES)}")
+    exposed = exposure_refusal(config.admin_host, config.admin_port, "api" in config.services)
+    if exposed is not None and not config.insecure:
+        raise SystemExit(f"error: {exposed}")
+    if exposed is not None:
+        log.warning(
+            "the admin API listens beyond loopback with no TLS and no authentication (--insecure): anyone who "
+            "reaches it can change keys, limits, budgets and the catalog",
+            admin_host=config.admin_host,
+            admin_port=config.admin_port,
+        )
     registry = CollectorRegistry()
     store = await EventStore.connect(
         config.nats_url, default_registry(), replicas=config.stream_replicas, metrics=StoreMetrics(registry)
@@ -198,7 +211,7 @@ async def serve(
         # Every process serves health and metrics on its admin port; the API itself runs with "api".
         api = AdminApi(store, backend, runner, registry)
         api.folds = folds
-        sites.append(await _site(api.app(full="api" in config.services), config.host, config.admin_port))
+        sites.append(await _site(api.app(full="api" in config.services), config.admin_host, config.admin_port))
         if "router" in config.services:
             router = Router(store, config.router, registry=registry, folds=folds)
             await router.start()
