@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -154,13 +155,14 @@ class LogFold:
 
         Raises :class:`FoldNotCurrent` naming the fold and its health when one does not within
         ``timeout`` seconds (default: the fold's ``wait_s``): a failed or stalled fold refuses, never hangs.
+        ``math.inf`` waits as long as reading takes (a service starting on a long log).
         """
         self.start()
         # The last sequence on each subject (wildcards included): the fold is current once it has read that far.
         heads = await asyncio.gather(*(self.store.last_seq(s) for s in self.folds))
         targets = dict(zip(self.folds, heads, strict=True))
         wait_s = self.wait_s if timeout is None else timeout
-        end = asyncio.get_running_loop().time() + wait_s
+        end = None if math.isinf(wait_s) else asyncio.get_running_loop().time() + wait_s
         for subject, last in targets.items():
             fold = self.folds[subject]
             if fold.position >= last:

@@ -5,6 +5,7 @@ Its rules are :mod:`.rules` (pure); :class:`~llmgw.events.command_shell.CommandS
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import structlog
@@ -49,8 +50,8 @@ class CatalogService:
     async def close(self) -> None:
         await self.fold.close()
 
-    async def catch_up(self) -> None:
-        await self.fold.catch_up()
+    async def catch_up(self, timeout: float | None = None) -> None:
+        await self.fold.catch_up(timeout)
 
     def decide(self, command: Command, payload: M.CatalogCommand) -> Decision:
         name, payloads, message = decide(self.catalog, payload)
@@ -64,7 +65,7 @@ class CatalogService:
 
     async def sync_declared(self, specs: list[M.ModelSpec]) -> None:
         """Bring models declared in the catalog file into the log (CAT-3): added or changed as declared."""
-        await self.catch_up()
+        await self.catch_up(math.inf)  # at start: as long as reading the log takes
         from llmgw.services.catalog.rules import validate_catalog, validate_spec
 
         for spec in specs:
@@ -92,7 +93,7 @@ class CatalogService:
         """Add ``spec`` as a runtime model the first time only (the demo): removed later, it stays removed."""
         if marker.exists():
             return False
-        await self.catch_up()
+        await self.catch_up(math.inf)  # at start: as long as reading the log takes
         if spec.name not in self.catalog.models:
             subject = event_subject(M.AGGREGATE, spec.name)
             await self.store.append(

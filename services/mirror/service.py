@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import math
 import os
 import shutil
 from pathlib import Path
@@ -121,7 +122,7 @@ class MirrorService:
             self.state = self.peer.state
             await self.peer.start(self._session)
             return
-        await self.catch_up()
+        await self.fold.catch_up(math.inf)  # at start: as long as reading the log takes
         await asyncio.to_thread(self._sweep_removed)
         for v in self.state.fetching():
             log.info("resuming a fetch", model=v.model, version=v.version)
