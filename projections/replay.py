@@ -70,22 +70,31 @@ async def replay_into(
     projections: Sequence[Projection],
     after: Mapping[str, int] | None = None,
 ) -> int:
-    """Fold the events up to sequence ``until`` into ``backend``; the events folded.
+    """Fold the events up to sequence ``until`` into ``backend``; the events folded (per projection).
 
     Each projection folds from its position in ``after`` (its rows up to there already in ``backend``:
     a replay snapshot's, :mod:`llmgw.projections.replay_snapshots`), else from 0 into fresh tables.
+    Projections that read the same subject read it once together (fleet and access both read the
+    whole log: reading and decoding it is half of what a fold costs).
     """
-    folded = 0
+    starts = {p.name: (after or {}).get(p.name, 0) for p in projections}
+    together: dict[tuple[str, object], list[Projection]] = {}
     for projection in projections:
         if projection.stream != S.STREAM_EVENTS:
             raise ValueError(f"{projection.name} reads {projection.stream}; a replay folds the event log only")
         async with backend.transaction(projection) as tx:
             await create_tables(tx, projection)
-        start = (after or {}).get(projection.name, 0)
-        if until <= start:
-            continue
-        batches = read_log(store, projection.subject, after=start, follow=False, until=until, decode=projection.decode)
+        if until > starts[projection.name]:
+            together.setdefault((projection.subject, type(projection).decode), []).append(projection)
+    folded = 0
+    for (subject, _), group in together.items():
+        first = min(starts[p.name] for p in group)
+        batches = read_log(store, subject, after=first, follow=False, until=until, decode=group[0].decode)
         async with contextlib.aclosing(batches):
             async for batch in batches:
-                folded += await commit_batch(backend, projection, batch)
+                for projection in group:
+                    start = starts[projection.name]
+                    mine = batch if batch[0].seq > start else [e for e in batch if e.seq > start]
+                    if mine:
+                        folded += await commit_batch(backend, projection, mine)
     return folded

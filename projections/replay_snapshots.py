@@ -1,31 +1,37 @@
-"""Replay snapshots (SPEC EVT-2): the replayed projections' rows saved as a series, so that
+"""Replay snapshots (SPEC EVT-2): the replayed projections' tables saved as a series, so that
 ``events replay --until T`` starts from the newest one at or before T and folds only the tail.
 
 A replay folds the tenancy, fleet and access projections (:func:`replay_projections`) into a
-scratch database. From 0 that costs the whole history (about 40 s per million events). The
-process that runs the live projections already holds those rows, folded: every :data:`EVERY_EVENTS`
-events its :class:`ReplaySnapshotter` reads them, with each projection's checkpoint, in one
-read-only transaction (so rows and checkpoints agree), and saves them in the ``llmgw_snapshots``
-object store as ``replay-<position:012d>``. The position is the highest of the three checkpoints;
-a projection behind it folds its own tail from its own checkpoint, so the series never needs the
-three to stand still together.
+scratch SQLite database. From 0 that costs the whole history. The process that runs the live
+projections already holds those tables, folded: every :data:`EVERY_EVENTS` events its
+:class:`ReplaySnapshotter` copies their rows, with each projection's checkpoint, in one read-only
+transaction (so rows and checkpoints agree), into a SQLite file laid out as a replay's scratch
+database is, and saves the file (deflated) in the ``llmgw_snapshots`` object store as
+``replay-<position:012d>``. A replay from it writes the file back and opens it: nothing is
+inserted row by row on the replay's path (at a million events that took longer than the tail).
+The position is the highest of the three checkpoints; a projection behind it folds its own tail
+from its own checkpoint, so the three never have to stand still together.
 
-Unlike a router's snapshot (one object, replaced), these are a series, because a replay asks
-for any moment: the newest :data:`KEEP_NEWEST`, and older ones thinned the older they are
+Unlike a router's snapshot (one object, replaced), these are a series, because a replay asks for
+any moment: the newest :data:`KEEP_NEWEST`, and older ones thinned the older they are
 (:func:`to_keep`), so their number grows with the log's length only logarithmically.
 
 A snapshot is a shortcut only: one of another format or projection version, one that does not
-decode or load, or one whose position is stamped with another time on the log than it recorded
-(the log was deleted and begun again) is ignored, logged, and the replay folds from 0.
+decode or whose tables are not the ones the code makes, or one whose position is stamped with
+another time on the log than it recorded (the log was deleted and begun again) is ignored,
+logged, and the replay folds from 0.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
+import contextlib
+import sqlite3
+import tempfile
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -34,19 +40,21 @@ import structlog
 from llmgw.events.snapshots import SnapshotStore
 from llmgw.events.store import EventStore
 from llmgw.projections.access import AccessProjection
-from llmgw.projections.backends import Backend
+from llmgw.projections.backends import Backend, Transaction
 from llmgw.projections.base import Projection
 from llmgw.projections.fleet import FleetProjection
-from llmgw.projections.fold import CHECKPOINTS, create_tables, drop_tables
+from llmgw.projections.fold import CHECKPOINTS, table_ddl
 from llmgw.projections.replay import stamp_of
 from llmgw.projections.tenancy import TenancyProjection
 
 log = structlog.get_logger("llmgw.projections.replay_snapshots")
 
 PREFIX = "replay-"
-FORMAT = 1  # of ReplayState and its wrapping; the projections' own versions are checked one by one
-EVERY_EVENTS = 50_000  # a tail of at most this many events, plus a load, fits in 5 s at a million events
+FORMAT = 1  # of ReplayState and its database's wrapping; the projections' own versions are checked one by one
+EVERY_EVENTS = 10_000  # a tail of at most this many events, plus a load, fits in 5 s at a million events
 KEEP_NEWEST = 20
+PAGE_ROWS = 20_000  # rows read from the live database at a time while saving: bounds the saver's memory
+CHUNK_BYTES = 1 << 20  # the database file is deflated and inflated in pieces of this size
 
 
 def replay_projections() -> list[Projection]:
@@ -54,23 +62,17 @@ def replay_projections() -> list[Projection]:
     return [TenancyProjection(), FleetProjection(), AccessProjection()]
 
 
-class TableRows(msgspec.Struct, frozen=True, array_like=True):
-    table: str  # the logical name
-    columns: list[str]
-    rows: list[tuple[Any, ...]]
-
-
-class ProjectionRows(msgspec.Struct, frozen=True, array_like=True):
+class ProjectionAt(msgspec.Struct, frozen=True, array_like=True):
     name: str
     version: int
-    checkpoint: int  # every event on its subject up to here is in ``tables``, none after
-    tables: list[TableRows]
+    checkpoint: int  # every event on its subject up to here is in the database's tables, none after
 
 
 class ReplayState(msgspec.Struct, frozen=True, kw_only=True):
     position: int  # the highest checkpoint: the snapshot serves a replay to this position or later
     recorded: datetime | None  # the time the log stamped on the event at ``position``
-    projections: list[ProjectionRows]
+    projections: list[ProjectionAt]
+    database: bytes  # a SQLite file holding the projections' tables, deflated
 
 
 class ReplayStart(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,20 +97,11 @@ def position_of(name: str) -> int | None:
 
 
 def encode_state(state: ReplayState) -> bytes:
-    """msgpack, deflated (rows of ids and timestamps shrink about tenfold, and the object store reads
-    at some 30 MB/s), as one msgpack ``bin``: a snapshot's state must itself be msgpack."""
-    return msgspec.msgpack.encode(zlib.compress(msgspec.msgpack.encode(state), 1))
+    return msgspec.msgpack.encode(state)
 
 
 def decode_state(data: bytes) -> ReplayState:
-    raw = zlib.decompress(msgspec.msgpack.decode(data, type=bytes))
-    collecting = gc.isenabled()
-    gc.disable()  # hundreds of thousands of rows that all live on: collections meanwhile only cost
-    try:
-        return _state_decoder.decode(raw)
-    finally:
-        if collecting:
-            gc.enable()
+    return _state_decoder.decode(data)
 
 
 def newest_at_or_before(positions: Iterable[int], position: int) -> int | None:
@@ -138,37 +131,129 @@ def to_keep(positions: Iterable[int], *, every: int, newest: int = KEEP_NEWEST) 
     return keep | set(oldest.values())
 
 
+# -- the database file ----------------------------------------------------------------------------
+
+
+def _create_database(path: Path, projections: Sequence[Projection]) -> tuple[sqlite3.Connection, list[str]]:
+    """A new SQLite file with the projections' tables (their indexes are returned, to make after the rows)."""
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    db.execute("PRAGMA journal_mode = OFF")  # a file being written, then copied: nothing to recover
+    db.execute("PRAGMA synchronous = OFF")
+    db.execute("BEGIN")
+    indexes: list[str] = []
+    for p in projections:
+        for logical in p.tables:
+            table, *more = table_ddl(p, logical)
+            db.execute(table)
+            indexes.extend(more)
+    return db, indexes
+
+
+def _insert(db: sqlite3.Connection, table: str, columns: list[str], rows: list[Any]) -> None:
+    names = ", ".join(f'"{c}"' for c in columns)
+    db.executemany(f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' for _ in columns)})", rows)
+
+
+def _finish(db: sqlite3.Connection, indexes: list[str]) -> None:
+    try:
+        for statement in indexes:
+            db.execute(statement)
+        db.execute("COMMIT")
+    finally:
+        db.close()
+
+
+def _deflate(path: Path) -> bytes:
+    packer = zlib.compressobj(1)  # the fastest level: ids and timestamps shrink about sevenfold even so
+    parts = []
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            parts.append(packer.compress(chunk))
+    parts.append(packer.flush())
+    return b"".join(parts)
+
+
+def _inflate(data: bytes, path: Path, projections: Sequence[Projection]) -> None:
+    """Write the snapshot's database to ``path`` and check its tables are the ones this code makes."""
+    unpacker = zlib.decompressobj()
+    with path.open("wb") as f:
+        for at in range(0, len(data), CHUNK_BYTES):
+            f.write(unpacker.decompress(data[at : at + CHUNK_BYTES]))
+        f.write(unpacker.flush())
+    if not unpacker.eof:
+        raise ValueError("the database is cut short")
+    expected = sqlite3.connect(":memory:")
+    found = sqlite3.connect(path)
+    try:
+        for p in projections:
+            for logical in p.tables:
+                table = p.table_name(logical)
+                for statement in table_ddl(p, logical)[:1]:
+                    expected.execute(statement)
+                want = [r[1] for r in expected.execute(f'PRAGMA table_info("{table}")')]
+                have = [r[1] for r in found.execute(f'PRAGMA table_info("{table}")')]
+                if have != want:
+                    raise ValueError(f"table {table} has columns {have}, not {want}")
+    finally:
+        expected.close()
+        found.close()
+
+
 # -- saving ---------------------------------------------------------------------------------------
 
 
-async def dump(store: EventStore, backend: Backend, projections: Sequence[Projection]) -> ReplayState | None:
-    """The projections' rows and checkpoints as one consistent state; None when one of them has not
-    folded anything yet or runs another version (a rebuild under way)."""
-    found: list[ProjectionRows] = []
-    async with backend.snapshot() as tx:
-        for p in projections:
-            row = await tx.fetchone(f"SELECT position, version FROM {CHECKPOINTS} WHERE name = ?", p.name)
-            if row is None or int(row[1]) != p.version:
-                return None
-            tables = []
-            for logical in p.tables:
-                physical = p.table_name(logical)
-                columns = await tx.columns(physical)
-                quoted = ", ".join(f'"{c}"' for c in columns)
-                tables.append(TableRows(logical, columns, await tx.fetchall(f"SELECT {quoted} FROM {physical}")))
-            found.append(ProjectionRows(p.name, p.version, int(row[0]), tables))
-    position = max(r.checkpoint for r in found)
+async def dump(
+    store: EventStore, backend: Backend, projections: Sequence[Projection], path: Path
+) -> ReplayState | None:
+    """The projections' tables and checkpoints as one consistent state, copied into a new SQLite file
+    at ``path`` and deflated; None when one of them has not folded anything yet or runs another
+    version (a rebuild under way). The copying runs in threads; the live database is read in pages."""
+    at: list[ProjectionAt] = []
+    db, indexes = await asyncio.to_thread(_create_database, path, projections)
+    try:
+        async with backend.snapshot() as tx:
+            for p in projections:
+                row = await tx.fetchone(f"SELECT position, version FROM {CHECKPOINTS} WHERE name = ?", p.name)
+                if row is None or int(row[1]) != p.version:
+                    return None
+                for logical in p.tables:
+                    table = p.table_name(logical)
+                    columns = await tx.columns(table)
+                    async for rows in _pages(tx, table, columns, list(p.primary_keys[logical])):
+                        await asyncio.to_thread(_insert, db, table, columns, rows)
+                at.append(ProjectionAt(p.name, p.version, int(row[0])))
+    finally:
+        await asyncio.to_thread(_finish, db, indexes if len(at) == len(projections) else [])
+    position = max(a.checkpoint for a in at)
     if position <= 0:
         return None
-    return ReplayState(position=position, recorded=await stamp_of(store, position), projections=found)
+    database = await asyncio.to_thread(_deflate, path)  # zlib lets go of the interpreter while it works
+    return ReplayState(position=position, recorded=await stamp_of(store, position), projections=at, database=database)
+
+
+async def _pages(tx: Transaction, table: str, columns: list[str], keys: list[str]) -> Any:
+    """The table's rows in pages of :data:`PAGE_ROWS`, in key order (each page starts after the last key)."""
+    names = ", ".join(f'"{c}"' for c in columns)
+    order = ", ".join(f'"{k}"' for k in keys)
+    at = [columns.index(k) for k in keys]
+    marks = ", ".join("?" for _ in keys)
+    first = f"SELECT {names} FROM {table} ORDER BY {order} LIMIT {PAGE_ROWS}"
+    after = f"SELECT {names} FROM {table} WHERE ({order}) > ({marks}) ORDER BY {order} LIMIT {PAGE_ROWS}"
+    rows = await tx.fetchall(first)
+    while rows:
+        yield rows
+        if len(rows) < PAGE_ROWS:
+            return
+        rows = await tx.fetchall(after, *(rows[-1][i] for i in at))
 
 
 class ReplaySnapshotter:
     """Saves a replay snapshot of the live projections every ``every`` events, and thins the series.
 
     :meth:`folded` is the projection runner's ``on_batch`` (a projection's name and new checkpoint).
-    The reading, encoding and writing run in one task at a time, beside the runner: the read is a
-    read-only transaction of its own, so the runner goes on meanwhile. The first call learns from the
+    The copying, deflating and writing run in one task at a time, beside the runner (the copy reads
+    a read-only transaction of its own, so the runner goes on meanwhile): while a save is under way
+    no other starts, so one that takes long spaces the next out. The first call learns from the
     store where the newest saved snapshot is, so a restart does not save again at once.
     """
 
@@ -193,8 +278,8 @@ class ReplaySnapshotter:
         self.saved_at: int | None = None  # the newest snapshot's position; None until the store is asked
         self.saves = 0
         self.last_bytes = 0
-        self.last_dump_s = 0.0
-        self.last_encode_s = 0.0
+        self.last_copy_s = 0.0
+        self.last_save_s = 0.0
         self._task: asyncio.Task[None] | None = None
 
     def folded(self, name: str, position: int) -> None:
@@ -226,14 +311,15 @@ class ReplaySnapshotter:
     async def _save(self, snapshots: SnapshotStore) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        state = await dump(self.store, self.backend, self.projections)
-        self.last_dump_s = loop.time() - started
+        with tempfile.TemporaryDirectory(prefix="llmgw-replay-snapshot-") as tmp:
+            state = await dump(self.store, self.backend, self.projections, Path(tmp) / "replay.db")
+        self.last_copy_s = loop.time() - started
         if state is None or state.position <= (self.saved_at or 0):
             return
-        started = loop.time()
-        data = await asyncio.to_thread(encode_state, state)  # deflating lets go of the interpreter
-        self.last_encode_s = loop.time() - started
-        self.last_bytes = await snapshots.save(snapshot_name(state.position), FORMAT, state.position, data)
+        self.last_bytes = await snapshots.save(
+            snapshot_name(state.position), FORMAT, state.position, encode_state(state)
+        )
+        self.last_save_s = loop.time() - started
         self.saved_at = state.position
         self.saves += 1
         log.info("replay snapshot saved", position=state.position, bytes=self.last_bytes)
@@ -261,10 +347,10 @@ class ReplaySnapshotter:
 
 
 async def start_from_snapshot(
-    store: EventStore, backend: Backend, position: int, projections: Sequence[Projection]
+    store: EventStore, path: Path, position: int, projections: Sequence[Projection]
 ) -> ReplayStart | None:
-    """Load into ``backend`` (a fresh scratch database) the newest replay snapshot at or before ``position``
-    and return where each projection goes on from; None (tables left empty) when there is none to trust."""
+    """Write to ``path`` the database of the newest replay snapshot at or before ``position`` and return
+    where each projection goes on from; None (and no file) when there is none to trust."""
     try:
         snapshots = await SnapshotStore.open(store.js)
         saved = {p: n for n in await snapshots.names(PREFIX) if (p := position_of(n)) is not None}
@@ -279,8 +365,8 @@ async def start_from_snapshot(
     if found is None:
         return None
     try:
-        state = await asyncio.to_thread(decode_state, found[1])
-    except (msgspec.DecodeError, msgspec.ValidationError, zlib.error) as exc:
+        state = decode_state(found[1])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         log.warning(
             "a replay snapshot that does not decode is ignored; replaying from 0", snapshot=name, error=f"{exc}"
         )
@@ -290,23 +376,24 @@ async def start_from_snapshot(
         log.warning(f"a replay snapshot {reason} is ignored; replaying from 0", snapshot=name)
         return None
     try:
-        await _load_rows(backend, state, projections)
-    except Exception as exc:
-        log.warning("a replay snapshot that does not load is ignored; replaying from 0", snapshot=name, error=str(exc))
-        for p in projections:
-            async with backend.transaction(p) as tx:
-                await drop_tables(tx, p)
+        await asyncio.to_thread(_inflate, state.database, path, projections)
+    except (zlib.error, sqlite3.DatabaseError, ValueError, OSError) as exc:
+        log.warning(
+            "a replay snapshot whose database does not load is ignored; replaying from 0", snapshot=name, error=str(exc)
+        )
+        with contextlib.suppress(OSError):
+            path.unlink()
         return None
     return ReplayStart(
         position=state.position,
         recorded=state.recorded,
-        after={r.name: r.checkpoint for r in state.projections},
+        after={a.name: a.checkpoint for a in state.projections},
     )
 
 
 async def _untrusted(store: EventStore, state: ReplayState, projections: Sequence[Projection]) -> str | None:
     """Why ``state`` cannot be trusted for this log and these projections; None when it can."""
-    versions = {r.name: r.version for r in state.projections}
+    versions = {a.name: a.version for a in state.projections}
     if versions != {p.name: p.version for p in projections}:
         return f"of other projection versions ({versions})"
     if state.recorded is None or await stamp_of(store, state.position) != state.recorded:
@@ -314,22 +401,12 @@ async def _untrusted(store: EventStore, state: ReplayState, projections: Sequenc
     return None
 
 
-async def _load_rows(backend: Backend, state: ReplayState, projections: Sequence[Projection]) -> None:
-    by_name = {r.name: r for r in state.projections}
-    for p in projections:
-        async with backend.transaction(p) as tx:
-            await create_tables(tx, p)
-            for t in by_name[p.name].tables:
-                columns = ", ".join(f'"{c}"' for c in t.columns)
-                marks = ", ".join("?" for _ in t.columns)
-                await tx.executemany(f"INSERT INTO {{{t.table}}} ({columns}) VALUES ({marks})", t.rows)
-
-
 __all__ = [
     "EVERY_EVENTS",
     "FORMAT",
     "KEEP_NEWEST",
     "PREFIX",
+    "ProjectionAt",
     "ReplaySnapshotter",
     "ReplayStart",
     "ReplayState",

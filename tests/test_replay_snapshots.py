@@ -7,6 +7,7 @@ Real nats-server; the log is the cold-start benchmark's realistic mix."""
 from __future__ import annotations
 
 import uuid
+import zlib
 from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
@@ -91,10 +92,11 @@ async def logged(store: EventStore, tmp_path: Path) -> AsyncIterator[tuple[Event
 
 async def _tables(store: EventStore, tmp_path: Path, position: int, from_snapshots: bool) -> tuple[Any, dict]:
     """Every row of the replayed projections at ``position`` (from the newest snapshot, or from 0)."""
-    backend = await open_backend(f"sqlite:///{tmp_path / f'scratch-{uuid.uuid4().hex[:6]}.db'}")
+    database = tmp_path / f"scratch-{uuid.uuid4().hex[:6]}.db"
     projections = replay_projections()
+    start = await start_from_snapshot(store, database, position, projections) if from_snapshots else None
+    backend = await open_backend(f"sqlite:///{database}")
     try:
-        start = await start_from_snapshot(store, backend, position, projections) if from_snapshots else None
         await replay_into(store, backend, position, projections, start.after if start else None)
         tables = {}
         for p in projections:
@@ -196,14 +198,16 @@ async def test_the_answer_says_which_snapshot_a_replay_started_from(
     assert answer["position"] >= saved[-1]
 
 
-@pytest.mark.parametrize("kind", ["corrupt", "other projection versions", "another log", "rows that do not load"])
+@pytest.mark.parametrize(
+    "kind", ["corrupt", "other projection versions", "another log", "a database cut short", "not a database"]
+)
 async def test_a_snapshot_that_cannot_be_trusted_is_ignored_and_the_replay_folds_from_0(
     store: EventStore, tmp_path: Path, kind: str
 ) -> None:
     head = await _write(store, list(realistic_log(1_200)))
     runner, saver, backend = await _run_projections(store, tmp_path, saver_every=10**9)  # saves none itself
     try:
-        state = await dump(store, backend, replay_projections())
+        state = await dump(store, backend, replay_projections(), tmp_path / "copy.db")
     finally:
         await runner.stop()
         await saver.close()
@@ -212,16 +216,14 @@ async def test_a_snapshot_that_cannot_be_trusted_is_ignored_and_the_replay_folds
     if kind == "corrupt":
         data = b"\x93not a snapshot"
     elif kind == "other projection versions":
-        changed = [msgspec.structs.replace(r, version=r.version + 1) for r in state.projections]
+        changed = [msgspec.structs.replace(a, version=a.version + 1) for a in state.projections]
         data = encode_state(msgspec.structs.replace(state, projections=changed))
     elif kind == "another log":
         data = encode_state(msgspec.structs.replace(state, recorded=datetime(2020, 1, 1).astimezone()))
+    elif kind == "a database cut short":
+        data = encode_state(msgspec.structs.replace(state, database=state.database[: len(state.database) // 2]))
     else:
-        broken = [
-            msgspec.structs.replace(r, tables=[msgspec.structs.replace(t, columns=["nope"]) for t in r.tables])
-            for r in state.projections
-        ]
-        data = encode_state(msgspec.structs.replace(state, projections=broken))
+        data = encode_state(msgspec.structs.replace(state, database=zlib.compress(b"not a SQLite file" * 100)))
     snapshots = await SnapshotStore.open(store.js)
     if kind == "corrupt":
         await snapshots.objects.put(snapshot_name(state.position), data)
@@ -283,5 +285,5 @@ async def test_a_replay_snapshot_records_the_time_the_log_stamped_at_its_positio
     found = await snapshots.load(snapshot_name(saved[-1]), FORMAT)
     assert found is not None
     state = decode_state(found[1])
-    assert state.position == saved[-1] == max(r.checkpoint for r in state.projections)
+    assert state.position == saved[-1] == max(a.checkpoint for a in state.projections)
     assert state.recorded == await stamp_of(store, saved[-1])

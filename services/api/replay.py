@@ -31,11 +31,12 @@ async def cluster_at(store: EventStore, when: datetime, *, from_snapshots: bool 
     position, stamped = await position_at(store, when)
     projections = replay_projections()
     with tempfile.TemporaryDirectory(prefix="llmgw-replay-") as tmp:
-        backend = await open_backend(f"sqlite:///{Path(tmp) / 'replay.db'}")
+        database = Path(tmp) / "replay.db"
+        start = None
+        if from_snapshots and position > 0:
+            start = await start_from_snapshot(store, database, position, projections)
+        backend = await open_backend(f"sqlite:///{database}")
         try:
-            start = None
-            if from_snapshots and position > 0:
-                start = await start_from_snapshot(store, backend, position, projections)
             after = start.after if start is not None else None
             folded = await replay_into(store, backend, position, projections, after)
             return {
