@@ -153,7 +153,7 @@ async def serve(
     )
     await store.ensure_streams()
     backend = await open_backend(config.db_dsn)
-    # Every 50,000 events the replayed projections' rows are saved, so `events replay` folds only a tail.
+    # Every 10,000 events the replayed projections' tables are saved, so `events replay` folds only a tail.
     replay_saver = ReplaySnapshotter(store, backend)
     runner = ProjectionRunner(store, backend, projections(), registry=registry, on_batch=replay_saver.folded)
     # The process's live folds: its /healthz answers 503 naming any that is not live.
