@@ -36,6 +36,7 @@ from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.secrets import engine_key, engine_key_secret, mirror_token
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import encode_token, event_subject
+from llmgw.events.tasks import cancel_and_wait
 
 log = structlog.get_logger("llmgw.agent")
 
@@ -127,11 +128,7 @@ class Agent:
         try:
             await self._stop.wait()
         finally:
-            for t in [*tasks, *self._tasks]:
-                t.cancel()
-            for t in [*tasks, *self._tasks]:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            await cancel_and_wait([*tasks, *self._tasks])
 
     def stop(self) -> None:
         """Stop the agent; its engines keep running, to be adopted by the next agent."""

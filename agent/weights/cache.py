@@ -254,7 +254,7 @@ class WeightsCache:
                 http,
                 url,
                 partial,
-                Expected(sha256=expected),
+                Expected(sha256=expected, source="the mirror verified"),
                 headers=lambda _url: {"Authorization": token},
                 retries=TRIES - 1,
                 backoff_s=0.4,
@@ -262,8 +262,7 @@ class WeightsCache:
             )
         except Mismatch as exc:
             raise WeightsError(
-                f"mirror:{ref} arrived with sha256 {exc.got.sha256}, and the mirror verified {expected}: "
-                "it was deleted and not used; the next start fetches it again"
+                f"mirror:{ref}: {exc.reason}: it was deleted and not used; the next start fetches it again"
             ) from exc
         except DownloadError as exc:
             if exc.code == "network":

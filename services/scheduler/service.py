@@ -33,6 +33,7 @@ from llmgw.events.retry import is_transient, keep_running, retrying
 from llmgw.events.snapshots import EVERY_EVENTS, EVERY_S, Snapshotter, resume
 from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
 from llmgw.events.subjects import event_subject
+from llmgw.events.tasks import cancel_and_wait
 from llmgw.services.scheduler.explain import explain
 from llmgw.services.scheduler.headroom import headroom
 from llmgw.services.scheduler.metrics import FleetCollector
@@ -122,11 +123,7 @@ class SchedulerService:
         try:
             await self._stop.wait()
         finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            await cancel_and_wait(tasks)
             if self.snapshotter is not None:
                 self.snapshotter.close()
 
@@ -250,9 +247,7 @@ class SchedulerService:
                             self.leader = False
                 finally:
                     self.leader = False
-                    pass_task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await pass_task
+                    await cancel_and_wait([pass_task])
             else:
                 await asyncio.sleep(self.lease_ttl_s / 4)
 
