@@ -126,7 +126,7 @@ class LogFold:
     def start(self) -> LogFold:
         """Start following the log (once); the folds appear in the registry from here on."""
         if self._closed:
-            raise FoldNotCurrent(f"the {', '.join(self.names.values())} fold is closed: the service is stopping")
+            raise FoldNotCurrent(f"the service is stopping: its folds ({', '.join(self.names.values())}) are closed")
         if not self.folds:
             self.folds = {
                 subject: LiveFold(
