@@ -24,8 +24,13 @@ from llmgw.events import access as A
 ACCESS_EVENTS = (A.KeyCreated, A.KeyRevoked, A.LimitSet, A.PriceSet, A.BudgetSet)
 
 
-class Key(msgspec.Struct, frozen=True, kw_only=True):
-    """One API key as its events tell it. ``rpm``/``tpm`` are its own limits (None: none)."""
+class Key(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One API key as its events tell it. ``rpm``/``tpm`` are its own limits (None: none).
+
+    Encoded as an array (``array_like``), not a map: a router's snapshot holds 100,000 keys or more,
+    and naming each field in each one made it twice the size and half again slower to decode. The
+    fields are read by position, so adding, removing or moving one needs the router's
+    ``SNAPSHOT_VERSION`` bumped (services/router/state.py)."""
 
     id: str
     prefix: str

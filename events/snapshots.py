@@ -7,19 +7,26 @@ its position, read by the service's :class:`~llmgw.events.live_fold.LiveFold`.
 A snapshot is one object in the ``llmgw_snapshots`` JetStream object store (an object store, not a
 key-value bucket: a router's state at 100,000 keys is several MB, more than a message may carry),
 named after what it holds (``router``, ``scheduler``). Its bytes are a msgpack :class:`Snapshot`:
-the service's schema version, the position, and the state as the service encoded it.
+the service's schema version, the position, and the state as the service encoded it, compressed
+(zlib at level 1: a router's state at 100,000 keys, 18 MB, is 2.2 MB stored, and nats-py reads an
+object at about 30 MB/s). Compressing and decompressing run in a thread (zlib releases the GIL), so
+neither pauses the event loop.
 
 A snapshot is only ever a shortcut: one written by another schema version, or one whose bytes do
-not decode, is ignored (and logged) and the fold starts from 0 — the log is the truth, and a wrong
-snapshot would answer from wrong state. Deleting the store (``nats object rm``) is always safe.
+not decode or decompress (one of an earlier format included), is ignored (and logged) and the fold
+starts from 0 — the log is the truth, and a wrong snapshot would answer from wrong state. Deleting
+the store (``nats object rm``) is always safe.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import gc
+import hashlib
 import io
 import time
+import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -27,8 +34,14 @@ import msgspec
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
-from nats.js.api import ObjectStoreConfig, StorageType
-from nats.js.object_store import ObjectStore
+from nats.js.api import ObjectInfo, ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, StorageType
+from nats.js.object_store import (
+    OBJ_CHUNKS_PRE_TEMPLATE,
+    OBJ_DEFAULT_CHUNK_SIZE,
+    OBJ_DIGEST_TYPE,
+    OBJ_STREAM_TEMPLATE,
+    ObjectStore,
+)
 
 from llmgw.events.buckets import open_object_store
 
@@ -41,6 +54,9 @@ BUCKET = "llmgw_snapshots"
 EVERY_EVENTS = 10_000  # a service saves its state after this many events folded since the last save…
 EVERY_S = 300.0  # …or this many seconds, whichever first (and only when it has moved on)
 PAUSE_SHARE = 100  # …but no sooner than this many times the last encoding took (it pauses the event loop)
+CODEC = "zlib"  # how a snapshot's state is compressed (the only codec written or read)
+CHUNK_BYTES = 1024 * 1024  # an object's chunk, at most (half the server's max_payload if that is less)
+LEVEL = 1  # zlib's fastest: 12x smaller at 100,000 keys; level 6 saves 12% more bytes for 3x the time
 
 T = TypeVar("T")
 
@@ -52,7 +68,8 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     schema_version: int
     position: int  # the last log sequence folded into ``state``
     taken_at: float  # wall-clock seconds
-    state: msgspec.Raw  # the service's own encoding (msgpack), decoded by the service
+    codec: str  # how ``state`` is compressed: :data:`CODEC` (a snapshot without one is of an earlier format)
+    state: bytes  # the service's own encoding (msgpack), compressed; decoded by the service
 
 
 class Restored(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
@@ -70,12 +87,14 @@ def encode_state(state: msgspec.Struct) -> bytes:
 
 
 def encode_snapshot(name: str, schema_version: int, position: int, state_bytes: bytes) -> bytes:
+    """A snapshot's bytes, its state compressed (CPU-bound: call it off the event loop)."""
     snap = Snapshot(
         name=name,
         schema_version=schema_version,
         position=position,
         taken_at=time.time(),
-        state=msgspec.Raw(state_bytes),
+        codec=CODEC,
+        state=zlib.compress(state_bytes, LEVEL),
     )
     return _encoder.encode(snap)
 
@@ -98,6 +117,22 @@ def decode_snapshot(name: str, schema_version: int, data: bytes) -> Snapshot | N
     return snap
 
 
+def open_snapshot(name: str, schema_version: int, data: bytes) -> tuple[int, bytes] | None:
+    """(position, state bytes decompressed) of the snapshot in ``data`` if it is ``name``'s at
+    ``schema_version`` and decompresses; else None, logged (CPU-bound: call it off the event loop)."""
+    snap = decode_snapshot(name, schema_version, data)
+    if snap is None:
+        return None
+    if snap.codec != CODEC:
+        log.warning("a snapshot of an unknown codec is ignored; folding from 0", snapshot=name, codec=snap.codec)
+        return None
+    try:
+        return snap.position, zlib.decompress(snap.state)
+    except zlib.error as exc:
+        log.warning("a snapshot that does not decompress is ignored; folding from 0", snapshot=name, error=str(exc))
+        return None
+
+
 class SnapshotStore:
     """Saves and loads snapshots by name in the ``llmgw_snapshots`` object store."""
 
@@ -113,24 +148,61 @@ class SnapshotStore:
         return cls(await open_object_store(js, config, replicas))
 
     async def save(self, name: str, schema_version: int, position: int, state_bytes: bytes) -> int:
-        """Write ``name``'s snapshot (replacing the one before); returns its size in bytes."""
-        data = encode_snapshot(name, schema_version, position, state_bytes)
-        await self.objects.put(name, data)
+        """Write ``name``'s snapshot (replacing the one before); returns its size in bytes, compressed."""
+        data = await asyncio.to_thread(encode_snapshot, name, schema_version, position, state_bytes)
+        # Chunks as large as the server takes (up to CHUNK_BYTES), not nats-py's 128 KiB: a load
+        # reads one chunk per request (see _read).
+        chunk = max(OBJ_DEFAULT_CHUNK_SIZE, min(CHUNK_BYTES, self.objects._js._nc.max_payload // 2))
+        meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=chunk))
+        await self.objects.put(name, data, meta=meta)
         return len(data)
 
     async def load(self, name: str, schema_version: int) -> tuple[int, bytes] | None:
         """(position, state bytes) of ``name``'s snapshot, or None: none saved, another schema version, or corrupt."""
-        # Into a buffer: without one nats-py joins the chunks as ``bytes += chunk``, quadratic in the
-        # size: a 97 MB snapshot took 47 s to load that way, 7 s this way (decoding included).
-        buffer = io.BytesIO()
         try:
-            await self.objects.get(name, writeinto=buffer)  # type: ignore[arg-type]
+            data = await self._read(name)
         except Exception as exc:  # not found, deleted or unreadable: each means "fold from 0"
             if type(exc).__name__ not in ("ObjectNotFoundError", "NotFoundError", "ObjectDeletedError"):
                 log.warning("a snapshot that cannot be read is ignored; folding from 0", snapshot=name, error=str(exc))
             return None
-        snap = decode_snapshot(name, schema_version, buffer.getvalue())
-        return None if snap is None else (snap.position, bytes(snap.state))
+        return await asyncio.to_thread(open_snapshot, name, schema_version, data)
+
+    async def _read(self, name: str) -> bytes:
+        """The object's bytes, its chunks read by JetStream direct gets, one request each.
+
+        nats-py's ``ObjectStore.get`` reads through an ordered push consumer whose flow control
+        stalls for about 0.25 s at a time: 2 MB took 0.26 s and 20 MB 0.8 s, where direct gets take
+        0.015 s and 0.1 s. A direct get may be answered by a replica that is behind, so what fails
+        here (a chunk not found, bytes whose digest does not match) is read again with ``get``."""
+        info = await self.objects.get_info(name)  # the meta from the stream's leader; raises if none
+        try:
+            return await self._read_direct(info)
+        except Exception as exc:
+            log.info("a snapshot's direct read failed; reading it again", snapshot=name, error=str(exc))
+        # Into a buffer: without one nats-py joins the chunks as ``bytes += chunk``, quadratic in the
+        # size (a 97 MB snapshot took 47 s to load that way, 7 s this way).
+        buffer = io.BytesIO()
+        await self.objects.get(name, writeinto=buffer)  # type: ignore[arg-type]
+        return buffer.getvalue()
+
+    async def _read_direct(self, info: ObjectInfo) -> bytes:
+        if info.is_link() or not info.nuid:
+            raise ValueError("not a plain object")
+        js = self.objects._js
+        stream, subject = (
+            OBJ_STREAM_TEMPLATE.format(bucket=BUCKET),
+            OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=BUCKET, obj=info.nuid),
+        )
+        data = bytearray()
+        seq = 0
+        for _ in range(info.chunks or 0):
+            msg = await js.get_msg(stream, seq=seq + 1, subject=subject, next=True, direct=True)
+            seq = msg.seq
+            data += msg.data or b""
+        digest = OBJ_DIGEST_TYPE + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+        if len(data) != info.size or digest.lower() != (info.digest or "").lower():
+            raise ValueError(f"{len(data)} bytes read of {info.size}, or a digest that does not match")
+        return bytes(data)
 
     async def restore(
         self, name: str, schema_version: int, decode: Callable[[bytes], T], head: int | None = None
@@ -264,6 +336,7 @@ __all__ = [
     "decode_snapshot",
     "encode_snapshot",
     "encode_state",
+    "open_snapshot",
 ]
 
 

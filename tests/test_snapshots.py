@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import subprocess
 import sys
+import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from llmgw.events import replicas as R
 from llmgw.events import subjects as S
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.live_fold import LiveFold
-from llmgw.events.snapshots import SnapshotStore, Snapshotter, encode_snapshot
+from llmgw.events.snapshots import CODEC, Snapshot, SnapshotStore, Snapshotter, encode_snapshot
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.services.router import state as RS
 from llmgw.services.router.app import Router
@@ -240,18 +242,57 @@ async def test_a_snapshot_of_an_older_schema_version_is_ignored_and_the_router_f
     assert any("another schema version" in w["event"] for w in warnings), warnings
 
 
+class _EarlierSnapshot(msgspec.Struct, kw_only=True):
+    """A snapshot as written before states were compressed: the state's msgpack inline, no codec."""
+
+    name: str
+    schema_version: int
+    position: int
+    taken_at: float
+    state: msgspec.Raw
+
+
+def _snapshot_with(state: bytes, codec: str = CODEC) -> bytes:
+    """A snapshot at the router's schema whose (compressed) state is ``state`` as given."""
+    name, version = RS.SNAPSHOT_NAME, RS.SNAPSHOT_VERSION
+    snap = Snapshot(name=name, schema_version=version, position=10, taken_at=0.0, codec=codec, state=state)
+    return msgspec.msgpack.encode(snap)
+
+
+_STATE = RS.RouterState().encode()  # an empty state: trusted, a router would know no key at all
+
+
 @pytest.mark.parametrize(
-    "data",
+    ("data", "why"),
     [
-        pytest.param(b"\x93not a snapshot", id="bytes-that-are-no-snapshot"),
+        pytest.param(b"\x93not a snapshot", "does not decode", id="bytes-that-are-no-snapshot"),
         pytest.param(
             encode_snapshot(RS.SNAPSHOT_NAME, RS.SNAPSHOT_VERSION, 10, msgspec.msgpack.encode({"keys": 3})),
+            "does not decode",
             id="a-state-that-does-not-decode",
         ),
+        pytest.param(
+            msgspec.msgpack.encode(
+                _EarlierSnapshot(
+                    name=RS.SNAPSHOT_NAME,
+                    schema_version=RS.SNAPSHOT_VERSION,
+                    position=10,
+                    taken_at=0.0,
+                    state=msgspec.Raw(_STATE),
+                )
+            ),
+            "does not decode",
+            id="a-snapshot-of-the-earlier-uncompressed-format",
+        ),
+        pytest.param(_snapshot_with(b"not zlib at all"), "does not decompress", id="a-state-that-is-not-zlib"),
+        pytest.param(
+            _snapshot_with(zlib.compress(_STATE, 1)[:-8]), "does not decompress", id="a-compressed-state-cut-short"
+        ),
+        pytest.param(_snapshot_with(_STATE, codec="lz4"), "unknown codec", id="a-state-of-an-unknown-codec"),
     ],
 )
 async def test_a_corrupt_snapshot_is_ignored_logged_and_the_router_folds_from_0(
-    store: EventStore, routers: list[Router], monkeypatch: pytest.MonkeyPatch, data: bytes
+    store: EventStore, routers: list[Router], monkeypatch: pytest.MonkeyPatch, data: bytes, why: str
 ) -> None:
     await store.append_many(list(realistic_log(LOG)))
     snapshots = await SnapshotStore.open(store.js)
@@ -259,7 +300,40 @@ async def test_a_corrupt_snapshot_is_ignored_logged_and_the_router_folds_from_0(
 
     warnings = await _started_from_0(store, routers, monkeypatch)
 
-    assert any("does not decode" in w["event"] for w in warnings), warnings
+    assert any(why in w["event"] for w in warnings), warnings
+
+
+async def test_a_snapshot_of_many_chunks_is_stored_compressed_and_read_back_whole(store: EventStore) -> None:
+    snapshots = await SnapshotStore.open(store.js)
+    # Random bytes do not compress: the object is several of the store's chunks, read back in order.
+    state = random.Random(7).randbytes(3 * 1024 * 1024)
+    compressible = b"key-0000001 sk-000000001 proj-1 " * 100_000
+
+    assert await snapshots.save("many", 1, 5, state) > 3 * 1024 * 1024
+    assert (await snapshots.objects.get_info("many")).chunks > 1
+    assert await snapshots.save("small", 1, 6, compressible) < len(compressible) // 10
+
+    with capture_logs() as logs:
+        assert await snapshots.load("many", 1) == (5, state)
+        assert await snapshots.load("small", 1) == (6, compressible)
+    assert not [e for e in logs if "direct read failed" in e["event"]], "read by direct gets, not again by get"
+
+
+async def test_a_snapshot_whose_direct_read_fails_is_read_again_through_the_object_stores_get(
+    store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snapshots = await SnapshotStore.open(store.js)
+    state = random.Random(8).randbytes(2 * 1024 * 1024)
+    await snapshots.save("snap", 1, 5, state)
+
+    async def behind(self: SnapshotStore, info: object) -> bytes:
+        raise ValueError("a replica behind: a chunk not found")
+
+    monkeypatch.setattr(SnapshotStore, "_read_direct", behind)
+
+    with capture_logs() as logs:
+        assert await snapshots.load("snap", 1) == (5, state)
+    assert any("direct read failed" in e["event"] for e in logs), logs
 
 
 async def test_a_snapshot_past_the_logs_head_is_ignored_and_the_router_folds_from_0(

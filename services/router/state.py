@@ -33,7 +33,7 @@ class ModelInfo(msgspec.Struct, M.ModelStatusView, kw_only=True):
         return self.status.min == 0
 
 
-class ReplicaInfo(msgspec.Struct, kw_only=True):
+class ReplicaInfo(msgspec.Struct, kw_only=True, array_like=True):  # an array in snapshots, as K.Key is
     replica_id: str
     model: str
     node_id: str
@@ -49,7 +49,9 @@ Price = K.Price
 
 
 SNAPSHOT_NAME = "router"
-SNAPSHOT_VERSION = 1  # bump when RouterSnapshot or a struct in it changes: older snapshots are then ignored
+# Bump when RouterSnapshot or a struct in it changes: older snapshots are then ignored. 2: keys and
+# replicas encoded as arrays (K.Key, ReplicaInfo), not maps.
+SNAPSHOT_VERSION = 2
 
 
 class RouterSnapshot(msgspec.Struct, kw_only=True):
