@@ -95,7 +95,7 @@ async def test_a_server_s_command_services_name_their_folds_live_on_its_healthz(
             "access-budgets",
             "catalog",
             "fleet",
-            "mirror-commands",
+            "mirror",
             "jobs-commands",
         }
         assert command_folds <= set(body["folds"])

@@ -25,7 +25,7 @@ from aiohttp import web
 from llmgw.events import mirror as E
 from llmgw.events.command_shell import Cause, CommandShell, Decision, LogFold
 from llmgw.events.commands import Command, CommandProcessor, Rejected
-from llmgw.events.live_fold import FoldRegistry, LiveFold
+from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.secrets import engine_key_secret, mirror_token
 from llmgw.events.store import AppendResult, EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
@@ -78,12 +78,11 @@ class MirrorService:
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
         self.token: str | None = None  # what the file server accepts, derived from the cluster secret
         self._session: aiohttp.ClientSession | None = None
-        self._follower: LiveFold | None = None
         self.purger: Purger | None = None  # purges of removed models' files (CAT-4), primary only
         self._processor: CommandProcessor | None = None
         self.peer: PeerMirror | None = None
         self._stopped = asyncio.Event()
-        subjects = {f"{EVENTS_ROOT}.{E.AGGREGATE}.>": "mirror-commands"}
+        subjects = {f"{EVENTS_ROOT}.{E.AGGREGATE}.>": "mirror"}
         self.fold = LogFold(store, subjects, lambda event: self._apply([event]), registry=self.folds)
         self.shell = CommandShell(
             store,
@@ -127,15 +126,8 @@ class MirrorService:
         for v in self.state.fetching():
             log.info("resuming a fetch", model=v.model, version=v.version)
             self._spawn(v)
-        # Keeps the fold (and so the file server) current with what the tasks write, supervised.
-        self._follower = LiveFold(
-            self.store,
-            f"{EVENTS_ROOT}.{E.AGGREGATE}.>",
-            lambda event: self._apply([event]),
-            name="mirror",
-            after=self.state.position,
-            registry=self.folds,
-        ).start()
+        # From here the command fold, which goes on following the log, keeps the state (and so the file
+        # server) current with what the tasks write: one supervised fold of the mirror's events, not two.
         # Purges the log shows open are taken up again once the purger's folds caught up.
         self.purger = Purger(
             self.store,
@@ -165,14 +157,12 @@ class MirrorService:
             self.processor().stop()
 
     async def close(self) -> None:
-        """Stop downloads (their partial files stay for the next start) and the follower."""
+        """Stop downloads (their partial files stay for the next start) and the fold."""
         self.stop()
         if self.peer is not None:
             await self.peer.close()
         if self.purger is not None:
             await self.purger.close()
-        if self._follower is not None:
-            await self._follower.close()
         await self.fold.close()
         await cancel_and_wait(self.tasks.values())
         if self._session is not None:
