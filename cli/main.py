@@ -118,6 +118,13 @@ def _mirror_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         show_default=True,
         help="The Hugging Face–compatible hub the mirror fetches from ($HF_ENDPOINT). A token: $HF_TOKEN.",
     )(fn)
+    fn = click.option(
+        "--hub-allow-private",
+        envvar="LLMGW_HUB_ALLOW_PRIVATE",
+        is_flag=True,
+        help="Let the hub, and what it redirects to, be at private, loopback or link-local addresses "
+        "(refused by default: a hub could otherwise point the mirror at internal services).",
+    )(fn)
     fn = click.option("--mirror-max-gb", type=float, help="The most the mirror directory may hold, in GB.")(fn)
     return click.option("--mirror-port", type=int, help="The mirror's file server port (default: admin port + 2).")(fn)
 
@@ -194,6 +201,7 @@ def up(
     mirror_port: int | None,
     mirror_max_gb: float | None,
     hf_endpoint: str,
+    hub_allow_private: bool,
     admin_host: str,
     insecure: bool,
 ) -> None:
@@ -241,6 +249,7 @@ def up(
         mirror_max_bytes=int(mirror_max_gb * 1e9) if mirror_max_gb else None,
         hub_endpoint=hf_endpoint,
         hub_token=_hub_token(),
+        hub_allow_private=hub_allow_private,
     )
 
     def ready() -> None:
@@ -393,6 +402,7 @@ def server(
     mirror_port: int | None,
     mirror_max_gb: float | None,
     hf_endpoint: str,
+    hub_allow_private: bool,
     admin_host: str,
     insecure: bool,
 ) -> None:
@@ -420,6 +430,7 @@ def server(
         mirror_urls=",".join(mirror_urls) or None,
         hub_endpoint=hf_endpoint,
         hub_token=_hub_token(),
+        hub_allow_private=hub_allow_private,
     )
 
     async def go() -> None:

@@ -90,6 +90,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     mirror_urls: str | None = None
     hub_endpoint: str = DEFAULT_HUB  # the Hugging Face–compatible hub (HF_ENDPOINT)
     hub_token: str | None = None  # a hub token (HF_TOKEN), for gated or private repositories
+    # the hub (and what it redirects to) may be at private, loopback or link-local addresses (--hub-allow-private)
+    hub_allow_private: bool = False
     # jobs (`ctl model serve`): "mirror" gives agents mirror:MODEL/VERSION/FILE; "local" the mirror's own path
     jobs_source: str = "mirror"
 
@@ -228,6 +230,7 @@ async def serve(
                     dir=config.mirror_dir,
                     hub=config.hub_endpoint,
                     token=config.hub_token,
+                    hub_allow_private=config.hub_allow_private,
                     max_bytes=config.mirror_max_bytes,
                     peer_of=config.mirror_peer_of,
                     peer_name=config.mirror_peer_name,
@@ -244,6 +247,7 @@ async def serve(
                 JobsConfig(
                     hub=config.hub_endpoint,
                     token=config.hub_token,
+                    hub_allow_private=config.hub_allow_private,
                     source=config.jobs_source,
                     # headers are read from the mirror's directory when it runs here, else over HTTP
                     mirror_dir=config.mirror_dir if "mirror" in config.services else None,

@@ -36,6 +36,8 @@ from urllib.parse import urljoin
 import aiohttp
 import msgspec
 
+from llmgw.modelfiles.outbound import DestinationRefused
+
 HASH_BLOCK = 4 << 20
 MAX_REDIRECTS = 5
 RECEIVE_BYTES = 256 << 10
@@ -334,6 +336,9 @@ class _Download:
                 headers["Range"] = f"bytes={self.have}-"
             try:
                 resp = await self.session.get(url, headers=headers, allow_redirects=False)
+            except DestinationRefused as exc:
+                # The session's outbound rule (:mod:`.outbound`): no retry will change its mind.
+                raise DownloadError(f"{_name(self.part)}: {exc.reason}", "refused") from exc
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise _Transient(f"{type(exc).__name__}: {exc}") from exc
             if resp.status in (301, 302, 303, 307, 308) and "Location" in resp.headers:

@@ -161,7 +161,9 @@ async def test_a_fetch_a_job_asked_for_keeps_the_job_s_correlation_to_its_last_e
 ) -> None:
     """The mirror's later events (each verified file, the end) stay in the thread of whoever asked."""
     hub = await FakeHub().start()
-    mirror = MirrorService(store, MirrorConfig(dir=str(tmp_path / "mirror"), hub=hub.url, retry_backoff_s=0.01))
+    mirror = MirrorService(
+        store, MirrorConfig(dir=str(tmp_path / "mirror"), hub=hub.url, hub_allow_private=True, retry_backoff_s=0.01)
+    )
     try:
         hub.add_repo("acme/tiny-GGUF")
         hub.add_file("acme/tiny-GGUF", "tiny-Q8_0.gguf", write_tiny_gguf(tmp_path / "tiny.gguf"))

@@ -27,6 +27,7 @@ from llmgw.events.outcomes import CommandCompleted
 from llmgw.events.secrets import engine_key_secret, mirror_token
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import event_subject
+from llmgw.modelfiles.outbound import OutboundResolver
 from llmgw.services.mirror.download import DiskGuard
 from llmgw.services.mirror.rules import should_report
 from llmgw.services.mirror.service import MirrorConfig, MirrorService
@@ -59,7 +60,11 @@ class Rig:
         self.hub = hub
         self.root = base / "mirror"
         self.config = MirrorConfig(
-            dir=str(self.root), hub=hub.url, retry_backoff_s=0.01, chunk_bytes=64 * 1024, **config
+            dir=str(self.root),
+            hub=hub.url,
+            retry_backoff_s=0.01,
+            chunk_bytes=64 * 1024,
+            **{"hub_allow_private": True, **config},  # the fake hub is on loopback
         )
         self.client = CommandClient(store)
         self.port = free_port()
@@ -68,8 +73,8 @@ class Rig:
         self._task: asyncio.Task | None = None
         self._site: web.AppRunner | None = None
 
-    async def start(self, guard: DiskGuard | None = None) -> Rig:
-        self.svc = MirrorService(self.store, self.config, guard=guard)
+    async def start(self, guard: DiskGuard | None = None, resolver: OutboundResolver | None = None) -> Rig:
+        self.svc = MirrorService(self.store, self.config, guard=guard, resolver=resolver)
         await self.svc.start()
         self._task = asyncio.create_task(self.svc.run())
         self._site = web.AppRunner(self.svc.app(), access_log=None)
@@ -527,6 +532,7 @@ async def test_mirror_fetch_list_and_remove_through_the_cli(
         mirror_dir=str(tmp_path / "mirror"),
         mirror_port=free_port(),
         hub_endpoint=hub.url,
+        hub_allow_private=True,  # the fake hub is on loopback
     )
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(serve(config, stop, on_ready=ready.set))

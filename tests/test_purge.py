@@ -157,7 +157,7 @@ async def test_a_purge_removes_each_file_with_one_event_and_the_cli_prints_each_
     store: EventStore, nats: NatsServer, hub: FakeHub, tmp_path: Path
 ) -> None:
     fleet = await Fleet(store, nats.url, tmp_path).start(
-        services=("catalog", "fleet", "scheduler", "mirror"), hub_endpoint=hub.url
+        services=("catalog", "fleet", "scheduler", "mirror"), hub_endpoint=hub.url, hub_allow_private=True
     )
     try:
         await fleet.command("fetch", E.MirrorFetch(model="tiny", repo="acme/tiny-GGUF"), service=E.SERVICE)

@@ -46,10 +46,14 @@ class Rig:
     def __init__(self, store: EventStore, hub: FakeHub, base: Path) -> None:
         self.store = store
         self.mirror_dir = str(base / "mirror")
-        self.mirror = MirrorService(store, MirrorConfig(dir=self.mirror_dir, hub=hub.url, retry_backoff_s=0.01))
+        self.mirror = MirrorService(
+            store, MirrorConfig(dir=self.mirror_dir, hub=hub.url, hub_allow_private=True, retry_backoff_s=0.01)
+        )
         # No test here waits for the unplaceable limit; a long one keeps a slow machine from failing
         # a job that is only waiting for its agent to start.
-        self.config = JobsConfig(hub=hub.url, source="local", mirror_dir=self.mirror_dir, unplaceable_s=600.0)
+        self.config = JobsConfig(
+            hub=hub.url, hub_allow_private=True, source="local", mirror_dir=self.mirror_dir, unplaceable_s=600.0
+        )
         self.jobs: JobsService | None = None
         self.tasks: list[asyncio.Task] = []
         self.client = CommandClient(store)

@@ -89,7 +89,9 @@ async def rig(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncItera
     hub.add_file("acme/tiny-GGUF", "tiny.gguf", write_tiny_gguf(tmp_path / "a.gguf"))
     hub.add_repo("acme/other-GGUF", commit=COMMIT_B)
     hub.add_file("acme/other-GGUF", "other.gguf", write_tiny_gguf(tmp_path / "b.gguf", seed=1))
-    fleet = await Fleet(store, nats.url, tmp_path).start(services=SERVICES, hub_endpoint=hub.url)
+    fleet = await Fleet(store, nats.url, tmp_path).start(
+        services=SERVICES, hub_endpoint=hub.url, hub_allow_private=True
+    )
     try:
         yield Rig(fleet, hub, tmp_path)
     finally:

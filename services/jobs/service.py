@@ -44,6 +44,7 @@ from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.events.tasks import cancel_and_wait
 from llmgw.modelfiles.gguf_header import GGUFHeader, read_header_file
 from llmgw.modelfiles.http import read_header_url
+from llmgw.modelfiles.outbound import OutboundResolver
 from llmgw.modelfiles.picking import RepoFile, validate_repo_id
 from llmgw.modelfiles.sizing import estimate_memory
 from llmgw.services.jobs import rules
@@ -60,6 +61,7 @@ SMOKE_PROMPT = "Say hello in one short sentence."
 class JobsConfig(msgspec.Struct, frozen=True, kw_only=True):
     hub: str = DEFAULT_HUB  # HF_ENDPOINT: where the file list is read
     token: str | None = None  # HF_TOKEN
+    hub_allow_private: bool = False  # the hub may be at a private address (modelfiles/outbound.py)
     source: str = "mirror"  # "mirror": sources are mirror:MODEL/VERSION/FILE; "local": the mirror's own path
     mirror_dir: str | None = None  # the mirror's directory when it is on this machine (headers read there)
     mirror_url: str | None = None  # else its file server(s), comma-separated, for the header over Range requests
@@ -75,7 +77,7 @@ class JobsService:
         self.store = store
         self.config = config
         self.folds = folds if folds is not None else FoldRegistry()
-        self.hub = HubClient(config.hub, config.token)
+        self.hub = HubClient(config.hub, config.token, resolver=OutboundResolver(config.hub_allow_private))
         self.client = CommandClient(store)
         self.tasks: dict[str, asyncio.Task] = {}
         self._processor: CommandProcessor | None = None

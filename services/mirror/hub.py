@@ -5,6 +5,13 @@ resolves to, each file's size, its LFS sha256 or git blob id, whether it is gate
 file URLs (``hf_hub_url``). The bytes themselves are fetched by the mirror (:mod:`.download`):
 `hf_hub_download` checks sizes only, never sha256, and does not resume what an earlier process
 left behind; both are the mirror's work.
+
+Outbound safety (:mod:`llmgw.modelfiles.outbound`): before each metadata call the endpoint's host is
+resolved and checked with the same rule the mirror's downloads connect under, so a hub on a
+private, loopback or link-local address is refused unless ``allow_private``. ``huggingface_hub``
+then resolves and connects on its own: a redirect it follows during that call, or a DNS answer
+that changes between the check and its connection, is not seen. The bytes never travel that way:
+they are fetched through the mirror's own session, whose resolver checks every connection.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+from llmgw.modelfiles.outbound import DestinationRefused, OutboundResolver
 from llmgw.services.mirror.rules import HubEntry, HubInfo
 
 DEFAULT_HUB = "https://huggingface.co"
@@ -40,15 +48,25 @@ def origin(url: str) -> tuple[str, str, int | None]:
 
 
 class HubClient:
-    def __init__(self, endpoint: str = DEFAULT_HUB, token: str | None = None, timeout_s: float = 20.0) -> None:
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_HUB,
+        token: str | None = None,
+        timeout_s: float = 20.0,
+        *,
+        resolver: OutboundResolver | None = None,
+    ) -> None:
+        """``resolver``: the outbound rule the endpoint is checked with; without one, private addresses are refused."""
         self.endpoint = endpoint.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
+        self.resolver = resolver if resolver is not None else OutboundResolver(allow_private=False)
         # token=False, not None: without a configured token, never pick up one lying in ~/.cache.
         self._api = HfApi(endpoint=self.endpoint, token=token or False)
 
     async def info(self, repo: str, revision: str) -> HubInfo:
         """The repository at ``revision``; raises :class:`HubError`."""
+        await self.check_endpoint()
         try:
             mi = await asyncio.to_thread(
                 self._api.model_info, repo, revision=revision, files_metadata=True, timeout=self.timeout_s
@@ -91,6 +109,15 @@ class HubClient:
             )
         gated = mi.gated if isinstance(mi.gated, str) else ("manual" if mi.gated else None)
         return HubInfo(repo=repo, commit=mi.sha, gated=gated, files=files)
+
+    async def check_endpoint(self) -> None:
+        """Raises :class:`HubError` (``refused_destination``) when the endpoint resolves where the rule forbids."""
+        try:
+            await self.resolver.addresses(self.endpoint)
+        except DestinationRefused as exc:
+            raise HubError(f"the hub at {self.endpoint} is refused: {exc.reason}", "refused_destination") from exc
+        except OSError:
+            pass  # an unknown name: the metadata call itself fails and says so (hub_unreachable)
 
     def file_url(self, repo: str, commit: str, path: str) -> str:
         """The resolve URL of ``path`` at ``commit``: pinned, so a branch that moves mid-fetch changes nothing."""

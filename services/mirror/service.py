@@ -30,6 +30,7 @@ from llmgw.events.secrets import engine_key_secret, mirror_token
 from llmgw.events.store import AppendResult, EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.events.tasks import cancel_and_wait
+from llmgw.modelfiles import outbound
 from llmgw.services.mirror.download import DiskGuard, DownloadError, Mismatch, download
 from llmgw.services.mirror.files import file_server
 from llmgw.services.mirror.hub import DEFAULT_HUB, HubClient, HubError
@@ -54,6 +55,8 @@ class MirrorConfig(msgspec.Struct, frozen=True, kw_only=True):
     progress_interval_s: float = 1.0
     progress_step: float = 0.05
     hub_timeout_s: float = 20.0
+    # connect to a hub (or where it redirects) at private, loopback or link-local addresses (modelfiles/outbound.py)
+    hub_allow_private: bool = False
     peer_of: str | None = None  # a primary's file server: this mirror only copies from it (MIR-4)
     peer_name: str = "peer"  # the peer's own aggregate, llmgw.evt.mirror_peer.<peer_name>
     purge_replica_wait_s: float = 600.0  # a purge fails when the model's replicas still run after this long
@@ -67,13 +70,16 @@ class MirrorService:
         *,
         guard: DiskGuard | None = None,
         folds: FoldRegistry | None = None,
+        resolver: outbound.OutboundResolver | None = None,
     ) -> None:
+        """``resolver``: where the hub's session may connect; by default ``config.hub_allow_private``'s rule."""
         self.store = store
         self.folds = folds if folds is not None else FoldRegistry()
         self.config = config
         self.root = Path(config.dir)
         self.state = MirrorState()
-        self.hub = HubClient(config.hub, config.token, config.hub_timeout_s)
+        self.resolver = resolver or outbound.OutboundResolver(config.hub_allow_private)
+        self.hub = HubClient(config.hub, config.token, config.hub_timeout_s, resolver=self.resolver)
         self.guard = guard or DiskGuard(self.root, config.max_bytes)
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
         self.token: str | None = None  # what the file server accepts, derived from the cluster secret
@@ -103,7 +109,12 @@ class MirrorService:
         self.token = mirror_token(await engine_key_secret(self.store.js))
         # No total timeout: a file can take hours. A stalled connection is caught by the read timeout.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
-        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        if self.config.peer_of:
+            # A peer talks to its primary only: an address the operator gave, on their own network.
+            self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        else:
+            # Every connection to the hub, and every redirect hop, under the outbound rule.
+            self._session = outbound.session(self.resolver, timeout=timeout, auto_decompress=False)
         if self.config.peer_of:
             # A peer takes no commands and writes no mirror.* events: it copies what the primary holds.
             self.peer = PeerMirror(
@@ -295,6 +306,8 @@ class MirrorService:
                         "with that account, or choose another repository",
                         "gated",
                     )
+        except outbound.DestinationRefused as exc:
+            raise Rejected(f"{repo}: {exc.reason}", "refused_destination") from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise Rejected(
                 f"the hub did not answer for {repo} ({exc}); send the fetch again", "hub_unreachable"

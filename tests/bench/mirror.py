@@ -192,7 +192,7 @@ async def run(size_mb: int, runs: int) -> dict[str, list[float]]:
             store = await EventStore.connect(nats.url, default_registry())
             await store.ensure_streams()
             mirror_dir = base / "mirror"
-            mirror = MirrorService(store, MirrorConfig(dir=str(mirror_dir), hub=hub_url))
+            mirror = MirrorService(store, MirrorConfig(dir=str(mirror_dir), hub=hub_url, hub_allow_private=True))
             await mirror.start()
             mirror_task = asyncio.create_task(mirror.run())
             site = web.AppRunner(mirror.app(), access_log=None)
@@ -226,7 +226,14 @@ async def run(size_mb: int, runs: int) -> dict[str, list[float]]:
                     shutil.rmtree(mirror_dir / model, ignore_errors=True)  # disk only; the log still holds it
 
                 jobs = JobsService(
-                    store, JobsConfig(hub=hub_url, source="local", mirror_dir=str(mirror_dir), unplaceable_s=600.0)
+                    store,
+                    JobsConfig(
+                        hub=hub_url,
+                        hub_allow_private=True,
+                        source="local",
+                        mirror_dir=str(mirror_dir),
+                        unplaceable_s=600.0,
+                    ),
                 )
                 await jobs.start()
                 jobs_task = asyncio.create_task(jobs.run())
