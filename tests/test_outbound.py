@@ -14,10 +14,12 @@ import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import click
 import msgspec
 import pytest
 from aiohttp.abc import AbstractResolver, ResolveResult
 
+from llmgw.cli.main import server, up
 from llmgw.events import mirror as E
 from llmgw.events import outcomes as O
 from llmgw.events.commands import CommandRejectedError
@@ -235,3 +237,17 @@ async def test_with_the_flag_a_hub_on_loopback_works_as_before(store: EventStore
         assert (await rig.outcome()).type == "mirror.fetch_completed"
     finally:
         await rig.stop()
+
+
+# -- the flag --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [up, server])
+def test_the_flag_and_its_variable_reach_up_and_server_and_are_off_by_default(
+    command: click.Command, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    required = ["--nats", "nats://x", "--db", "sqlite:///x"] if command is server else []
+    assert command.make_context("llmgw", list(required)).params["hub_allow_private"] is False
+    assert command.make_context("llmgw", [*required, "--hub-allow-private"]).params["hub_allow_private"] is True
+    monkeypatch.setenv("LLMGW_HUB_ALLOW_PRIVATE", "1")
+    assert command.make_context("llmgw", list(required)).params["hub_allow_private"] is True
