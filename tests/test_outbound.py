@@ -31,7 +31,7 @@ from llmgw.modelfiles.outbound import (
     address_kind,
     refusal,
 )
-from llmgw.services.mirror.hub import HubClient, HubError
+from llmgw.services.mirror.hub import HubClient, HubError, shown
 from tests.fakehub import FakeHub
 from tests.test_mirror import REPO, Rig, blob, files_under
 
@@ -251,3 +251,9 @@ def test_the_flag_and_its_variable_reach_up_and_server_and_are_off_by_default(
     assert command.make_context("llmgw", [*required, "--hub-allow-private"]).params["hub_allow_private"] is True
     monkeypatch.setenv("LLMGW_HUB_ALLOW_PRIVATE", "1")
     assert command.make_context("llmgw", list(required)).params["hub_allow_private"] is True
+
+
+def test_credentials_in_a_hub_url_are_never_shown() -> None:
+    assert shown("https://alice:s3cret@hub.example:8443/base") == "https://hub.example:8443/base"
+    assert shown("https://hub.example") == "https://hub.example"
+    assert "s3cret" not in HubClient("https://alice:s3cret@hub.example").shown

@@ -42,6 +42,17 @@ class HubError(Exception):
         super().__init__(message)
 
 
+def shown(url: str) -> str:
+    """``url`` without the credentials it may carry (``https://user:secret@hub``): what messages and events say."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    netloc = parts.hostname or ""
+    netloc = f"[{netloc}]" if ":" in netloc else netloc
+    netloc += f":{parts.port}" if parts.port is not None else ""
+    return parts._replace(netloc=netloc).geturl()
+
+
 def origin(url: str) -> tuple[str, str, int | None]:
     parts = urlsplit(url)
     return parts.scheme, (parts.hostname or "").lower(), parts.port
@@ -58,6 +69,7 @@ class HubClient:
     ) -> None:
         """``resolver``: the outbound rule the endpoint is checked with; without one, private addresses are refused."""
         self.endpoint = endpoint.rstrip("/")
+        self.shown = shown(self.endpoint)  # the endpoint as messages and events name it
         self.token = token
         self.timeout_s = timeout_s
         self.resolver = resolver if resolver is not None else OutboundResolver(allow_private=False)
@@ -78,19 +90,19 @@ class HubClient:
                 "gated",
             ) from exc
         except RevisionNotFoundError as exc:
-            raise HubError(f"{repo} has no revision {revision!r} on {self.endpoint}", "no_revision") from exc
+            raise HubError(f"{repo} has no revision {revision!r} on {self.shown}", "no_revision") from exc
         except RepositoryNotFoundError as exc:
             raise HubError(
-                f"there is no repository {repo} on {self.endpoint}, or it is private: check the name, "
+                f"there is no repository {repo} on {self.shown}, or it is private: check the name, "
                 "or configure a token that can read it (HF_TOKEN)",
                 "not_found",
             ) from exc
         except HfHubHTTPError as exc:
             status = exc.response.status_code if exc.response is not None else "?"
-            raise HubError(f"the hub at {self.endpoint} answered {status} for {repo}: {exc}", "hub") from exc
+            raise HubError(f"the hub at {self.shown} answered {status} for {repo}: {exc}", "hub") from exc
         except Exception as exc:  # connection refused, DNS, timeouts: whatever the HTTP stack raises
             raise HubError(
-                f"the hub at {self.endpoint} did not answer ({type(exc).__name__}: {exc}): check its address "
+                f"the hub at {self.shown} did not answer ({type(exc).__name__}: {exc}): check its address "
                 "(HF_ENDPOINT) and the network, then send the fetch again",
                 "hub_unreachable",
             ) from exc
@@ -115,7 +127,7 @@ class HubClient:
         try:
             await self.resolver.addresses(self.endpoint)
         except DestinationRefused as exc:
-            raise HubError(f"the hub at {self.endpoint} is refused: {exc.reason}", "refused_destination") from exc
+            raise HubError(f"the hub at {self.shown} is refused: {exc.reason}", "refused_destination") from exc
         except OSError:
             pass  # an unknown name: the metadata call itself fails and says so (hub_unreachable)
 

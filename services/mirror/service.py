@@ -239,7 +239,7 @@ class MirrorService:
             revision=revision,
             commit=info.commit,
             files=plan.files,
-            hub=self.hub.endpoint,
+            hub=self.hub.shown,  # never the credentials an endpoint URL may carry
         )
         return Decision(
             subject=event_subject(E.AGGREGATE, model),
