@@ -114,6 +114,11 @@ async def test_the_openai_client_works_unchanged(gw: Fleet, tiny: Path) -> None:
     c = client(gw, key)
     models = await c.models.list()
     assert {m.id for m in models.data} == {"tiny", "tiny-embed"}
+    assert (await c.models.retrieve("tiny")).id == "tiny"
+    assert (await c.models.retrieve("tiny-alias")).id == "tiny"  # an alias names its model
+    with pytest.raises(openai.NotFoundError) as missing:
+        await c.models.retrieve("nope")
+    assert missing.value.code == "model_not_found" and "model 'nope' does not exist" in missing.value.message
 
     chat = await c.chat.completions.create(
         model="tiny-alias", messages=[{"role": "user", "content": "hi"}], max_tokens=5
@@ -146,6 +151,8 @@ async def test_the_openai_client_works_unchanged(gw: Fleet, tiny: Path) -> None:
     assert "model 'nope' does not exist" in nf.value.message
     with pytest.raises(openai.AuthenticationError):
         await client(gw, "llmgw-aaaaaaaa-" + "x" * 43).models.list()
+    with pytest.raises(openai.AuthenticationError):
+        await client(gw, "llmgw-aaaaaaaa-" + "x" * 43).models.retrieve("tiny")
 
 
 async def test_the_gateway_makes_its_own_request_id_and_echoes_the_clients(gw: Fleet, tiny: Path) -> None:

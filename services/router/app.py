@@ -71,6 +71,11 @@ def _client_request_id(request: web.Request) -> str | None:
     return given if given and _REQUEST_ID.match(given) else None
 
 
+def _model_object(m: ModelInfo) -> dict[str, Any]:
+    """A model as OpenAI's models endpoints show it (plus its aliases)."""
+    return {"id": m.name, "object": "model", "created": 0, "owned_by": "llmgw", "aliases": list(m.spec.aliases)}
+
+
 def _refused(refusal: adm.Refusal) -> ApiError:
     return ApiError(refusal.status, refusal.message, refusal.code, dict(refusal.headers))
 
@@ -204,6 +209,7 @@ class Router:
         )
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.retrieve_model)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
@@ -258,14 +264,25 @@ class Router:
             key = self._authenticate(request)
         except ApiError as exc:
             return exc.response(rid, cid)
-        data = []
-        for m in sorted(self.state.models.values(), key=lambda m: m.name):
-            if key.models and m.name not in key.models:
-                continue
-            data.append(
-                {"id": m.name, "object": "model", "created": 0, "owned_by": "llmgw", "aliases": list(m.spec.aliases)}
-            )
+        data = [
+            _model_object(m)
+            for m in sorted(self.state.models.values(), key=lambda m: m.name)
+            if not key.models or m.name in key.models
+        ]
         return web.json_response({"object": "list", "data": data}, headers=id_headers(rid, cid))
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}`` (the SDKs' ``models.retrieve``): a model the key may use, by name or alias."""
+        rid, cid = new_id(), _client_request_id(request)
+        asked = request.match_info["model"]
+        try:
+            key = self._authenticate(request)
+            chosen = adm.choose_model(key, asked, self.state.resolve(asked), self.state.models)
+            if isinstance(chosen, adm.Refusal):
+                raise _refused(chosen)
+        except ApiError as exc:
+            return exc.response(rid, cid)
+        return web.json_response(_model_object(chosen), headers=id_headers(rid, cid))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "/v1/chat/completions")

@@ -64,7 +64,7 @@ def id_headers(request_id: str, client_request_id: str | None) -> dict[str, str]
 
 def http_error(exc: web.HTTPException, request: web.Request) -> ApiError:
     """aiohttp's own refusals (no such route, method not allowed, too large…) in the gateway's words."""
-    routes = "/v1/chat/completions, /v1/completions, /v1/embeddings (POST) and /v1/models (GET)"
+    routes = "/v1/chat/completions, /v1/completions, /v1/embeddings (POST) and /v1/models, /v1/models/{id} (GET)"
     if exc.status == 404:
         return ApiError(404, f"no route {request.method} {request.path}: this gateway serves {routes}", "not_found")
     if isinstance(exc, web.HTTPMethodNotAllowed):
