@@ -27,7 +27,7 @@ from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import event_subject
 from llmgw.services.router import admission as adm
 from llmgw.services.router.app import Router, RouterConfig
-from llmgw.services.router.budgets import BUCKET, Entry
+from llmgw.services.router.budgets import BUCKET, BudgetExceeded, Entry
 from llmgw.services.router.limits import Level, Limiter, Window
 from llmgw.services.router.routing import Affinity, order, prefix_key
 from llmgw.services.router.state import KeyInfo, ModelInfo, Price, ReplicaInfo
@@ -461,3 +461,28 @@ def test_a_call_is_charged_for_the_tokens_its_record_shows(status: int, billed_i
     price = Price(input_usd_per_m=1e6, output_usd_per_m=2e6)  # a dollar a prompt token, two an output one
     assert record.tokens_in == billed_in
     assert call_cost(call, price) == pytest.approx(charged)
+
+
+@pytest.mark.parametrize(
+    ("now", "period", "wait"),
+    [
+        ("2026-03-14T23:59:30", "day", 30),  # the day ends in half a minute
+        ("2026-03-14T00:00:00", "day", 86400),
+        ("2026-03-31T12:00:00", "month", 12 * 3600),
+        ("2026-12-31T23:00:00", "month", 3600),  # December's end is next year's start
+        ("2026-02-01T00:00:00", "month", 28 * 86400),
+    ],
+)
+def test_an_exhausted_budget_says_to_retry_when_its_period_ends(now: str, period: str, wait: int) -> None:
+    at = datetime.fromisoformat(now).replace(tzinfo=UTC).timestamp()
+    exc = BudgetExceeded("project:p", budget=10.0, period=period, spent=9.99, held=0.0, need=0.5)
+    refusal = adm.over_budget(exc, at)
+    assert (refusal.status, refusal.code) == (429, "budget_exceeded")
+    assert refusal.headers["retry-after"] == str(wait)
+
+
+def test_a_budget_full_only_of_running_requests_holds_says_to_retry_in_seconds() -> None:
+    # $6 spent, $3 held by requests still running, $2 asked: once they settle there is room again.
+    exc = BudgetExceeded("project:p", budget=10.0, period="day", spent=6.0, held=3.0, need=2.0)
+    refusal = adm.over_budget(exc, datetime(2026, 3, 14, 1, tzinfo=UTC).timestamp())
+    assert refusal.headers["retry-after"] == str(adm.HELD_RETRY_S)

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import msgspec
 
 from llmgw.events import access as A
-from llmgw.services.router.budgets import BudgetExceeded, max_cost
+from llmgw.services.router.budgets import BudgetExceeded, max_cost, seconds_to_period_end
 from llmgw.services.router.limits import Level, Limiter
 from llmgw.services.router.state import Budget, KeyInfo, ModelInfo, Price
 from llmgw.services.router.validation import max_prompt_tokens
@@ -247,7 +247,13 @@ def most_it_may_cost(
     return max_cost(max_prompt_tokens(body, endpoint), int(out), price.input_usd_per_m, price.output_usd_per_m)
 
 
-def over_budget(exc: BudgetExceeded) -> Refusal:
+HELD_RETRY_S = 5  # a budget full only of running requests' holds frees up as soon as they settle
+
+
+def over_budget(exc: BudgetExceeded, now: float) -> Refusal:
+    """The 429 of a budget that cannot cover the request: ``Retry-After`` when it may: in a few seconds
+    when only running requests' holds stand in the way, else when the period ends (a new budget)."""
+    wait = HELD_RETRY_S if exc.held_only else seconds_to_period_end(exc.period, now)
     return Refusal(
-        status=429, code="budget_exceeded", message=str(exc), headers={"retry-after": "3600"}, layer="budget"
+        status=429, code="budget_exceeded", message=str(exc), headers={"retry-after": str(wait)}, layer="budget"
     )

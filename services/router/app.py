@@ -412,7 +412,7 @@ class Router:
             try:
                 when = await self.budgets.reserve(scope, b.usd, b.period, call.request_id, amount)
             except BudgetExceeded as exc:
-                raise _refused(adm.over_budget(exc)) from exc
+                raise _refused(adm.over_budget(exc, self.clock())) from exc
             call.holds.append((scope, when, amount))
 
     # -- choosing a replica and proxying -------------------------------------------------------

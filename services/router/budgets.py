@@ -9,9 +9,10 @@ requests still running plus its own maximum fits. A hold whose router died expir
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import msgspec
 import nats.js.errors
@@ -31,11 +32,26 @@ class Entry(msgspec.Struct, kw_only=True):
 class BudgetExceeded(Exception):
     def __init__(self, scope: str, budget: float, period: str, spent: float, held: float, need: float) -> None:
         self.scope = scope
+        self.period = period
+        # Only running requests' holds stand in the way: they settle (usually for less) within seconds.
+        self.held_only = spent + need <= budget
         super().__init__(
             f"{scope} has spent ${spent:.4f} of its ${budget:.2f} {period} budget (${held:.4f} held by running "
             f"requests); this request may cost up to ${need:.4f}: lower max_tokens, raise the budget, or wait for "
             "the next period"
         )
+
+
+def seconds_to_period_end(period: str, now: float) -> int:
+    """Whole seconds from ``now`` until the budget ``period`` (UTC day or month) ends: at least 1."""
+    t = datetime.fromtimestamp(now, UTC)
+    start = t.replace(hour=0, minute=0, second=0, microsecond=0)
+    if period == "day":
+        end = start + timedelta(days=1)
+    else:
+        first = start.replace(day=1)
+        end = first.replace(year=first.year + 1, month=1) if first.month == 12 else first.replace(month=first.month + 1)
+    return max(1, math.ceil((end - t).total_seconds()))
 
 
 def period_key(period: str, now: float) -> str:
