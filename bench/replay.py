@@ -73,6 +73,7 @@ class Result(msgspec.Struct, kw_only=True):
     catch_up_s: float  # the projections folding the whole log while saving snapshots
     saves: int
     kept: int  # snapshots in the store after thinning
+    kept_bytes: int  # all of them together
     snapshot_bytes: int  # the last one saved
     copy_s: float  # the last one: copying the tables into a SQLite file and deflating it (beside the runner)
     save_s: float  # … and with the write to the object store
@@ -145,6 +146,8 @@ async def measure(store: EventStore, tmp: Path, n: int, every: int, echo: Echo) 
     catch_up_s, saver = await _catch_up(store, tmp / "live.db", every, head)
     snapshots = await SnapshotStore.open(store.js, replicas=1)
     saved = sorted(p for name in await snapshots.names(PREFIX) if (p := position_of(name)) is not None)
+    infos = await snapshots.objects.list(ignore_deletes=True) if saved else []
+    kept_bytes = sum(i.size or 0 for i in infos if position_of(i.name) is not None and not i.deleted)
     if not saved:
         raise BenchError(f"no replay snapshot was saved on a log of {head:,} events (every {every:,})")
     # Mid-log, the event just before the first snapshot past the middle: the longest tail there is.
@@ -161,6 +164,7 @@ async def measure(store: EventStore, tmp: Path, n: int, every: int, echo: Echo) 
         catch_up_s=catch_up_s,
         saves=saver.saves,
         kept=len(saved),
+        kept_bytes=kept_bytes,
         snapshot_bytes=saver.last_bytes,
         copy_s=saver.last_copy_s,
         save_s=saver.last_save_s,
@@ -204,7 +208,8 @@ def replay_text(results: list[Result]) -> str:
             )
         lines.append(
             f"{'':>10} (log written in {r.write_s:.1f} s; the projections caught up in {r.catch_up_s:.1f} s saving "
-            f"{r.saves} snapshots every {r.every:,} events, {r.kept} kept; the last: {r.snapshot_bytes:,} bytes, "
+            f"{r.saves} snapshots every {r.every:,} events, {r.kept} kept ({r.kept_bytes / 1e6:.0f} MB); "
+            f"the last: {r.snapshot_bytes:,} bytes, "
             f"copied and deflated in {r.copy_s:.2f} s, saved in {r.save_s:.2f} s)"
         )
     return "\n".join(lines)

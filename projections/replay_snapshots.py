@@ -52,7 +52,7 @@ log = structlog.get_logger("llmgw.projections.replay_snapshots")
 PREFIX = "replay-"
 FORMAT = 1  # of ReplayState and its database's wrapping; the projections' own versions are checked one by one
 EVERY_EVENTS = 10_000  # a tail of at most this many events, plus a load, fits in 5 s at a million events
-KEEP_NEWEST = 20
+KEEP_NEWEST = 50  # at 10,000 events apart: the last 500,000 events, each a tail of at most 10,000
 PAGE_ROWS = 20_000  # rows read from the live database at a time while saving: bounds the saver's memory
 CHUNK_BYTES = 1 << 20  # the database file is deflated and inflated in pieces of this size
 

@@ -15,9 +15,11 @@ from typing import Any
 
 import msgspec
 import pytest
+from click.testing import CliRunner
 from structlog.testing import capture_logs
 
 from llmgw.bench.coldstart import realistic_log
+from llmgw.cli.main import main
 from llmgw.events.snapshots import SnapshotStore
 from llmgw.events.store import EventStore
 from llmgw.projections.backends import open_backend
@@ -287,3 +289,22 @@ async def test_a_replay_snapshot_records_the_time_the_log_stamped_at_its_positio
     state = decode_state(found[1])
     assert state.position == saved[-1] == max(a.checkpoint for a in state.projections)
     assert state.recorded == await stamp_of(store, saved[-1])
+
+
+# -- the benchmark --------------------------------------------------------------------------------
+
+
+def test_bench_replay_times_a_replay_from_0_and_from_snapshots_at_the_head_and_mid_log(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        main, ["bench", "replay", "--events", "3000", "--every", "500", "--dir", str(tmp_path)], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any("head" in line and "3,000" in line for line in lines), result.output
+    assert any("mid-log, before a snapshot" in line for line in lines), result.output
+    assert "snapshots every 500 events" in result.output
+
+
+def test_bench_replay_refuses_counts_that_are_not_counts() -> None:
+    result = CliRunner().invoke(main, ["bench", "replay", "--events", "many"])
+    assert result.exit_code != 0 and "--events takes event counts" in result.output
