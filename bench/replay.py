@@ -2,14 +2,17 @@
 from the newest replay snapshot at or before T plus its tail — and what saving the snapshots costs.
 
 It starts its own nats-server (durable, how llmgw runs) in a temporary directory and writes the
-cold-start benchmark's realistic log (:func:`llmgw.bench.coldstart.realistic_log`). Then the live
-projections run over it as a server runs them — a :class:`~llmgw.projections.runner.ProjectionRunner`
-on SQLite with the :class:`~llmgw.projections.replay_snapshots.ReplaySnapshotter` as its batch
-listener — until they have caught up, so the snapshots are the ones a running system saves. Each
-replay is the admin API's own ``cluster_at`` (the whole answer: the fold, the views), timed twice at
-the same moment, from 0 and from snapshots, and the two answers are compared (a difference is an
-error). The moments: the head, and one mid-log just before a snapshot (the longest tail a replay
-folds: the worst point of the snapshot cycle). Nothing here asserts a time; it prints.
+cold-start benchmark's realistic log (:func:`llmgw.bench.coldstart.realistic_log`) ``every`` events at
+a time, while the live projections follow it as a server runs them — a
+:class:`~llmgw.projections.runner.ProjectionRunner` on SQLite with the
+:class:`~llmgw.projections.replay_snapshots.ReplaySnapshotter` as its batch listener — waiting after
+each step until they have folded it and the saver has saved: the snapshots are the ones a running
+system saves when its events arrive more slowly than a save takes (a catch-up from 0 saves fewer,
+one after the other). Each replay is the admin API's own ``cluster_at`` (the whole answer: the fold,
+the views), timed twice at the same moment, from 0 and from snapshots, and the two answers are
+compared (a difference is an error). The moments: just before the newest snapshot (near the head)
+and just before the first snapshot past the middle of the log, each the longest tail a replay there
+folds: the worst point of the snapshot cycle. Nothing here asserts a time; it prints.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from llmgw.bench import BenchError
 from llmgw.bench.backbone import events_spec, nats_server
-from llmgw.bench.coldstart import Echo, write_log
+from llmgw.bench.coldstart import Echo, realistic_log
 from llmgw.events.catalog import default_registry
 from llmgw.events.snapshots import SnapshotStore
 from llmgw.events.store import EventStore
@@ -69,8 +72,7 @@ class Moment(msgspec.Struct, kw_only=True):
 class Result(msgspec.Struct, kw_only=True):
     events: int
     every: int
-    write_s: float
-    catch_up_s: float  # the projections folding the whole log while saving snapshots
+    build_s: float  # writing the log step by step, the projections following it and saving snapshots
     saves: int
     kept: int  # snapshots in the store after thinning
     kept_bytes: int  # all of them together
@@ -80,7 +82,9 @@ class Result(msgspec.Struct, kw_only=True):
     moments: list[Moment]
 
 
-async def _catch_up(store: EventStore, db: Path, every: int, head: int) -> tuple[float, ReplaySnapshotter]:
+async def _live(store: EventStore, db: Path, n: int, every: int, echo: Echo) -> tuple[float, int, ReplaySnapshotter]:
+    """The log written ``every`` events at a time, the projections following it live and the saver saving
+    after each step, as on a system whose events arrive more slowly than a save takes: (seconds, head, saver)."""
     backend = await open_backend(f"sqlite:///{db}")
     saver = ReplaySnapshotter(store, backend, every=every)
     runner = ProjectionRunner(
@@ -88,12 +92,21 @@ async def _catch_up(store: EventStore, db: Path, every: int, head: int) -> tuple
     )
     started = time.perf_counter()
     await runner.start()
+    events = realistic_log(n)
+    head = written = 0
     try:
-        for p in replay_projections():
-            if not await runner.wait_until(p.name, head, timeout=TIMEOUT_S):
-                raise BenchError(f"projection {p.name} did not catch up within {TIMEOUT_S:.0f} s")
-        await saver.flush()
-        return time.perf_counter() - started, saver
+        while chunk := [e for _, e in zip(range(every), events, strict=False)]:
+            head = await store.append_many(chunk)
+            written += len(chunk)
+            for p in replay_projections():
+                if not await runner.wait_until(p.name, head, timeout=TIMEOUT_S):
+                    raise BenchError(f"projection {p.name} did not catch up within {TIMEOUT_S:.0f} s")
+            await saver.flush()
+            saver.folded("fleet", runner.position("fleet"))  # the last batch may have found a save under way
+            await saver.flush()
+            if written % 100_000 < every:
+                echo(f"  {written:,} events written and folded, {saver.saves} snapshots saved")
+        return time.perf_counter() - started, head, saver
     finally:
         await runner.stop()
         await saver.close()
@@ -140,10 +153,8 @@ async def _moment(store: EventStore, tmp: Path, where: str, seq: int, saved: lis
 
 async def measure(store: EventStore, tmp: Path, n: int, every: int, echo: Echo) -> Result:
     await store.ensure_streams(events_spec())
-    echo(f"writing {n:,} events…")
-    write_s, head = await write_log(store, n, echo)
-    echo(f"the projections fold {head:,} events, saving a replay snapshot every {every:,}…")
-    catch_up_s, saver = await _catch_up(store, tmp / "live.db", every, head)
+    echo(f"writing {n:,} events, {every:,} at a time, the projections following and saving snapshots…")
+    build_s, head, saver = await _live(store, tmp / "live.db", n, every, echo)
     snapshots = await SnapshotStore.open(store.js, replicas=1)
     saved = sorted(p for name in await snapshots.names(PREFIX) if (p := position_of(name)) is not None)
     infos = await snapshots.objects.list(ignore_deletes=True) if saved else []
@@ -154,14 +165,13 @@ async def measure(store: EventStore, tmp: Path, n: int, every: int, echo: Echo) 
     later = [p for p in saved if p > head // 2]
     mid = (later[0] - 1) if later else head // 2
     moments = []
-    for where, seq in (("head", head), ("mid-log, before a snapshot", mid)):
+    for where, seq in (("near the head, before one", saved[-1] - 1), ("mid-log, before a snapshot", mid)):
         echo(f"replaying to #{seq:,} ({where}) from 0 and from snapshots…")
         moments.append(await _moment(store, tmp, where, seq, saved))
     return Result(
         events=head,
         every=every,
-        write_s=write_s,
-        catch_up_s=catch_up_s,
+        build_s=build_s,
         saves=saver.saves,
         kept=len(saved),
         kept_bytes=kept_bytes,
@@ -207,7 +217,7 @@ def replay_text(results: list[Result]) -> str:
                 f"{m.from_zero_s / max(m.from_snapshot_s, 1e-9):>6.1f}x {m.load_s:>6.2f}s {m.tail:>8,}"
             )
         lines.append(
-            f"{'':>10} (log written in {r.write_s:.1f} s; the projections caught up in {r.catch_up_s:.1f} s saving "
+            f"{'':>10} (log written and folded in {r.build_s:.1f} s, saving "
             f"{r.saves} snapshots every {r.every:,} events, {r.kept} kept ({r.kept_bytes / 1e6:.0f} MB); "
             f"the last: {r.snapshot_bytes:,} bytes, "
             f"copied and deflated in {r.copy_s:.2f} s, saved in {r.save_s:.2f} s)"

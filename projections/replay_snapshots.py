@@ -270,6 +270,7 @@ class ReplaySnapshotter:
         self.store = store
         self.backend = backend
         self.projections = list(projections) if projections is not None else replay_projections()
+        self.names = {p.name for p in self.projections}
         self.every = every
         self.newest = newest
         self._open_store = open_store or (lambda: SnapshotStore.open(store.js))
@@ -283,7 +284,7 @@ class ReplaySnapshotter:
         self._task: asyncio.Task[None] | None = None
 
     def folded(self, name: str, position: int) -> None:
-        if name not in {p.name for p in self.projections}:
+        if name not in self.names:
             return
         self.positions[name] = max(position, self.positions.get(name, 0))
         if self._task is not None and not self._task.done():
