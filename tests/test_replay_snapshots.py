@@ -57,10 +57,15 @@ async def _write(store: EventStore, events: list[Any]) -> int:
 
 
 async def _run_projections(
-    store: EventStore, tmp_path: Path, saver_every: int = EVERY, newest: int = 20, batch_size: int = 100
+    store: EventStore,
+    tmp_path: Path,
+    saver_every: int = EVERY,
+    newest: int = 20,
+    batch_size: int = 100,
+    dsn: str | None = None,
 ) -> Any:
     """The live projections as a server runs them, with the replay snapshots' saver, caught up with the log."""
-    backend = await open_backend(f"sqlite:///{tmp_path / f'live-{uuid.uuid4().hex[:6]}.db'}")
+    backend = await open_backend(dsn or f"sqlite:///{tmp_path / f'live-{uuid.uuid4().hex[:6]}.db'}")
     saver = ReplaySnapshotter(store, backend, every=saver_every, newest=newest)
     runner = ProjectionRunner(
         store, backend, replay_projections(), batch_size=batch_size, on_batch=saver.folded, lag_interval_s=None
@@ -204,6 +209,24 @@ async def test_a_replay_from_a_snapshot_answers_what_a_replay_from_0_answers_at_
         _, rows_from_0 = await _tables(store, tmp_path, snap["position"], from_snapshots=False)
         assert (start.position if start else None) == expected
         assert rows == rows_from_0, what
+
+
+async def test_snapshots_copied_from_either_live_database_replay_the_rows_a_replay_from_0_folds(
+    store: EventStore, tmp_path: Path, db_dsn: str
+) -> None:
+    runner, saver, backend = await _run_projections(store, tmp_path, dsn=db_dsn)
+    try:
+        await _write_followed(store, runner, saver, list(realistic_log(1_500)), EVERY)
+    finally:
+        await runner.stop()
+        await saver.close()
+        await backend.close()
+    assert saver.saves == 3
+    head = await store.stream_last_seq()
+    for seq in (head, head - EVERY // 2):
+        start, rows = await _tables(store, tmp_path, seq, from_snapshots=True)
+        _, rows_from_0 = await _tables(store, tmp_path, seq, from_snapshots=False)
+        assert start is not None and rows == rows_from_0
 
 
 async def test_the_answer_says_which_snapshot_a_replay_started_from(
