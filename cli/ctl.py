@@ -90,3 +90,13 @@ def render_tree(orgs: list[dict]) -> list[str]:
 
     walk(orgs, 0)
     return lines
+
+
+def _register_cert() -> None:
+    # Imported here: cert_cmd needs nothing from this module, and `ctl cert` works without a running system.
+    from llmgw.cli.cert_cmd import cert
+
+    ctl.add_command(cert)
+
+
+_register_cert()
