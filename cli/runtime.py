@@ -7,6 +7,8 @@ database are. Services never import one another; this module is where they meet.
 from __future__ import annotations
 
 import asyncio
+import ssl
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from llmgw.events.commands import CommandError, Rejected
 from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.metrics import StoreMetrics
 from llmgw.events.models import ModelSpec
+from llmgw.events.pki import CertificateExpiry, PkiError, client_context, load_cert, server_context
 from llmgw.events.store import EventStore
 from llmgw.projections.access import AccessProjection
 from llmgw.projections.backends import open_backend
@@ -36,11 +39,15 @@ from llmgw.services.access.service import AccessService
 from llmgw.services.accountant.service import RETENTION_DAYS, AccountantService
 from llmgw.services.api.app import AdminApi
 from llmgw.services.api.exposure import exposure_refusal
+from llmgw.services.api.signin import SignIn
 from llmgw.services.catalog.service import CatalogService
 from llmgw.services.fleet.service import FleetService
 from llmgw.services.jobs.service import JobsConfig, JobsService
 from llmgw.services.mirror.hub import DEFAULT_HUB
 from llmgw.services.mirror.service import MirrorConfig, MirrorService
+from llmgw.services.people.bootstrap import PASSWORD_FILE as ADMIN_PASSWORD_FILE
+from llmgw.services.people.bootstrap import ensure_admin
+from llmgw.services.people.service import PeopleService
 from llmgw.services.router.app import Router, RouterConfig
 from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
 from llmgw.services.scheduler.service import SchedulerService
@@ -51,6 +58,7 @@ log = structlog.get_logger("llmgw.runtime")
 ALL_SERVICES = (
     "tenancy",
     "access",
+    "people",
     "catalog",
     "fleet",
     "scheduler",
@@ -94,22 +102,70 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     hub_allow_private: bool = False
     # jobs (`ctl model serve`): "mirror" gives agents mirror:MODEL/VERSION/FILE; "local" the mirror's own path
     jobs_source: str = "mirror"
+    # HTTPS for the gateway and the admin API (not the mirror's file server): a PEM certificate and its key
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    # NATS over TLS: the CA that signed the servers' certificates, and this process's client certificate
+    # when the servers ask for one (`verify: true`)
+    nats_ca: str | None = None
+    nats_cert: str | None = None
+    nats_key: str | None = None
+
+
+class TlsSetup(msgspec.Struct, frozen=True, kw_only=True):
+    """What a process serves and presents over TLS, checked once at start."""
+
+    https: ssl.SSLContext | None = None
+    nats: ssl.SSLContext | None = None
+    # (name, path) of each certificate served or presented, for llmgw_certificate_expiry_timestamp_seconds
+    certificates: tuple[tuple[str, str], ...] = ()
+
+
+def tls_setup(config: ServerConfig, now: float) -> TlsSetup:
+    """The TLS contexts ``config`` asks for; :class:`PkiError` (naming the file and its dates) for a
+    certificate that is expired, not valid yet or not the key's, or a half-given pair."""
+    certificates: list[tuple[str, str]] = []
+    https = None
+    if config.tls_cert or config.tls_key:
+        if not (config.tls_cert and config.tls_key):
+            raise PkiError("HTTPS needs both --tls-cert FILE and --tls-key FILE")
+        https = server_context(config.tls_cert, config.tls_key, now)
+        certificates.append(("https", config.tls_cert))
+    nats = None
+    if config.nats_ca or config.nats_cert or config.nats_key:
+        if bool(config.nats_cert) != bool(config.nats_key):
+            raise PkiError("a NATS client certificate needs both --nats-cert FILE and --nats-key FILE")
+        nats = client_context(config.nats_ca, config.nats_cert, config.nats_key, now=now)
+        if config.nats_cert:
+            certificates.append(("nats-client", config.nats_cert))
+    return TlsSetup(https=https, nats=nats, certificates=tuple(certificates))
 
 
 def projections() -> list:
     return [TenancyProjection(), EventLogProjection(), FleetProjection(), AccessProjection(), UsageProjection()]
 
 
-async def _site(app: web.Application, host: str, port: int) -> web.AppRunner:
+async def _site(app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> web.AppRunner:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     try:
         await site.start()
     except OSError as exc:
         await runner.cleanup()
         raise SystemExit(f"error: cannot listen on {host}:{port} ({exc.strerror}); choose another port") from exc
     return runner
+
+
+async def _bootstrap_admin(store: EventStore, data_dir: Path, services: tuple[str, ...]) -> None:
+    if "people" not in services:
+        log.warning("no first administrator: the people service does not run here", services=list(services))
+        return
+    try:
+        if await ensure_admin(store, data_dir):
+            log.info("first administrator made: user admin", password_file=str(data_dir / ADMIN_PASSWORD_FILE))
+    except (CommandError, OSError) as exc:
+        log.error("could not make the first administrator; the next start tries again", error=str(exc))
 
 
 async def _bootstrap_access(store: EventStore, data_dir: Path, services: tuple[str, ...]) -> None:
@@ -149,9 +205,20 @@ async def serve(
             admin_host=config.admin_host,
             admin_port=config.admin_port,
         )
+    try:
+        tls = tls_setup(config, time.time())
+    except PkiError as exc:
+        raise SystemExit(f"error: {exc}") from exc
     registry = CollectorRegistry()
+    expiry = CertificateExpiry(registry)
+    for name, path in tls.certificates:
+        expiry.observe(name, path, load_cert(path))
     store = await EventStore.connect(
-        config.nats_url, default_registry(), replicas=config.stream_replicas, metrics=StoreMetrics(registry)
+        config.nats_url,
+        default_registry(),
+        replicas=config.stream_replicas,
+        metrics=StoreMetrics(registry),
+        tls=tls.nats,
     )
     await store.ensure_streams()
     backend = await open_backend(config.db_dsn)
@@ -167,7 +234,8 @@ async def serve(
     routers: list[Router] = []
     mirrors: list[MirrorService] = []
     jobs_services: list[JobsService] = []
-    command_services: list[TenancyService | AccessService | CatalogService | FleetService] = []
+    signin: SignIn | None = None
+    command_services: list[TenancyService | AccessService | PeopleService | CatalogService | FleetService] = []
 
     def commands(name: str, service: Any) -> Any:
         """A command service: its folds follow the log from now (in ``/healthz``), its commands are handled."""
@@ -189,6 +257,8 @@ async def serve(
             commands("tenancy-commands", TenancyService(store, folds=folds))
         if "access" in config.services:
             commands("access-commands", AccessService(store, folds=folds))
+        if "people" in config.services:
+            commands("people-commands", PeopleService(store, folds=folds))
         if "catalog" in config.services:
             catalog = CatalogService(store, folds=folds)
             catalog.start()
@@ -206,6 +276,7 @@ async def serve(
             scheduler = SchedulerService(store, config=config.scheduler, registry=registry, folds=folds)
             handles["scheduler"] = background("scheduler", scheduler)
         if config.bootstrap_dir is not None:
+            await _bootstrap_admin(store, Path(config.bootstrap_dir), config.services)
             await _bootstrap_access(store, Path(config.bootstrap_dir), config.services)
         if "accountant" in config.services:
             accountant = AccountantService(backend, retention_days=config.usage_retention_days)
@@ -213,14 +284,18 @@ async def serve(
         # Every process serves health and metrics on its admin port; the API itself runs with "api".
         api = AdminApi(store, backend, runner, registry)
         api.folds = folds
-        sites.append(await _site(api.app(full="api" in config.services), config.admin_host, config.admin_port))
+        if "api" in config.services:
+            api.signin = signin = SignIn(store, folds=folds)
+            signin.start()
+        admin_app = api.app(full="api" in config.services)
+        sites.append(await _site(admin_app, config.admin_host, config.admin_port, tls.https))
         if "router" in config.services:
             router = Router(store, config.router, registry=registry, folds=folds)
             await router.start()
             routers.append(router)
             handles["router"] = router
             api.usage_backlog = router.usage.backlog  # the process's health says what the router holds
-            sites.append(await _site(router.app(), config.host, config.port))
+            sites.append(await _site(router.app(), config.host, config.port, tls.https))
         if "mirror" in config.services:
             if not config.mirror_dir:
                 raise SystemExit("error: the mirror service needs a directory to keep models in (--mirror-dir)")
@@ -295,6 +370,8 @@ async def serve(
         # After their processors: a command being handled is cut off and comes again, never refused.
         for c in command_services:
             await _bounded("stop a command service's folds", c.close())
+        if signin is not None:
+            await _bounded("stop the sign-in fold", signin.close())
         await _bounded("stop the projections", runner.stop())
         await _bounded("stop the replay snapshots", replay_saver.close())
         await _bounded("close the database", backend.close())

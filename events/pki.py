@@ -22,6 +22,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from prometheus_client import CollectorRegistry, Gauge
 
 CA_NAME = "ca"
 SOON_S = 14 * 86400  # matches the CertificateExpiresSoon alert
@@ -347,3 +348,19 @@ def client_context(
         check_pair(cert_path, key_path, now)
         ctx.load_cert_chain(str(cert_path), str(key_path))
     return ctx
+
+
+class CertificateExpiry:
+    """``llmgw_certificate_expiry_timestamp_seconds{name, path}``: when each certificate a process serves or
+    presents expires (the CertificateExpiresSoon/VerySoon alerts compare it with ``time()``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.gauge = Gauge(
+            "llmgw_certificate_expiry_timestamp_seconds",
+            "When a certificate this process serves or presents expires (its not-after), Unix seconds.",
+            ["name", "path"],
+            registry=registry,
+        )
+
+    def observe(self, name: str, path: str | Path, info: CertInfo) -> None:
+        self.gauge.labels(name=name, path=str(path)).set(info.not_after)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import ssl
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -185,11 +186,16 @@ class _ConnectionLog:
 
     def __init__(self) -> None:
         self.nc: NATS | None = None
+        # A TLS handshake refused before the first connection: a certificate retries cannot fix.
+        self.tls_refused: asyncio.Future[ssl.SSLError] = asyncio.get_running_loop().create_future()
 
     def closing(self) -> bool:
         return self.nc is not None and (self.nc.is_closed or self.nc.is_draining)
 
     async def error(self, exc: Exception) -> None:
+        if self.nc is None and isinstance(exc, ssl.SSLError) and not self.tls_refused.done():
+            self.tls_refused.set_result(exc)
+            return
         if not self.closing():
             log.warning("NATS connection trouble", error=f"{type(exc).__name__}: {exc}")
 
@@ -200,6 +206,21 @@ class _ConnectionLog:
     async def reconnected(self) -> None:
         url = self.nc.connected_url if self.nc is not None else None
         log.info("NATS reconnected", server=f"{url.hostname}:{url.port}" if url else None)
+
+
+def _tls_refusal(servers: Sequence[str], exc: ssl.SSLError, configured: bool) -> str:
+    """One line for a TLS handshake with NATS that failed: whose certificate, and what to give."""
+    why = getattr(exc, "verify_message", None) or exc.reason or str(exc)
+    where = ", ".join(servers)
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        fix = "give the CA that signed the NATS servers' certificates with --nats-ca FILE (or LLMGW_NATS_CA)"
+        return f"the TLS certificate of NATS at {where} is not trusted ({why}): {fix}"
+    if not configured:
+        return f"NATS at {where} refused the connection during TLS ({why}): give --nats-ca FILE (or LLMGW_NATS_CA)"
+    return (
+        f"NATS at {where} refused this client's TLS certificate ({why}): give a valid certificate issued by the "
+        "servers' CA with --nats-cert FILE --nats-key FILE (`llmgw ctl cert issue NAME --client`)"
+    )
 
 
 def _stream_config(spec: StreamSpec, replicas: int) -> StreamConfig:
@@ -242,17 +263,28 @@ class EventStore:
         self.stream = stream
 
     @classmethod
-    async def connect(cls, url: str | Sequence[str], registry: EventRegistry, **kwargs: Any) -> EventStore:
+    async def connect(
+        cls,
+        url: str | Sequence[str],
+        registry: EventRegistry,
+        *,
+        tls: ssl.SSLContext | None = None,
+        tls_hostname: str | None = None,
+        **kwargs: Any,
+    ) -> EventStore:
         """Connect to NATS at ``url``: one URL or several (comma-separated), any of which will do.
 
         With several, the client moves to another listed (or gossiped) node when its node goes away.
+        ``tls``: connect over TLS with this context (its CA, and a client certificate for servers that
+        verify one); ``tls_hostname``: the name the servers' certificates must carry when the URLs do not.
         """
         servers = server_list(url)
         if not servers:
             raise StoreError("no NATS URL given: pass --nats nats://HOST:4222 (a cluster: comma-separated)")
         events = _ConnectionLog()
-        try:
-            nc = await nats.connect(
+        nc = NATS()
+        connecting = asyncio.ensure_future(
+            nc.connect(
                 servers=servers,
                 connect_timeout=5,
                 max_reconnect_attempts=-1,
@@ -265,9 +297,24 @@ class EventStore:
                 error_cb=events.error,
                 disconnected_cb=events.disconnected,
                 reconnected_cb=events.reconnected,
+                **({"tls": tls, "tls_hostname": tls_hostname} if tls is not None else {}),
             )
+        )
+        try:
+            # The client retries a refused TLS handshake for ever: the first one ends the attempt, with why.
+            await asyncio.wait([connecting, events.tls_refused], return_when=asyncio.FIRST_COMPLETED)
+            if not connecting.done():
+                connecting.cancel()
+                with contextlib.suppress(BaseException):
+                    await connecting
+                with contextlib.suppress(Exception):
+                    await nc.close()
+                raise StoreError(_tls_refusal(servers, events.tls_refused.result(), tls is not None))
+            connecting.result()
         except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
             raise StoreError(f"cannot reach NATS at {', '.join(servers)}: {exc}; is `llmgw up` running?") from exc
+        finally:
+            events.tls_refused.cancel()
         events.nc = nc
         return cls(nc, registry, **kwargs)
 
