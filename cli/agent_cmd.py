@@ -22,7 +22,9 @@ from llmgw.agent.service import Agent, AgentConfig, LogRing
 from llmgw.agent.supervisor import stop_recorded_engines
 from llmgw.agent.weights.cache import mirror_list
 from llmgw.cli import logs
+from llmgw.cli.client import nats_tls, nats_tls_options
 from llmgw.events import models as M
+from llmgw.events import pki
 from llmgw.events.catalog import default_registry
 from llmgw.events.store import EventStore, StoreError
 
@@ -99,6 +101,7 @@ def load_agent_config(path: str | None) -> dict[str, Any]:
     "files under it are reported, and placement prefers this node for models whose source is one of them.",
 )
 @click.option("--log-level", default="info", show_default=True)
+@nats_tls_options
 def agent(
     nats_url: str,
     node_id: str | None,
@@ -111,8 +114,14 @@ def agent(
     mirror_urls: tuple[str, ...],
     model_dirs: tuple[str, ...],
     log_level: str,
+    nats_ca: str | None,
+    nats_cert: str | None,
+    nats_key: str | None,
 ) -> None:
-    """Run the node agent: report this machine, run the engines placed on it."""
+    """Run the node agent: report this machine, run the engines placed on it.
+
+    With --nats-cert, it authenticates to NATS servers that verify clients (`verify: true`) with that
+    certificate; an expired one is refused here, before it is presented."""
     ring = LogRing()
     logs.configure(log_level, extra=[ring])
     conf = load_agent_config(config_path)
@@ -137,11 +146,15 @@ def agent(
         mirror_url=",".join(mirror_list(list(mirror_urls) or conf.get("mirror"))) or None,
         model_dirs=tuple(Path(d).expanduser() for d in (model_dirs or conf.get("model_dirs") or ())),
     )
+    try:
+        tls = nats_tls(nats_ca, nats_cert, nats_key)
+    except pki.PkiError as exc:
+        raise click.ClickException(str(exc)) from exc
     ddir.mkdir(parents=True, exist_ok=True)
 
     async def go() -> None:
         try:
-            store = await EventStore.connect(nats_url, default_registry())
+            store = await EventStore.connect(nats_url, default_registry(), tls=tls)
         except StoreError as exc:
             raise click.ClickException(str(exc)) from exc
         # Only what is missing, at the cluster's size: an agent never changes a server's streams.

@@ -7,15 +7,20 @@ unreachable; each becomes one line on stderr and its own exit code.
 from __future__ import annotations
 
 import asyncio
+import os
+import ssl
 import sys
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import click
 import msgspec
 
-from llmgw.cli.context import Target, cli_actor, resolve
+from llmgw.cli.context import Target, cli_actor, default_data_dir, resolve
+from llmgw.events import pki
 from llmgw.events.catalog import default_registry
 from llmgw.events.commands import CommandClient, CommandError, Unreachable
 from llmgw.events.outcomes import CommandCompleted
@@ -25,15 +30,21 @@ from llmgw.events.store import EventStore, StoreError
 class Session:
     """One CLI invocation's connections, opened lazily."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, *, ca: str | None = None) -> None:
         self.target = target
+        self.ca = ca  # the CA an https admin API's certificate is checked against (None: the system's)
         self._store: EventStore | None = None
         self._http: aiohttp.ClientSession | None = None
 
     async def store(self) -> EventStore:
         if self._store is None:
             try:
-                self._store = await EventStore.connect(self.target.nats_url, default_registry())
+                tls = nats_tls(
+                    os.environ.get("LLMGW_NATS_CA"), os.environ.get("LLMGW_NATS_CERT"), os.environ.get("LLMGW_NATS_KEY")
+                )
+                self._store = await EventStore.connect(self.target.nats_url, default_registry(), tls=tls)
+            except pki.PkiError as exc:
+                raise CommandError(str(exc)) from exc
             except StoreError as exc:
                 raise Unreachable(str(exc)) from exc
         return self._store
@@ -50,7 +61,15 @@ class Session:
         if not self.target.api_url:
             raise Unreachable("no admin API address: pass --api URL (or LLMGW_API_URL), or run `llmgw up`")
         if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout))
+            try:
+                context = api_tls(self.ca)
+            except (pki.PkiError, ssl.SSLError) as exc:
+                raise CommandError(
+                    f"cannot trust the CA {self.ca} ({exc}): give a CA certificate with --ca FILE"
+                ) from exc
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=timeout), connector=aiohttp.TCPConnector(ssl=context)
+            )
         url = self.target.api_url.rstrip("/") + path
         try:
             async with self._http.request(method, url, params=params, json=json) as resp:
@@ -83,7 +102,7 @@ def run(ctx: click.Context, fn: Callable[[Session], Awaitable[int | None]]) -> N
         except CommandError as exc:
             click.echo(f"error: {exc}", err=True)
             return exc.exit_code
-        session = Session(target)
+        session = Session(target, ca=trusted_ca(opts.get("ca"), opts.get("data_dir")))
         try:
             return (await fn(session)) or 0
         except CommandError as exc:
@@ -94,3 +113,46 @@ def run(ctx: click.Context, fn: Callable[[Session], Awaitable[int | None]]) -> N
 
     code = asyncio.run(main())
     sys.exit(code)
+
+
+# -- TLS ---------------------------------------------------------------------------------------
+
+
+def trusted_ca(chosen: str | None, data_dir: str | None) -> str | None:
+    """The CA an https admin API is checked against: ``--ca``/``$LLMGW_CA``, else ``DATA_DIR/pki/ca.crt``
+    when `llmgw ctl cert ca` made one there, else None (the system's CAs)."""
+    if chosen:
+        return chosen
+    mine = (Path(data_dir).expanduser() if data_dir else default_data_dir()) / "pki" / "ca.crt"
+    return str(mine) if mine.exists() else None
+
+
+def api_tls(ca: str | None) -> ssl.SSLContext:
+    """The client context for the admin API: TLS ≥ 1.2, the certificate checked against ``ca``."""
+    return pki.client_context(ca, now=time.time())
+
+
+def nats_tls(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """The context to reach NATS over TLS with (None: plain); :class:`pki.PkiError` names what is wrong."""
+    if not (ca or cert or key):
+        return None
+    if bool(cert) != bool(key):
+        raise pki.PkiError("a NATS client certificate needs both --nats-cert FILE and --nats-key FILE")
+    return pki.client_context(ca, cert, key, now=time.time())
+
+
+def nats_tls_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--nats-ca``/``--nats-cert``/``--nats-key``: NATS over TLS, with a client certificate when the
+    servers verify one (`server`, `agent`; other commands read the same variables)."""
+    fn = click.option("--nats-key", envvar="LLMGW_NATS_KEY", help="The key of --nats-cert ($LLMGW_NATS_KEY).")(fn)
+    fn = click.option(
+        "--nats-cert",
+        envvar="LLMGW_NATS_CERT",
+        help="This process's client certificate, for NATS servers that verify clients ($LLMGW_NATS_CERT; "
+        "`llmgw ctl cert issue NAME --client`).",
+    )(fn)
+    return click.option(
+        "--nats-ca",
+        envvar="LLMGW_NATS_CA",
+        help="Reach NATS over TLS, trusting this CA certificate for the servers' ($LLMGW_NATS_CA).",
+    )(fn)

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from llmgw.cli import (
 )
 from llmgw.cli.agent_cmd import LocalAgent, agent, demo_model
 from llmgw.cli.bench import bench
-from llmgw.cli.client import Session, run
+from llmgw.cli.client import Session, nats_tls_options, run
 from llmgw.cli.context import RUN_FILE, RunInfo, data_dir_problem, default_data_dir, write_run_info
 from llmgw.cli.ctl import ctl
 from llmgw.cli.events_cmd import events
@@ -35,6 +36,7 @@ from llmgw.cli.fleet_cmd import load_model_file
 from llmgw.cli.mirror_cmd import mirror
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError
 from llmgw.cli.runtime import ALL_SERVICES, DEMO_KEY_FILE, ServerConfig, serve
+from llmgw.events import pki
 from llmgw.events.commands import CommandError
 from llmgw.events.store import StoreError
 from llmgw.services.api.exposure import exposure_refusal
@@ -48,10 +50,15 @@ from llmgw.services.router.app import RouterConfig
 @click.option(
     "--data-dir", envvar="LLMGW_DATA_DIR", help="Data directory of `llmgw up` (default ~/.local/share/llmgw)."
 )
+@click.option(
+    "--ca",
+    envvar="LLMGW_CA",
+    help="The CA certificate an https admin API is checked against (default: DATA_DIR/pki/ca.crt if any).",
+)
 @click.pass_context
-def main(ctx: click.Context, nats: str | None, api: str | None, data_dir: str | None) -> None:
+def main(ctx: click.Context, nats: str | None, api: str | None, data_dir: str | None, ca: str | None) -> None:
     """llmgw: one OpenAI-compatible gateway in front of a fleet of inference engines."""
-    ctx.obj = {"nats": nats, "api": api, "data_dir": data_dir}
+    ctx.obj = {"nats": nats, "api": api, "data_dir": data_dir, "ca": ca}
 
 
 main.add_command(bench)
@@ -145,6 +152,29 @@ def _admin_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
+def _tls_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """HTTPS for the gateway and the admin API (`up`, `server`)."""
+    fn = click.option("--tls-key", envvar="LLMGW_TLS_KEY", help="The key of --tls-cert ($LLMGW_TLS_KEY).")(fn)
+    return click.option(
+        "--tls-cert",
+        envvar="LLMGW_TLS_CERT",
+        help="Serve the gateway and the admin API over HTTPS with this PEM certificate ($LLMGW_TLS_CERT; "
+        "`llmgw ctl cert issue NAME --dns … --ip …`).",
+    )(fn)
+
+
+def _refuse_bad_certificate(cert: str | None, key: str | None) -> None:
+    """Before anything starts: a certificate that expired, is not valid yet or is not the key's, in one line."""
+    if not (cert or key):
+        return
+    if not (cert and key):
+        raise click.ClickException("HTTPS needs both --tls-cert FILE and --tls-key FILE")
+    try:
+        pki.check_pair(cert, key, time.time())
+    except pki.PkiError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 def first_start_warnings(demo_wanted: bool, demo: object | None, agent: bool) -> list[str]:
     """What `llmgw up` cannot do on this install, said at once rather than found out by a failing request."""
     out = []
@@ -202,6 +232,7 @@ def _install_stop(stop: asyncio.Event) -> None:
 @click.option("--log-level", default="info", show_default=True)
 @_mirror_options
 @_admin_options
+@_tls_options
 @click.pass_context
 def up(
     ctx: click.Context,
@@ -221,10 +252,13 @@ def up(
     hub_allow_private: bool,
     admin_host: str,
     insecure: bool,
+    tls_cert: str | None,
+    tls_key: str | None,
 ) -> None:
     """Run everything on this machine: embedded NATS, SQLite projections, every service."""
     logs.configure(log_level)
     _refuse_exposed_admin(admin_host, admin_port, True, insecure)
+    _refuse_bad_certificate(tls_cert, tls_key)
     chosen = up_data_dir or ctx.find_root().obj.get("data_dir")
     data_dir = (Path(chosen).expanduser() if chosen else default_data_dir()).resolve()
     problem = data_dir_problem(data_dir)
@@ -269,7 +303,10 @@ def up(
         hub_endpoint=hf_endpoint,
         hub_token=_hub_token(),
         hub_allow_private=hub_allow_private,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
     )
+    scheme = "https" if tls_cert else "http"  # the mirror's file server stays http (agents fetch from it)
 
     def ready() -> None:
         write_run_info(
@@ -277,14 +314,14 @@ def up(
             RunInfo(
                 pid=os.getpid(),
                 nats_url=natsd.url,
-                admin_url=f"http://{admin_host}:{admin_port}",
-                gateway_url=f"http://{host}:{port}",
+                admin_url=f"{scheme}://{admin_host}:{admin_port}",
+                gateway_url=f"{scheme}://{host}:{port}",
                 data_dir=str(data_dir),
                 mirror_url=f"http://{host}:{config.mirror_port}",
             ),
         )
         click.echo(
-            f"llmgw is up: gateway http://{host}:{port}, admin http://{admin_host}:{admin_port}, "
+            f"llmgw is up: gateway {scheme}://{host}:{port}, admin {scheme}://{admin_host}:{admin_port}, "
             f"mirror http://{host}:{config.mirror_port}, NATS {natsd.url}, data in {data_dir}",
             err=True,
         )
@@ -403,6 +440,8 @@ def up(
 @click.option("--log-level", default="info", show_default=True)
 @_mirror_options
 @_admin_options
+@_tls_options
+@nats_tls_options
 def server(
     nats_url: str,
     db_dsn: str,
@@ -424,11 +463,17 @@ def server(
     hub_allow_private: bool,
     admin_host: str,
     insecure: bool,
+    tls_cert: str | None,
+    tls_key: str | None,
+    nats_ca: str | None,
+    nats_cert: str | None,
+    nats_key: str | None,
 ) -> None:
     """Run services against an external NATS and PostgreSQL (the cluster shape)."""
     logs.configure(log_level)
     chosen = tuple(s.strip() for s in services.split(",") if s.strip())
     _refuse_exposed_admin(admin_host, admin_port, "api" in chosen, insecure)
+    _refuse_bad_certificate(tls_cert, tls_key)
     config = ServerConfig(
         nats_url=nats_url,
         db_dsn=db_dsn,
@@ -450,6 +495,11 @@ def server(
         hub_endpoint=hf_endpoint,
         hub_token=_hub_token(),
         hub_allow_private=hub_allow_private,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        nats_ca=nats_ca,
+        nats_cert=nats_cert,
+        nats_key=nats_key,
     )
 
     async def go() -> None:
