@@ -78,6 +78,12 @@ class Session:
                     message = (body or {}).get("error", {}).get("message") if isinstance(body, dict) else None
                     raise CommandError(message or f"{method} {path} answered {resp.status}")
                 return body
+        except aiohttp.ClientConnectorCertificateError as exc:
+            trusted = f"the CA {self.ca}" if self.ca else "this machine's CAs"
+            raise Unreachable(
+                f"the admin API at {self.target.api_url} has a certificate {trusted} does not vouch for "
+                f"({exc.certificate_error}): give the CA that issued it with --ca FILE (or LLMGW_CA)"
+            ) from exc
         except aiohttp.ClientConnectionError as exc:
             raise Unreachable(
                 f"the admin API at {self.target.api_url} did not answer ({exc}); is `llmgw up` running?"

@@ -3,24 +3,33 @@ and the certificate expiry metric. An expired certificate is refused: when serve
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
+import os
 import ssl
 import stat
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw.cli.client import Session, trusted_ca
+from llmgw.cli.context import Target
 from llmgw.cli.runtime import ServerConfig, tls_setup
 from llmgw.events import natsd, pki
 from llmgw.events.catalog import default_registry
+from llmgw.events.commands import Unreachable
 from llmgw.events.store import EventStore, NewEvent, StoreError
 from llmgw.events.subjects import event_subject
 from llmgw.events.tenancy import OrgCreated
-from tests.support import free_port
+from tests.support import NatsServer, free_port
 from tests.up import wait_for
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
@@ -247,3 +256,115 @@ async def test_nats_with_mutual_tls_takes_a_client_certificate_from_the_ca_and_r
     # The client itself says why, before the server's handshake would refuse it without a reason.
     with pytest.raises(pki.PkiError, match=rf"the certificate {old_crt} expired"):
         pki.client_context(ca_file, old_crt, old_key, now=now)
+
+
+# -- HTTPS for the gateway and the admin API ----------------------------------------------------
+
+
+def get(url: str, ctx: ssl.SSLContext | None = None) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=5, context=ctx) as r:
+        return r.status, r.read().decode()
+
+
+class Served:
+    """`llmgw server` with a few services, its own ports and files, as a person starts it."""
+
+    def __init__(self, tmp: Path, nats_url: str, *extra: str) -> None:
+        self.port = free_port()
+        self.admin_port = free_port()
+        self.log = tmp / f"server-{self.port}.log"
+        argv = [
+            LLMGW,
+            "server",
+            "--nats",
+            nats_url,
+            "--db",
+            f"sqlite:///{tmp / 'projections.db'}",
+            "--services",
+            "projections,api,router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--admin-port",
+            str(self.admin_port),
+            "--usage-journal",
+            str(tmp / "usage-journal"),
+            "--mirror-dir",
+            str(tmp / "mirror"),
+            *extra,
+        ]
+        env = {**os.environ, "LLMGW_DATA_DIR": str(tmp)}
+        self.proc = subprocess.Popen(argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
+
+
+@pytest.mark.timeout(120)
+async def test_a_server_given_a_certificate_answers_https_trusting_the_ca_refuses_plain_http_and_says_when_it_expires(
+    tmp_path: Path, nats: NatsServer, ca: tuple[pki.Issued, Path]
+) -> None:
+    crt, key = leaf(ca, "gateway", dns=["localhost"], ips=["127.0.0.1"])
+    ca_file = ca[1] / "ca.crt"
+    trusting = pki.client_context(ca_file, now=time.time())
+    served = Served(tmp_path, nats.url, "--tls-cert", str(crt), "--tls-key", str(key))
+    try:
+
+        def answers() -> bool:
+            assert served.proc.poll() is None, f"llmgw server exited:\n{served.output()}"
+            with contextlib.suppress(OSError):
+                return get(f"https://127.0.0.1:{served.admin_port}/healthz", trusting)[0] == 200
+            return False
+
+        wait_for(answers, f"the admin API to answer https; its output:\n{served.output()}")
+        assert get(f"https://localhost:{served.port}/healthz", trusting)[0] == 200  # the gateway too
+        for port in (served.admin_port, served.port):
+            with pytest.raises((OSError, http.client.HTTPException)):
+                get(f"http://127.0.0.1:{port}/healthz")
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # a client not trusting the CA
+            get(f"https://127.0.0.1:{served.admin_port}/healthz", ssl.create_default_context())
+
+        _, text = get(f"https://127.0.0.1:{served.admin_port}/metrics", trusting)
+        [family] = [
+            f for f in text_string_to_metric_families(text) if f.name == "llmgw_certificate_expiry_timestamp_seconds"
+        ]
+        [sample] = family.samples
+        assert sample.labels == {"name": "https", "path": str(crt)}
+        assert sample.value == pki.describe(crt.read_bytes()).not_after
+
+        # The CLI's session: the CA in DATA_DIR/pki is trusted without being named; another is refused.
+        target = Target(nats.url, f"https://127.0.0.1:{served.admin_port}")
+        session = Session(target, ca=trusted_ca(None, str(tmp_path)))
+        assert session.ca == str(ca_file)
+        try:
+            assert (await session.api("GET", "/healthz"))["status"]
+        finally:
+            await session.close()
+        other = pki.make_ca("another CA", now=time.time())
+        pki.save(other, tmp_path / "other" / "ca.crt", tmp_path / "other" / "ca.key")
+        stranger = Session(target, ca=trusted_ca(str(tmp_path / "other" / "ca.crt"), str(tmp_path)))
+        try:
+            with pytest.raises(Unreachable, match=r"does not vouch for .*: give the CA that issued it with --ca FILE"):
+                await stranger.api("GET", "/healthz")
+        finally:
+            await stranger.close()
+    finally:
+        served.stop()
+
+
+def test_an_expired_serving_certificate_is_refused_at_start_naming_the_file_and_its_dates(
+    tmp_path: Path, ca: tuple[pki.Issued, Path]
+) -> None:
+    now = time.time()
+    crt, key = leaf(ca, "gateway", dns=["localhost"], not_before=now - 30 * DAY, not_after=now - DAY)
+    served = Served(tmp_path, "nats://127.0.0.1:1", "--tls-cert", str(crt), "--tls-key", str(key))
+    assert served.proc.wait(60) != 0
+    [line] = [x for x in served.output().splitlines() if x.strip()]
+    assert f"the certificate {crt} expired (valid from " in line
+    assert pki.when(now - DAY)[:10] in line
