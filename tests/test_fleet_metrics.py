@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events.metrics import StoreMetrics
+from llmgw.events.pki import CertificateExpiry
 from llmgw.projections.metrics import ProjectionMetrics
 from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, pool_loads
 from llmgw.services.scheduler.metrics import NODE_SERIES, FleetCollector, fleet_figures, node_samples
@@ -77,6 +78,7 @@ def published_series() -> set[str]:
     registry = CollectorRegistry()
     StoreMetrics(registry)
     ProjectionMetrics(registry)
+    CertificateExpiry(registry)
     RouterMetrics(registry)
     registry.register(PoolSaturation(lambda: [("chat", 0.5)]))
     registry.register(FleetCollector("sched-a", ClusterState, lambda: True, list, CFG))
@@ -90,6 +92,7 @@ def test_every_series_an_alert_reads_is_one_the_system_publishes() -> None:
     names = {r["alert"] for r in rules}
     assert {"ModelHasNothingServing", "ModelParked", "ModelFailingToStart", "ModelCannotBePlaced"} <= names
     assert {"ControlPlaneLeadership", "NodeLost", "ProjectionLagging", "PoolSaturated"} <= names
+    assert {"CertificateExpiresSoon", "CertificateExpiresVerySoon"} <= names
     for rule in rules:
         used = set(re.findall(r"\bllmgw_[a-z_]+", rule["expr"]))
         assert used, f"{rule['alert']} reads no llmgw series"

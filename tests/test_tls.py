@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.cli.client import Session, trusted_ca
@@ -33,6 +34,7 @@ from tests.support import NatsServer, free_port
 from tests.up import wait_for
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
+ALERTS = Path(__file__).resolve().parent.parent / "ops" / "prometheus" / "alerts.yml"
 DAY = 86400.0
 
 
@@ -368,3 +370,13 @@ def test_an_expired_serving_certificate_is_refused_at_start_naming_the_file_and_
     [line] = [x for x in served.output().splitlines() if x.strip()]
     assert f"the certificate {crt} expired (valid from " in line
     assert pki.when(now - DAY)[:10] in line
+
+
+def test_the_expiry_alerts_fire_when_cert_list_marks_a_certificate_as_expiring_soon_and_very_soon() -> None:
+    rules = yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]
+    exprs = {r["alert"]: (r["expr"], r["labels"]["severity"]) for r in rules}
+    soon, soon_severity = exprs["CertificateExpiresSoon"]
+    very_soon, very_soon_severity = exprs["CertificateExpiresVerySoon"]
+    series = "llmgw_certificate_expiry_timestamp_seconds - time() <"
+    assert soon == f"{series} {pki.SOON_S // 86400} * 86400" and soon_severity == "warning"
+    assert very_soon == f"{series} {pki.VERY_SOON_S // 86400} * 86400" and very_soon_severity == "critical"
