@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats.errors
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,7 +31,7 @@ from llmgw.events.commands import Unreachable
 from llmgw.events.store import EventStore, NewEvent, StoreError
 from llmgw.events.subjects import event_subject
 from llmgw.events.tenancy import OrgCreated
-from tests.support import NatsServer, free_port
+from tests.support import NatsServer, free_port, wait_until
 from tests.up import wait_for
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
@@ -170,17 +171,30 @@ def test_ctl_cert_makes_a_ca_issues_lists_and_rotates_keeping_the_previous_one(t
 
 
 class TlsNats:
-    """A JetStream nats-server that speaks TLS only and verifies client certificates (``verify: true``)."""
+    """A JetStream nats-server that speaks TLS only and verifies client certificates (``verify: true``);
+    in a cluster, its routes too are mutual TLS."""
 
-    def __init__(self, base: Path, cert: Path, key: Path, ca: Path) -> None:
+    def __init__(
+        self, base: Path, cert: Path, key: Path, ca: Path, *, cluster: natsd.ClusterConfig | None = None
+    ) -> None:
+        base.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
-        config = natsd.NatsConfig(port=self.port, store_dir=str(base / "js"), ports_file_dir=str(base))
-        tls_block = (
+        config = natsd.NatsConfig(
+            port=self.port,
+            store_dir=str(base / "js"),
+            ports_file_dir=str(base),
+            server_name=cluster and f"n-{cluster.port}",
+            cluster=cluster,
+        )
+        tls = (
             f'tls {{\n  cert_file: "{cert}"\n  key_file: "{key}"\n  ca_file: "{ca}"\n  verify: true\n  timeout: 5\n}}\n'
         )
+        text = natsd.render_config(config)
+        if cluster is not None:  # the routes' block goes inside `cluster { … }`, the file's last block
+            text = text.removesuffix("}\n") + tls + "}\n"
         self.conf = base / "nats-tls.conf"
-        self.conf.write_text(natsd.render_config(config) + tls_block)
+        self.conf.write_text(text + tls)
         self.log = base / "nats-tls.log"
         self.base = base
         self.proc: subprocess.Popen | None = None
@@ -380,3 +394,42 @@ def test_the_expiry_alerts_fire_when_cert_list_marks_a_certificate_as_expiring_s
     series = "llmgw_certificate_expiry_timestamp_seconds - time() <"
     assert soon == f"{series} {pki.SOON_S // 86400} * 86400" and soon_severity == "warning"
     assert very_soon == f"{series} {pki.VERY_SOON_S // 86400} * 86400" and very_soon_severity == "critical"
+
+
+@pytest.mark.timeout(120)
+async def test_a_nats_cluster_whose_routes_and_clients_use_mutual_tls_replicates_what_a_certified_client_appends(
+    tmp_path: Path, ca: tuple[pki.Issued, Path]
+) -> None:
+    ca_file = ca[1] / "ca.crt"
+    route_ports = tuple(free_port() for _ in range(3))
+    nodes = []
+    try:
+        for i, route_port in enumerate(route_ports):
+            # A node's certificate serves clients and routes and, for the routes it dials, is a client's too.
+            crt, key = leaf(ca, f"nats-{i}", dns=["localhost"], ips=["127.0.0.1"], client=True)
+            cluster = natsd.ClusterConfig(name="llmgw-tls", port=route_port, routes=route_ports)
+            nodes.append(TlsNats(tmp_path / f"n{i}", crt, key, ca_file, cluster=cluster).start())
+        agent_crt, agent_key = leaf(ca, "agent-1", client=True, server=False)
+        ctx = pki.client_context(ca_file, agent_crt, agent_key, now=time.time())
+        urls = ",".join(n.url for n in nodes)
+
+        async def replicated() -> bool:
+            store = await EventStore.connect(urls, default_registry(), tls=ctx, replicas=3)
+            try:
+                await store.ensure_streams()
+                await store.append(
+                    event_subject("tenancy", "o-tls"),
+                    [NewEvent(payload=OrgCreated(org_id="o-tls", name="tls"), actor="user:test")],
+                )
+                info = await store.js.stream_info(store.stream)
+                return info.config.num_replicas == 3 and len(info.cluster.replicas or []) == 2
+            except (StoreError, nats.errors.Error, TimeoutError):
+                return False  # no meta leader yet
+            finally:
+                await store.close()
+
+        # The meta leader is elected over the TLS routes; until then the streams cannot be created.
+        await wait_until(replicated, deadline_s=60, what="a stream with 3 replicas over TLS routes")
+    finally:
+        for n in nodes:
+            n.stop()
