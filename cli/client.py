@@ -71,8 +71,9 @@ class Session:
                 timeout=aiohttp.ClientTimeout(total=timeout), connector=aiohttp.TCPConnector(ssl=context)
             )
         url = self.target.api_url.rstrip("/") + path
+        headers = {"Authorization": f"Bearer {self.target.token}"} if self.target.token else None
         try:
-            async with self._http.request(method, url, params=params, json=json) as resp:
+            async with self._http.request(method, url, params=params, json=json, headers=headers) as resp:
                 body = await resp.json(content_type=None)
                 if resp.status >= 400:
                     message = (body or {}).get("error", {}).get("message") if isinstance(body, dict) else None

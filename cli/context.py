@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 
+from llmgw.cli.credentials import token_for
 from llmgw.events.commands import Unreachable
 from llmgw.events.envelope import sanitize_actor
 
@@ -109,23 +110,26 @@ def _alive(pid: int) -> bool:
 class Target(msgspec.Struct, frozen=True):
     nats_url: str
     api_url: str | None
+    token: str | None = None  # what the admin API is called with (cli/credentials.py)
 
 
 def resolve(nats_url: str | None, api_url: str | None, data_dir: str | None) -> Target:
     nats_url = nats_url or os.environ.get("LLMGW_NATS_URL")
     api_url = api_url or os.environ.get("LLMGW_API_URL")
     if nats_url and api_url:
-        return Target(nats_url, api_url)
+        return Target(nats_url, api_url, token_for(api_url, None))
     where = Path(data_dir).expanduser() if data_dir else default_data_dir()
     info = read_run_info(where)
     if info is None:
         if nats_url:
-            return Target(nats_url, api_url)
+            return Target(nats_url, api_url, token_for(api_url, None))
         raise Unreachable(
             f"no running `llmgw up` found in {where}: start one with `llmgw up`, "
             "or say where the system is with --nats URL (or LLMGW_NATS_URL) and --api URL"
         )
-    return Target(nats_url or info.nats_url, api_url or info.admin_url)
+    api = api_url or info.admin_url
+    # The up's own admin token only for its own admin API (another address is another system).
+    return Target(nats_url or info.nats_url, api, token_for(api, where if api == info.admin_url else None))
 
 
 def cli_actor() -> str:

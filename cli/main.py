@@ -35,6 +35,7 @@ from llmgw.cli.events_cmd import events
 from llmgw.cli.fleet_cmd import load_model_file
 from llmgw.cli.mirror_cmd import mirror
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError
+from llmgw.cli.people_cmd import login, logout  # also registers `ctl user|token`
 from llmgw.cli.runtime import ALL_SERVICES, DEMO_KEY_FILE, ServerConfig, serve
 from llmgw.events import pki
 from llmgw.events.commands import CommandError
@@ -63,6 +64,8 @@ def main(ctx: click.Context, nats: str | None, api: str | None, data_dir: str | 
 
 main.add_command(bench)
 main.add_command(ctl)
+main.add_command(login)
+main.add_command(logout)
 main.add_command(events)
 main.add_command(agent)
 main.add_command(mirror)

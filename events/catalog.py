@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from llmgw.events import access, jobs, mirror, models, nodes, outcomes, replicas, scheduler, tenancy
+from llmgw.events import access, jobs, mirror, models, nodes, outcomes, people, replicas, scheduler, tenancy
 from llmgw.events.registry import EventRegistry, EventType
 
-MODULES = (outcomes, tenancy, access, models, nodes, replicas, scheduler, mirror, jobs)
+MODULES = (outcomes, tenancy, access, people, models, nodes, replicas, scheduler, mirror, jobs)
 
 
 def all_event_types() -> list[EventType]:

@@ -47,11 +47,17 @@ from llmgw.projections.usage import (
     usage_totals,
 )
 from llmgw.services.api.replay import cluster_at
+from llmgw.services.api.signin import Identity, Refused, SignIn
 from llmgw.services.api.views import ACCESS_COLUMNS, FLEET_COLUMNS, shape_key, shape_model, shape_node
 
 log = structlog.get_logger("llmgw.services.api")
 
 READ_WAIT_S = 5.0
+
+
+class LoginRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    user: str
+    password: str
 
 
 def error(status: int, message: str, code: str = "error") -> web.Response:
@@ -71,6 +77,8 @@ class AdminApi:
         self.usage_backlog: Callable[[], Any] | None = None
         # The process's live folds (events/live_fold.py): any not live makes /healthz 503, naming it.
         self.folds: FoldRegistry | None = None
+        # Signing people in (services/api/signin.py): set where the API runs.
+        self.signin: SignIn | None = None
 
     def app(self, *, full: bool = True) -> web.Application:
         """The admin API; with ``full=False`` only ``/healthz`` and ``/metrics``, which every process
@@ -80,6 +88,9 @@ class AdminApi:
         app.router.add_get("/metrics", self.metrics)
         if not full:
             return app
+        app.router.add_post("/api/v1/login", self.login)
+        app.router.add_get("/api/v1/whoami", self.whoami)
+        app.router.add_get("/api/v1/users", self.users)
         app.router.add_get("/api/v1/tree", self.tree)
         app.router.add_get("/api/v1/events/{id}", self.event)
         app.router.add_get("/api/v1/replay", self.replay)
@@ -112,6 +123,68 @@ class AdminApi:
         except Exception as exc:
             log.exception("admin API request failed", path=request.path)
             return error(500, f"internal error: {exc}; see the server log", "internal")
+
+    # -- people ------------------------------------------------------------------------------
+
+    def _signin(self) -> SignIn:
+        if self.signin is None:
+            raise web.HTTPServiceUnavailable(reason="signing in is not set up in this process")
+        return self.signin
+
+    def _identity(self, request: web.Request) -> Identity | web.Response:
+        got = self._signin().identify(request.headers.get("authorization", ""))
+        if isinstance(got, Refused):
+            return error(got.status, got.message, got.code)
+        return got
+
+    async def login(self, request: web.Request) -> web.Response:
+        """``POST /api/v1/login`` ``{"user", "password"}``: a session token (12 h) for a person."""
+        try:
+            body = msgspec.json.decode(await request.read(), type=LoginRequest)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return error(400, f'send {{"user": NAME, "password": PASSWORD}} as JSON: {exc}', "invalid_request")
+        try:
+            token, expires = await self._signin().login(body.user, body.password, request.remote or "unknown")
+        except Refused as exc:
+            resp = error(exc.status, exc.message, exc.code)
+            if exc.retry_after_s:
+                resp.headers["Retry-After"] = str(exc.retry_after_s)
+            return resp
+        return web.json_response({"token": token, "user": body.user, "expires_at": expires.isoformat()})
+
+    async def whoami(self, request: web.Request) -> web.Response:
+        who = self._identity(request)
+        if isinstance(who, web.Response):
+            return who
+        return web.json_response({"user": who.name, "token": who.kind, "token_id": who.token_id})
+
+    async def users(self, request: web.Request) -> web.Response:
+        """Every person: name, whether disabled, live tokens (never a hash)."""
+        who = self._identity(request)
+        if isinstance(who, web.Response):
+            return who
+        people = self._signin().people
+        return web.json_response(
+            [
+                {
+                    "name": p.name,
+                    "display_name": p.display_name,
+                    "disabled": p.disabled,
+                    "added_at": p.added_at.isoformat(),
+                    "tokens": [
+                        {
+                            "id": t.token_id,
+                            "prefix": t.prefix,
+                            "kind": t.kind,
+                            "label": t.label,
+                            "expires_at": t.expires_at.isoformat() if t.expires_at else None,
+                        }
+                        for t in p.tokens.values()
+                    ],
+                }
+                for p in sorted(people.by_name.values(), key=lambda p: p.name)
+            ]
+        )
 
     async def healthz(self, request: web.Request) -> web.Response:
         connected = self.store.nc.is_connected

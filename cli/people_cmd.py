@@ -1,0 +1,204 @@
+"""`llmgw ctl user …`, `llmgw ctl token …`, `llmgw login` and `llmgw logout` (SPEC TEN-1, TEN-3).
+
+A password is asked for on the terminal (or read from stdin with ``--password-stdin``, for
+scripts), hashed here with argon2id and sent as its hash: it never crosses the bus. A personal
+access token is made here and shown once; only its hash is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC, datetime, timedelta
+
+import click
+
+from llmgw.cli.access_cmd import _table
+from llmgw.cli.client import Session, run
+from llmgw.cli.credentials import forget_token, save_token
+from llmgw.cli.ctl import ctl
+from llmgw.events import people as P
+from llmgw.events.commands import CommandError, CommandRejectedError
+from llmgw.services.people.passwords import hash_password, password_problem
+
+
+def _new_password(from_stdin: bool) -> str:
+    """A new password, from stdin (one line) or asked twice on the terminal; refused if too weak."""
+    if from_stdin:
+        password = sys.stdin.readline().rstrip("\n")
+    else:
+        password = click.prompt("New password", hide_input=True, confirmation_prompt=True)
+    problem = password_problem(password)
+    if problem is not None:
+        raise click.ClickException(problem)
+    return password
+
+
+@ctl.group()
+def user() -> None:
+    """People who may sign in: add, list, disable, enable, change a password."""
+
+
+@user.command("add")
+@click.argument("name")
+@click.option("--display-name", default="", help="How the person is shown (default: the name).")
+@click.option("--password-stdin", is_flag=True, help="Read the password from stdin (one line) instead of asking.")
+@click.pass_context
+def user_add(ctx: click.Context, name: str, display_name: str, password_stdin: bool) -> None:
+    """Add a person who may sign in with `llmgw login`."""
+    password_hash = hash_password(_new_password(password_stdin))
+
+    async def go(s: Session) -> None:
+        add = P.AddUser(name=name, password_hash=password_hash, display_name=display_name)
+        out = await s.command(P.SERVICE, "user.add", add)
+        click.echo(f"{out.message}: they sign in with `llmgw login --user {name}`")
+
+    run(ctx, go)
+
+
+@user.command("passwd")
+@click.argument("name")
+@click.option("--password-stdin", is_flag=True, help="Read the password from stdin (one line) instead of asking.")
+@click.pass_context
+def user_passwd(ctx: click.Context, name: str, password_stdin: bool) -> None:
+    """Set a person's password (their sessions and tokens go on working)."""
+    password_hash = hash_password(_new_password(password_stdin))
+
+    async def go(s: Session) -> None:
+        out = await s.command(P.SERVICE, "user.passwd", P.SetPassword(name=name, password_hash=password_hash))
+        click.echo(out.message)
+
+    run(ctx, go)
+
+
+@user.command("disable")
+@click.argument("name")
+@click.option("--reason", default="", help="Why, for the audit log and the person's refusals.")
+@click.pass_context
+def user_disable(ctx: click.Context, name: str, reason: str) -> None:
+    """Stop a person signing in; their tokens stop working at once."""
+
+    async def go(s: Session) -> None:
+        out = await s.command(P.SERVICE, "user.disable", P.DisableUser(name=name, reason=reason))
+        click.echo(out.message)
+
+    run(ctx, go)
+
+
+@user.command("enable")
+@click.argument("name")
+@click.pass_context
+def user_enable(ctx: click.Context, name: str) -> None:
+    """Let a disabled person sign in again."""
+
+    async def go(s: Session) -> None:
+        out = await s.command(P.SERVICE, "user.enable", P.EnableUser(name=name))
+        click.echo(out.message)
+
+    run(ctx, go)
+
+
+@user.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the people as JSON.")
+@click.pass_context
+def user_list(ctx: click.Context, as_json: bool) -> None:
+    """Every person: whether they may sign in, and their live tokens."""
+
+    async def go(s: Session) -> None:
+        people = await s.api("GET", "/api/v1/users")
+        if as_json:
+            click.echo(json.dumps(people, indent=2))
+            return
+        rows = [
+            [
+                p["name"],
+                p["display_name"] or "-",
+                "disabled" if p["disabled"] else "active",
+                str(len(p["tokens"])),
+                p["added_at"][:19],
+            ]
+            for p in people
+        ]
+        for line in _table(rows, ["NAME", "DISPLAY NAME", "STATE", "TOKENS", "ADDED"]):
+            click.echo(line)
+
+    run(ctx, go)
+
+
+@ctl.group()
+def token() -> None:
+    """Personal access tokens, for scripts and automation."""
+
+
+@token.command("create")
+@click.option("--user", "name", required=True, help="Whose token it is.")
+@click.option("--label", default="", help="What it is for (ci, backup…), shown in lists.")
+@click.option("--days", type=click.IntRange(min=1), help="Days until it stops working (default: never).")
+@click.pass_context
+def token_create(ctx: click.Context, name: str, label: str, days: int | None) -> None:
+    """Make a personal access token: shown once, only its hash is kept."""
+    secret, prefix, digest = P.make_token("personal")
+    expires = datetime.now(UTC) + timedelta(days=days) if days else None
+
+    async def go(s: Session) -> None:
+        issue = P.IssueToken(
+            name=name, prefix=prefix, secret_sha256=digest, kind="personal", label=label, expires_at=expires
+        )
+        out = await s.command(P.SERVICE, "token.issue", issue)
+        click.echo(f"{out.message}; it is shown only this once:", err=True)
+        click.echo(secret)
+
+    run(ctx, go)
+
+
+@token.command("revoke")
+@click.argument("name")
+@click.argument("token_ref", metavar="ID-OR-PREFIX")
+@click.option("--reason", default="", help="Why, for the audit log.")
+@click.pass_context
+def token_revoke(ctx: click.Context, name: str, token_ref: str, reason: str) -> None:
+    """Revoke one of a person's tokens (a session or a personal token)."""
+
+    async def go(s: Session) -> None:
+        out = await s.command(P.SERVICE, "token.revoke", P.RevokeToken(name=name, token=token_ref, reason=reason))
+        click.echo(out.message)
+
+    run(ctx, go)
+
+
+@click.command("login")
+@click.option("--user", "name", required=True, prompt=True, help="Your user name.")
+@click.option("--password-stdin", is_flag=True, help="Read the password from stdin (one line) instead of asking.")
+@click.pass_context
+def login(ctx: click.Context, name: str, password_stdin: bool) -> None:
+    """Sign in to the admin API: the session token (12 h) is kept for it in your config directory (0600)."""
+    password = sys.stdin.readline().rstrip("\n") if password_stdin else click.prompt("Password", hide_input=True)
+
+    async def go(s: Session) -> None:
+        got = await s.api("POST", "/api/v1/login", json={"user": name, "password": password})
+        assert s.target.api_url is not None  # s.api answered
+        where = save_token(s.target.api_url, got["token"])
+        click.echo(f"signed in as {got['user']} until {got['expires_at'][:16]} UTC (token kept in {where})")
+
+    run(ctx, go)
+
+
+@click.command("logout")
+@click.pass_context
+def logout(ctx: click.Context) -> None:
+    """Forget this admin API's session token here and revoke it."""
+
+    async def go(s: Session) -> int:
+        if not s.target.api_url or forget_token(s.target.api_url) is None:
+            click.echo("not signed in to this admin API")
+            return 0
+        try:
+            who = await s.api("GET", "/api/v1/whoami")
+            await s.command(P.SERVICE, "token.revoke", P.RevokeToken(name=who["user"], token=who["token_id"]))
+        except (CommandError, CommandRejectedError) as exc:
+            click.echo(f"signed out here; the session could not be revoked ({exc}): it expires by itself", err=True)
+            return 0
+        click.echo("signed out")
+        return 0
+
+    run(ctx, go)

@@ -1,0 +1,83 @@
+"""The first administrator, made by the first `llmgw up`: user ``admin``, with a password written once
+to ``DATA_DIR/admin-password`` and a personal access token in ``DATA_DIR/admin-token`` (both 0600,
+never logged). The CLI on the machine running `llmgw up` signs in with that token, so the README's
+commands need no login; a person elsewhere signs in with `llmgw login`.
+
+As for the demo key, the secrets are written to ``.pending`` files before the commands are sent and
+renamed once the people service has recorded them: a crash in between is finished by the next
+start with the same password and token, never a second pair.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import structlog
+
+from llmgw.events import people as P
+from llmgw.events.commands import CommandClient, CommandRejectedError
+from llmgw.events.store import EventStore
+from llmgw.services.access.bootstrap import write_private
+from llmgw.services.people.passwords import hash_password
+
+log = structlog.get_logger("llmgw.services.people.bootstrap")
+
+ADMIN = "admin"
+PASSWORD_FILE = "admin-password"
+TOKEN_FILE = "admin-token"
+ACTOR = "system:bootstrap"
+
+
+def _pending(path: Path, make: str) -> tuple[str, bool]:
+    """The secret in ``path`` and True (kept from an interrupted start), else ``make`` written there (0600)."""
+    try:
+        kept = path.read_text().strip()
+    except FileNotFoundError:
+        kept = ""
+    if kept:
+        return kept, True
+    write_private(path, make + "\n")
+    return make, False
+
+
+async def ensure_admin(store: EventStore, data_dir: Path, *, timeout: float = 15.0) -> bool:
+    """Make the first administrator if ``DATA_DIR/admin-token`` is not there yet; True when made now.
+
+    Needs the people service running. Raises :class:`~llmgw.events.commands.CommandError` when it
+    refuses or does not answer.
+    """
+    token_file, password_file = data_dir / TOKEN_FILE, data_dir / PASSWORD_FILE
+    if token_file.exists():
+        return False
+    client = CommandClient(store)
+    pending_password = data_dir / f"{PASSWORD_FILE}.pending"
+    password, kept = _pending(pending_password, secrets.token_urlsafe(18))
+    ours = True  # whether the admin's password is the one in this directory
+    try:
+        add = P.AddUser(name=ADMIN, password_hash=hash_password(password), display_name="first administrator")
+        await client.send(P.SERVICE, "user.add", add, actor=ACTOR, timeout=timeout)
+    except CommandRejectedError as exc:
+        if exc.code != "exists":
+            raise
+        # Made before an interrupted start (the kept password is theirs), or long before, elsewhere.
+        ours = kept
+    token, _ = _pending(data_dir / f"{TOKEN_FILE}.pending", P.make_token("personal")[0])
+    prefix = P.token_prefix(token)
+    assert prefix is not None  # made above, or kept from a start that made it
+    issue = P.IssueToken(
+        name=ADMIN, prefix=prefix, secret_sha256=P.hash_token(token), kind="personal", label="this machine's CLI"
+    )
+    try:
+        await client.send(P.SERVICE, "token.issue", issue, actor=ACTOR, timeout=timeout)
+    except CommandRejectedError as exc:
+        if exc.code != "taken":  # issued before an interrupted start
+            raise
+    if ours:
+        pending_password.replace(password_file)
+    else:
+        pending_password.unlink()
+        log.warning("user admin existed already: its password is not in this directory", data_dir=str(data_dir))
+    (data_dir / f"{TOKEN_FILE}.pending").replace(token_file)
+    log.info("first administrator made", user=ADMIN, password_file=str(password_file), token_file=str(token_file))
+    return True

@@ -1,0 +1,161 @@
+"""The people service's decisions: pure functions over the folded :class:`~llmgw.events.people_fold.People`."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+
+from llmgw.events import people as P
+from llmgw.events.command_shell import Decision
+from llmgw.events.commands import Rejected
+from llmgw.events.ids import new_id
+from llmgw.events.people_fold import People, Person
+from llmgw.events.subjects import event_subject
+
+MAX_DISPLAY = 100
+MAX_LABEL = 100
+MAX_REASON = 500
+_PREFIX = re.compile(r"^[a-z0-9]{8}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# argon2id only, with parameters at least OWASP's minimum (19 MiB, 2 passes): a weaker hash is refused.
+_ARGON2ID = re.compile(r"^\$argon2id\$v=19\$m=(\d+),t=(\d+),p=(\d+)\$[A-Za-z0-9+/]+\$[A-Za-z0-9+/]+$")
+MIN_MEMORY_KIB = 19 * 1024
+MIN_PASSES = 2
+
+
+def decide(people: People, c: P.PeopleCommand, now: datetime) -> Decision:
+    match c:
+        case P.AddUser():
+            return _add(people, c)
+        case P.SetPassword():
+            person = _person(people, c.name)
+            _check_hash(c.password_hash)
+            return _decision(person, [P.PasswordSet(name=person.name, password_hash=c.password_hash)], "password set")
+        case P.DisableUser():
+            person = _person(people, c.name)
+            if person.disabled:
+                return Decision(message=f"{person.name} is disabled already")
+            _check_text("reason", c.reason, MAX_REASON)
+            tokens = len(person.tokens)
+            return _decision(
+                person,
+                [P.UserDisabled(name=person.name, reason=c.reason)],
+                f"{person.name} is disabled: {tokens} token(s) stop working at once",
+            )
+        case P.EnableUser():
+            person = _person(people, c.name)
+            if not person.disabled:
+                return Decision(message=f"{person.name} is not disabled")
+            return _decision(person, [P.UserEnabled(name=person.name)], f"{person.name} may sign in again")
+        case P.IssueToken():
+            return _issue(people, c, now)
+        case P.RevokeToken():
+            person = _person(people, c.name)
+            token = people.find_token(person, c.token.strip())
+            if token is None:
+                raise Rejected(
+                    f"{person.name} has no token {c.token.strip()!r}: give its id or prefix (`llmgw ctl token list`)",
+                    "not_found",
+                )
+            _check_text("reason", c.reason, MAX_REASON)
+            return _decision(
+                person,
+                [P.TokenRevoked(name=person.name, token_id=token.token_id, reason=c.reason)],
+                f"token {token.prefix} of {person.name} revoked",
+            )
+    raise Rejected(f"unknown people command {type(c).__name__}", "unknown")  # pragma: no cover - a closed union
+
+
+def _add(people: People, c: P.AddUser) -> Decision:
+    if not P.NAME_RE.match(c.name):
+        raise Rejected(
+            f"{c.name[:40]!r} is not a user name: lower-case letters, digits, '.', '_' and '-', starting with a "
+            "letter, at most 63",
+            "invalid_name",
+        )
+    if c.name in people.by_name:
+        raise Rejected(f"user {c.name} exists; change their password with `llmgw ctl user passwd {c.name}`", "exists")
+    _check_text("display name", c.display_name, MAX_DISPLAY)
+    _check_hash(c.password_hash)
+    return Decision(
+        subject=event_subject(P.AGGREGATE, c.name),
+        payloads=[
+            P.UserAdded(name=c.name, display_name=c.display_name),
+            P.PasswordSet(name=c.name, password_hash=c.password_hash),
+        ],
+        expected=0,
+        message=f"user {c.name} added",
+        result={"user": c.name},
+    )
+
+
+def _issue(people: People, c: P.IssueToken, now: datetime) -> Decision:
+    person = _person(people, c.name)
+    if person.disabled:
+        raise Rejected(
+            f"{person.name} is disabled: enable them first (`llmgw ctl user enable {person.name}`)", "disabled"
+        )
+    if c.kind not in P.TOKEN_KINDS:
+        raise Rejected(f"a token is one of {', '.join(P.TOKEN_KINDS)}, not {c.kind!r}", "invalid_kind")
+    if not _PREFIX.match(c.prefix) or not _SHA256.match(c.secret_sha256):
+        raise Rejected("the token's prefix or hash is not in the format llmgw makes", "invalid_token")
+    if c.prefix in people.by_prefix:
+        raise Rejected(f"token prefix {c.prefix} is taken; make a new token and send it again", "taken")
+    if c.expires_at is not None and c.expires_at <= now:
+        raise Rejected(f"the token would expire at {c.expires_at.isoformat()}, which has passed", "invalid_expiry")
+    _check_text("label", c.label, MAX_LABEL)
+    token_id = new_id()
+    return _decision(
+        person,
+        [
+            P.TokenIssued(
+                name=person.name,
+                token_id=token_id,
+                prefix=c.prefix,
+                secret_sha256=c.secret_sha256,
+                kind=c.kind,
+                label=c.label,
+                expires_at=c.expires_at,
+            )
+        ],
+        f"{c.kind} token {c.prefix} issued to {person.name}",
+        {"token_id": token_id, "prefix": c.prefix},
+    )
+
+
+def _person(people: People, name: str) -> Person:
+    person = people.by_name.get(name.strip())
+    if person is None:
+        known = ", ".join(sorted(people.by_name)[:20])
+        raise Rejected(
+            f"there is no user {name.strip()[:40]!r}"
+            + (f" (users: {known})" if known else "")
+            + ": add them with `llmgw ctl user add NAME`",
+            "not_found",
+        )
+    return person
+
+
+def _decision(person: Person, payloads: list, message: str, result: dict | None = None) -> Decision:
+    return Decision(
+        subject=event_subject(P.AGGREGATE, person.name),
+        payloads=payloads,
+        expected=person.seq,
+        message=message,
+        result={"user": person.name, **(result or {})},
+    )
+
+
+def _check_hash(password_hash: str) -> None:
+    m = _ARGON2ID.match(password_hash)
+    if m is None or int(m.group(1)) < MIN_MEMORY_KIB or int(m.group(2)) < MIN_PASSES:
+        raise Rejected(
+            "the password must arrive as an argon2id hash of at least 19 MiB and 2 passes, as `llmgw ctl user` "
+            "makes it; a password is never sent as it is",
+            "invalid_password_hash",
+        )
+
+
+def _check_text(what: str, value: str, most: int) -> None:
+    if len(value) > most or not value.isprintable():
+        raise Rejected(f"the {what} must be at most {most} printable characters", f"invalid_{what.replace(' ', '_')}")

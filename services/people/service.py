@@ -1,0 +1,50 @@
+"""The people service: owns the ``user`` aggregates and handles `llmgw ctl user …` and token commands.
+
+Its rules are :mod:`.rules` (pure); :class:`~llmgw.events.command_shell.CommandShell` does the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+
+from llmgw.events import people as P
+from llmgw.events.command_shell import CommandShell, Decision, LogFold
+from llmgw.events.commands import Command, CommandProcessor
+from llmgw.events.envelope import utc_now
+from llmgw.events.live_fold import FoldRegistry
+from llmgw.events.people_fold import People
+from llmgw.events.store import EventStore
+from llmgw.events.subjects import EVENTS_ROOT
+from llmgw.services.people import rules
+
+
+class PeopleService:
+    def __init__(
+        self, store: EventStore, *, folds: FoldRegistry | None = None, clock: Callable[[], datetime] = utc_now
+    ) -> None:
+        self.store = store
+        self.people = People()
+        self.clock = clock
+        self.fold = LogFold(store, {f"{EVENTS_ROOT}.{P.AGGREGATE}.>": "people"}, self.people.apply, registry=folds)
+        self.shell = CommandShell(
+            store,
+            service=P.SERVICE,
+            what="the people",
+            fold=self.fold,
+            decide=self.decide,
+            payload_type=P.PeopleCommand,
+        )
+
+    def start(self) -> None:
+        """Follow the log from now on (the first command would start it otherwise)."""
+        self.fold.start()
+
+    async def close(self) -> None:
+        await self.fold.close()
+
+    def decide(self, command: Command, payload: P.PeopleCommand) -> Decision:
+        return rules.decide(self.people, payload, self.clock())
+
+    def processor(self) -> CommandProcessor:
+        return self.shell.processor()

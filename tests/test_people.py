@@ -1,0 +1,299 @@
+"""People and passwords (SPEC TEN-1, TEN-3): users, argon2id, the login throttle, session and personal
+tokens, the first administrator of `llmgw up`, and the CLI that manages them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from llmgw.events import people as P
+from llmgw.events.commands import Rejected
+from llmgw.events.envelope import Envelope, RecordedEvent
+from llmgw.events.people_fold import People
+from llmgw.events.store import EventStore
+from llmgw.events.subjects import event_subject
+from llmgw.services.api.signin import identify
+from llmgw.services.people import rules
+from llmgw.services.people.bootstrap import PASSWORD_FILE, TOKEN_FILE, ensure_admin
+from llmgw.services.people.passwords import PasswordChecker, hash_password, password_problem, verify_now
+from llmgw.services.people.throttle import LoginThrottle
+from tests.fleet import Fleet
+from tests.support import NatsServer, wait_until
+
+LLMGW = str(Path(sys.executable).parent / "llmgw")
+NOW = datetime(2026, 12, 1, 12, tzinfo=UTC)
+HASH = hash_password("correct horse battery staple")
+
+
+def recorded(seq: int, payload: object, name: str = "ann") -> RecordedEvent:
+    envelope = Envelope(id=f"e{seq}", type="x", at=NOW, actor="user:test")
+    return RecordedEvent(envelope=envelope, payload=payload, subject=event_subject(P.AGGREGATE, name), seq=seq)
+
+
+def folded(*payloads: object) -> People:
+    people = People()
+    for i, p in enumerate(payloads, 1):
+        people.apply(recorded(i, p, getattr(p, "name", "ann")))
+    return people
+
+
+# -- pure: rules and the fold ---------------------------------------------------------------------
+
+
+def test_a_person_is_added_with_an_argon2id_hash_and_never_twice() -> None:
+    d = rules.decide(People(), P.AddUser(name="ann", password_hash=HASH), NOW)
+    assert [type(p) for p in d.payloads] == [P.UserAdded, P.PasswordSet] and d.expected == 0
+    with pytest.raises(Rejected, match="user ann exists"):
+        rules.decide(folded(*d.payloads), P.AddUser(name="ann", password_hash=HASH), NOW)
+
+
+@pytest.mark.parametrize(
+    "password_hash",
+    [
+        "hunter2",  # a password, not a hash
+        "$argon2i$v=19$m=65536,t=3,p=4$c2FsdHNhbHQ$aGFzaGhhc2g",  # argon2i, not argon2id
+        "$argon2id$v=19$m=1024,t=1,p=1$c2FsdHNhbHQ$aGFzaGhhc2g",  # too weak to hold
+    ],
+)
+def test_anything_but_a_strong_argon2id_hash_is_refused(password_hash: str) -> None:
+    with pytest.raises(Rejected, match="argon2id hash") as refused:
+        rules.decide(People(), P.AddUser(name="ann", password_hash=password_hash), NOW)
+    assert refused.value.code == "invalid_password_hash"
+
+
+def test_user_names_are_plain() -> None:
+    for bad in ("Ann", "1ann", "ann smith", "a" * 64, ""):
+        with pytest.raises(Rejected, match="is not a user name"):
+            rules.decide(People(), P.AddUser(name=bad, password_hash=HASH), NOW)
+
+
+def test_a_disabled_persons_token_stops_working_and_a_revoked_one_is_forgotten() -> None:
+    token, prefix, digest = P.make_token("personal")
+    people = folded(
+        P.UserAdded(name="ann"),
+        P.PasswordSet(name="ann", password_hash=HASH),
+        P.TokenIssued(name="ann", token_id="t1", prefix=prefix, secret_sha256=digest, kind="personal"),
+    )
+    who = identify(people, f"Bearer {token}", NOW)
+    assert not isinstance(who, Exception) and who.actor == "user:ann"
+    people.apply(recorded(4, P.UserDisabled(name="ann", reason="left")))
+    refused = identify(people, f"Bearer {token}", NOW)
+    assert isinstance(refused, Exception) and refused.status == 403 and "ann is disabled (left)" in refused.message
+    people.apply(recorded(5, P.UserEnabled(name="ann")))
+    people.apply(recorded(6, P.TokenRevoked(name="ann", token_id="t1")))
+    gone = identify(people, f"Bearer {token}", NOW)
+    assert isinstance(gone, Exception) and gone.status == 401 and prefix not in people.by_prefix
+
+
+def test_a_token_is_refused_when_expired_altered_or_missing() -> None:
+    token, prefix, digest = P.make_token("session")
+    people = folded(
+        P.UserAdded(name="ann"),
+        P.TokenIssued(
+            name="ann",
+            token_id="t1",
+            prefix=prefix,
+            secret_sha256=digest,
+            kind="session",
+            expires_at=NOW + timedelta(hours=1),
+        ),
+    )
+    assert not isinstance(identify(people, f"Bearer {token}", NOW), Exception)
+    later = identify(people, f"Bearer {token}", NOW + timedelta(hours=2))
+    assert isinstance(later, Exception) and later.code == "expired_credential"
+    altered = identify(people, f"Bearer {token[:-2]}xx", NOW)
+    assert isinstance(altered, Exception) and altered.code == "invalid_credential"
+    missing = identify(people, "", NOW)
+    assert isinstance(missing, Exception) and missing.status == 401 and "llmgw login" in missing.message
+
+
+def test_a_token_prefix_is_never_issued_twice() -> None:
+    _, prefix, digest = P.make_token("personal")
+    people = folded(
+        P.UserAdded(name="ann"),
+        P.TokenIssued(name="ann", token_id="t1", prefix=prefix, secret_sha256=digest, kind="personal"),
+    )
+    with pytest.raises(Rejected, match=f"token prefix {prefix} is taken"):
+        rules.decide(people, P.IssueToken(name="ann", prefix=prefix, secret_sha256=digest), NOW)
+
+
+# -- passwords and the throttle -----------------------------------------------------------------
+
+
+def test_a_password_is_checked_against_its_hash_and_an_unknown_name_is_checked_all_the_same() -> None:
+    assert verify_now(HASH, "correct horse battery staple")
+    assert not verify_now(HASH, "correct horse battery stapler")
+    assert not verify_now(None, "correct horse battery staple")
+    assert password_problem("short") is not None and password_problem("a long enough passphrase") is None
+
+
+async def test_password_checks_run_at_most_the_bound_at_a_time() -> None:
+    checker = PasswordChecker(concurrent=2)
+    results = await asyncio.gather(*(checker.verify(HASH, "wrong password!") for _ in range(6)))
+    assert results == [False] * 6
+    assert checker.most_running == 2
+
+
+def test_an_address_that_keeps_failing_is_blocked_for_longer_each_time() -> None:
+    t = LoginThrottle(failures=3, window_s=60, block_s=10, max_block_s=40)
+    now = 1000.0
+    for _ in range(3):
+        assert t.check("10.0.0.1", now).allowed
+        t.failed("10.0.0.1", now)
+    blocked = t.check("10.0.0.1", now)
+    assert not blocked.allowed and blocked.retry_after_s == 11 and "10.0.0.1" in blocked.reason
+    assert t.check("10.0.0.2", now).allowed, "another address is not affected"
+    now += 11
+    for _ in range(3):
+        t.failed("10.0.0.1", now)
+    assert t.check("10.0.0.1", now).retry_after_s == 21  # twice as long
+
+
+def test_ten_thousand_failing_addresses_never_wash_out_a_blocked_one() -> None:
+    t = LoginThrottle(failures=3, window_s=300, block_s=600, capacity=1000)
+    now = 0.0
+    for _ in range(3):
+        t.failed("attacker", now)
+    assert not t.check("attacker", now).allowed
+    refused_new = 0
+    for i in range(10_000):
+        now += 0.01
+        address = f"10.{i // 65536}.{i // 256 % 256}.{i % 256}"
+        if t.check(address, now).allowed:
+            t.failed(address, now)
+        else:
+            refused_new += 1
+    assert len(t.entries) <= 1000, "the table stays within its capacity"
+    assert not t.check("attacker", now).allowed, "the blocked address is still blocked"
+    assert refused_new > 0, "once full of live entries, new addresses are refused, not let in by evicting"
+    # When their windows pass, the stale entries make room again.
+    assert t.check("newcomer", now + 301).allowed
+
+
+# -- end to end: the people service, the admin API, the first administrator ----------------------
+
+
+@pytest.fixture
+async def fleet(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
+    f = await Fleet(store, nats.url, tmp_path).start(services=("people", "projections", "api"))
+    yield f
+    await f.stop()
+
+
+async def call(fleet: Fleet, method: str, path: str, token: str | None = None, **kw) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.request(method, f"http://127.0.0.1:{fleet.admin_port}{path}", headers=headers, **kw) as r,
+    ):
+        return r.status, await r.json()
+
+
+async def test_the_first_administrator_signs_in_with_the_password_written_once(fleet: Fleet, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    assert await ensure_admin(fleet.store, data)
+    assert not await ensure_admin(fleet.store, data), "made once"
+    for name in (PASSWORD_FILE, TOKEN_FILE):
+        assert stat.S_IMODE(os.stat(data / name).st_mode) == 0o600
+    password = (data / PASSWORD_FILE).read_text().strip()
+    admin_token = (data / TOKEN_FILE).read_text().strip()
+
+    async def known() -> bool:
+        return (await call(fleet, "GET", "/api/v1/whoami", admin_token))[0] == 200
+
+    await wait_until(known, what="the admin token to be folded by the API")
+    status, me = await call(fleet, "GET", "/api/v1/whoami", admin_token)
+    assert me["user"] == "admin" and me["token"] == "personal"
+
+    status, got = await call(fleet, "POST", "/api/v1/login", json={"user": "admin", "password": password})
+    assert status == 200, got
+    status, me = await call(fleet, "GET", "/api/v1/whoami", got["token"])
+    assert status == 200 and me == {"user": "admin", "token": "session", "token_id": me["token_id"]}
+
+    # The log knows who signed in, and holds neither the password nor a token.
+    events = await fleet.store.read(event_subject(P.AGGREGATE, "admin"))
+    issued = [e for e in events if isinstance(e.payload, P.TokenIssued)]
+    assert [e.envelope.actor for e in issued] == ["system:bootstrap", "user:admin"]
+    raw = b"".join(str(e.payload).encode() for e in events)
+    assert password.encode() not in raw and admin_token.encode() not in raw and got["token"].encode() not in raw
+
+
+async def test_a_wrong_password_is_refused_the_same_as_an_unknown_name_and_then_throttled(fleet: Fleet) -> None:
+    await fleet.client.send(P.SERVICE, "user.add", P.AddUser(name="bob", password_hash=HASH), actor="user:test")
+    answers = []
+    for who in ("bob", "nobody", "bob", "bob", "bob"):
+        answers.append(await call(fleet, "POST", "/api/v1/login", json={"user": who, "password": "wrong wrong wrong"}))
+    assert all(status == 401 for status, _ in answers)
+    assert {body["error"]["message"] for _, body in answers} == {"the user name or the password is wrong"}
+    status, body = await call(
+        fleet, "POST", "/api/v1/login", json={"user": "bob", "password": "correct horse battery staple"}
+    )
+    assert status == 429 and "too many failed logins" in body["error"]["message"]
+
+
+async def test_a_disabled_person_is_refused_at_once_and_can_be_let_back(fleet: Fleet) -> None:
+    await fleet.client.send(P.SERVICE, "user.add", P.AddUser(name="cy", password_hash=HASH), actor="user:test")
+    status, got = await call(
+        fleet, "POST", "/api/v1/login", json={"user": "cy", "password": "correct horse battery staple"}
+    )
+    assert status == 200, got
+    await fleet.client.send(P.SERVICE, "user.disable", P.DisableUser(name="cy", reason="on leave"), actor="user:test")
+
+    async def refused() -> bool:
+        return (await call(fleet, "GET", "/api/v1/whoami", got["token"]))[0] == 403
+
+    await wait_until(refused, what="the disabled person's session to be refused")
+    status, body = await call(fleet, "GET", "/api/v1/users", got["token"])
+    assert status == 403 and "cy is disabled (on leave)" in body["error"]["message"]
+    await fleet.client.send(P.SERVICE, "user.enable", P.EnableUser(name="cy"), actor="user:test")
+
+    async def back() -> bool:
+        return (await call(fleet, "GET", "/api/v1/whoami", got["token"]))[0] == 200
+
+    await wait_until(back, what="the enabled person's session to work again")
+
+
+async def test_the_cli_adds_a_person_who_logs_in_and_out(fleet: Fleet, nats: NatsServer, tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "LLMGW_NATS_URL": nats.url,
+        "LLMGW_API_URL": f"http://127.0.0.1:{fleet.admin_port}",
+        "XDG_CONFIG_HOME": str(tmp_path / "config"),
+    }
+    env.pop("LLMGW_TOKEN", None)
+
+    async def cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        # In a thread: the services answering the CLI run on this test's event loop.
+        return await asyncio.to_thread(
+            subprocess.run, [LLMGW, *args], input=stdin, capture_output=True, text=True, env=env, timeout=60
+        )
+
+    weak = await cli("ctl", "user", "add", "dee", "--password-stdin", stdin="short\n")
+    assert weak.returncode != 0 and "at least 12 characters" in weak.stderr
+    added = await cli("ctl", "user", "add", "dee", "--password-stdin", stdin="a long enough passphrase\n")
+    assert added.returncode == 0, added.stderr
+    again = await cli("ctl", "user", "add", "dee", "--password-stdin", stdin="a long enough passphrase\n")
+    assert again.returncode == 2 and "user dee exists" in again.stderr
+
+    login = await cli("login", "--user", "dee", "--password-stdin", stdin="a long enough passphrase\n")
+    assert login.returncode == 0 and "signed in as dee" in login.stdout, login.stderr
+    saved = tmp_path / "config" / "llmgw" / "credentials.json"
+    assert stat.S_IMODE(os.stat(saved).st_mode) == 0o600
+    listed = await cli("ctl", "user", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert "dee" in listed.stdout and "$argon2id" not in listed.stdout and "secret" not in listed.stdout
+
+    out = await cli("logout")
+    assert out.returncode == 0 and "signed out" in out.stdout, out.stderr
+    after = await cli("ctl", "user", "list")
+    assert after.returncode != 0 and "sign in first" in after.stderr
