@@ -20,10 +20,12 @@ from pathlib import Path
 import nats.errors
 import pytest
 import yaml
+from click.testing import CliRunner, Result
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.cli.client import Session, trusted_ca
 from llmgw.cli.context import Target
+from llmgw.cli.main import main
 from llmgw.cli.runtime import ServerConfig, tls_setup
 from llmgw.events import natsd, pki
 from llmgw.events.catalog import default_registry
@@ -126,25 +128,32 @@ def test_a_server_refuses_at_start_a_certificate_that_expired_or_is_not_its_key_
 # -- `llmgw ctl cert` ---------------------------------------------------------------------------
 
 
-def cert_cli(where: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [LLMGW, "ctl", "cert", *args, "--dir", str(where)], capture_output=True, text=True, timeout=60
-    )
+def cert_cli(where: Path, *args: str) -> Result:
+    """`llmgw ctl cert ARGS --dir WHERE`, in this process (the installed command is run once, below)."""
+    return CliRunner().invoke(main, ["ctl", "cert", *args, "--dir", str(where)])
+
+
+def test_the_installed_command_refuses_to_replace_a_ca_with_exit_2(tmp_path: Path) -> None:
+    argv = [LLMGW, "ctl", "cert", "ca", "--dir", str(tmp_path)]
+    assert subprocess.run(argv, capture_output=True, text=True, timeout=60).returncode == 0
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2
+    assert again.stderr.startswith(f"error: a CA is already in {tmp_path / 'ca.crt'}")
 
 
 def test_ctl_cert_makes_a_ca_issues_lists_and_rotates_keeping_the_previous_one(tmp_path: Path) -> None:
     where = tmp_path / "pki"
     done = cert_cli(where, "issue", "gateway", "--dns", "localhost")
-    assert done.returncode == 2 and "no CA in" in done.stderr and "`llmgw ctl cert ca`" in done.stderr
-    assert cert_cli(where, "ca").returncode == 0
+    assert done.exit_code == 2 and "no CA in" in done.stderr and "`llmgw ctl cert ca`" in done.stderr
+    assert cert_cli(where, "ca").exit_code == 0
     again = cert_cli(where, "ca")
-    assert again.returncode == 2 and f"a CA is already in {where / 'ca.crt'}" in again.stderr
+    assert again.exit_code == 2 and f"a CA is already in {where / 'ca.crt'}" in again.stderr
     assert "--force" in again.stderr
     done = cert_cli(where, "issue", "gateway", "--dns", "localhost", "--ip", "127.0.0.1", "--days", "30")
-    assert done.returncode == 0, done.stderr
-    assert cert_cli(where, "issue", "agent-1", "--client", "--days", "5").returncode == 0
-    assert cert_cli(where, "issue", "ca", "--dns", "x").returncode == 2
-    assert cert_cli(where, "issue", "nothing").returncode == 2
+    assert done.exit_code == 0, done.stderr
+    assert cert_cli(where, "issue", "agent-1", "--client", "--days", "5").exit_code == 0
+    assert cert_cli(where, "issue", "ca", "--dns", "x").exit_code == 2
+    assert cert_cli(where, "issue", "nothing").exit_code == 2
     first = pki.describe((where / "gateway.crt").read_bytes())
 
     rows = {r["name"]: r for r in json.loads(cert_cli(where, "list", "--json").stdout)}
@@ -155,7 +164,7 @@ def test_ctl_cert_makes_a_ca_issues_lists_and_rotates_keeping_the_previous_one(t
     assert "agent-1" in table and "expires soon" in table
 
     done = cert_cli(where, "rotate", "gateway")
-    assert done.returncode == 0, done.stderr
+    assert done.exit_code == 0, done.stderr
     rotated = pki.describe((where / "gateway.crt").read_bytes())
     assert rotated.sans == first.sans and rotated.serial != first.serial
     assert round((rotated.not_after - rotated.not_before) / DAY) == 30  # the old one's lifetime
@@ -164,7 +173,7 @@ def test_ctl_cert_makes_a_ca_issues_lists_and_rotates_keeping_the_previous_one(t
     assert stat.S_IMODE((where / "gateway.previous.key").stat().st_mode) == 0o600
     cert_cli(where, "rotate", "gateway", "--days", "7")
     assert pki.describe((where / "gateway.previous.crt").read_bytes()).serial == rotated.serial
-    assert cert_cli(where, "rotate", "ghost").returncode == 2
+    assert cert_cli(where, "rotate", "ghost").exit_code == 2
 
 
 # -- NATS with mutual TLS -----------------------------------------------------------------------
