@@ -206,9 +206,12 @@ class LocalAgent:
             str(self.dir),
             *(["--mirror", self.mirror_url] if self.mirror_url else []),
         ]
+        # Its NATS is `up`'s own, on loopback without TLS: settings meant for a cluster's NATS stay out.
+        env = {k: v for k, v in os.environ.items() if k not in ("LLMGW_NATS_CA", "LLMGW_NATS_CERT", "LLMGW_NATS_KEY")}
         with open(self.dir / "agent.log", "ab") as out:
             self.proc = subprocess.Popen(
                 argv,
+                env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -315,6 +315,14 @@ class EventStore:
             raise StoreError(f"cannot reach NATS at {', '.join(servers)}: {exc}; is `llmgw up` running?") from exc
         finally:
             events.tls_refused.cancel()
+        if tls is not None and not (getattr(nc, "_server_info", None) or {}).get("tls_required"):
+            # The client falls back to plain text with a server that does not ask for TLS: refused instead.
+            with contextlib.suppress(Exception):
+                await nc.close()
+            raise StoreError(
+                f"NATS at {', '.join(servers)} does not speak TLS, yet a NATS CA was given: add a tls block to the "
+                "servers' configuration (ops/nats/cluster-tls.conf), or drop --nats-ca (LLMGW_NATS_CA)"
+            )
         events.nc = nc
         return cls(nc, registry, **kwargs)
 

@@ -442,3 +442,11 @@ async def test_a_nats_cluster_whose_routes_and_clients_use_mutual_tls_replicates
     finally:
         for n in nodes:
             n.stop()
+
+
+async def test_a_client_told_to_use_tls_refuses_a_nats_that_does_not_speak_it(
+    nats: NatsServer, ca: tuple[pki.Issued, Path]
+) -> None:
+    ctx = pki.client_context(ca[1] / "ca.crt", now=time.time())
+    refused = await connects_and_appends(nats.url, ctx)
+    assert refused.startswith(f"NATS at {nats.url} does not speak TLS, yet a NATS CA was given")
