@@ -28,6 +28,7 @@ from llmgw.events.secrets import engine_key, engine_key_secret
 from llmgw.events.store import EventStore
 from llmgw.services.router.app import RouterConfig
 from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
+from tests.signin import cli_env, sign_in_tester
 from tests.support import free_port, wait_until
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
@@ -102,6 +103,7 @@ class Fleet:
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.client = CommandClient(store)
+        self.admin_token = ""  # set by start() when the admin API runs
 
     async def start(
         self,
@@ -110,7 +112,11 @@ class Fleet:
         scheduler: SchedulerConfig = FAST,
         **config_fields: Any,
     ) -> Fleet:
-        """``config_fields``: more ServerConfig fields (the mirror's ``mirror_dir``, ``hub_endpoint``, …)."""
+        """``config_fields``: more ServerConfig fields (the mirror's ``mirror_dir``, ``hub_endpoint``, …).
+
+        With the admin API, the people service runs too, and ``admin_token`` signs the tests in."""
+        if "api" in services and "people" not in services:
+            services = (*services, "people")
         if "mirror" in services:
             config_fields.setdefault("mirror_dir", str(self.base / "mirror"))
             config_fields.setdefault("mirror_port", free_port())
@@ -129,7 +135,21 @@ class Fleet:
         self.handles: dict[str, Any] = {}
         self._task = asyncio.create_task(serve(config, self._stop, on_ready=ready.set, handles=self.handles))
         await asyncio.wait_for(ready.wait(), 30)
+        if "api" in services:
+            self.admin_token = await sign_in_tester(self.store, self.admin_url)
         return self
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def api_headers(self) -> dict[str, str]:
+        """What a test's call to the admin API carries: the tester's token."""
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def cli_env(self, **more: str) -> dict[str, str]:
+        """The environment a CLI subprocess runs with: signed in as the tester, plus ``more``."""
+        return cli_env(self.admin_token, **more)
 
     def agent(self, node_id: str, extra_args: list[str] | None = None) -> AgentProc:
         port_lo = 21000 + 50 * len(self.agents) + (os.getpid() % 40) * 200

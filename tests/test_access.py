@@ -33,9 +33,10 @@ from llmgw.events.subjects import EVENTS_ROOT
 from llmgw.services.access.bootstrap import DEMO_KEY_FILE, ensure_demo_key
 from llmgw.services.access.rules import decide
 from llmgw.services.access.service import AccessService
+from tests.signin import headers, sign_in_tester
 from tests.support import NatsServer, free_port
 
-SERVICES = ("tenancy", "access", "projections", "api")
+SERVICES = ("tenancy", "access", "people", "projections", "api")
 
 
 class Access:
@@ -56,7 +57,8 @@ class Access:
         ready = asyncio.Event()
         self._task = asyncio.create_task(serve(self.config, self._stop, on_ready=ready.set))
         await asyncio.wait_for(ready.wait(), 30)
-        self._http = aiohttp.ClientSession()
+        token = await sign_in_tester(self.store, f"http://127.0.0.1:{self.admin_port}")
+        self._http = aiohttp.ClientSession(headers=headers(token))
         return self
 
     async def stop(self) -> None:

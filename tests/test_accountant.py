@@ -46,6 +46,7 @@ from llmgw.projections.usage import (
     usage_query,
 )
 from llmgw.services.accountant.service import AccountantService
+from tests.signin import cli_env, headers, sign_in_tester
 from tests.support import NatsServer, free_port
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
@@ -460,13 +461,14 @@ def test_usage_is_read_at_the_finer_of_the_scope_and_the_grouping(
 
 
 @contextlib.asynccontextmanager
-async def running(nats_url: str, db_dsn: str) -> AsyncIterator[str]:
-    """Tenancy, projections, the accountant and the admin API in this process; yields the API's URL."""
+async def running(nats_url: str, db_dsn: str, store: EventStore) -> AsyncIterator[tuple[str, str]]:
+    """Tenancy, projections, the accountant and the admin API in this process; yields the API's URL
+    and a token to call it with."""
     admin_port = free_port()
     config = ServerConfig(
         nats_url=nats_url,
         db_dsn=db_dsn,
-        services=("tenancy", "projections", "accountant", "api"),
+        services=("tenancy", "people", "projections", "accountant", "api"),
         port=free_port(),
         admin_port=admin_port,
     )
@@ -478,7 +480,8 @@ async def running(nats_url: str, db_dsn: str) -> AsyncIterator[str]:
         if task.done():
             task.result()  # raises what stopped it
         assert ready.is_set(), "the services did not start within 30 s"
-        yield f"http://127.0.0.1:{admin_port}"
+        url = f"http://127.0.0.1:{admin_port}"
+        yield url, await sign_in_tester(store, url)
     finally:
         stop.set()
         readied.cancel()
@@ -486,7 +489,7 @@ async def running(nats_url: str, db_dsn: str) -> AsyncIterator[str]:
             await asyncio.wait_for(task, 30)
 
 
-async def cli(nats_url: str, api_url: str, *args: str) -> tuple[int, str, str]:
+async def cli(nats_url: str, api_url: str, token: str, *args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         LLMGW,
         "--nats",
@@ -496,6 +499,7 @@ async def cli(nats_url: str, api_url: str, *args: str) -> tuple[int, str, str]:
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        env=cli_env(token),
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
@@ -505,7 +509,7 @@ async def cli(nats_url: str, api_url: str, *args: str) -> tuple[int, str, str]:
 async def test_the_api_and_the_cli_read_back_usage_and_one_request(
     store: EventStore, nats: NatsServer, db_dsn: str
 ) -> None:
-    async with running(nats.url, db_dsn) as api, aiohttp.ClientSession() as http:
+    async with running(nats.url, db_dsn, store) as (api, token), aiohttp.ClientSession(headers=headers(token)) as http:
         client = CommandClient(store)
         ids = {}
         for kind, path in (
@@ -601,18 +605,20 @@ async def test_the_api_and_the_cli_read_back_usage_and_one_request(
         assert status == 404 and "no usage record for request req-nope" in body["error"]["message"]
 
         # The CLI prints what was stored.
-        code, out, err = await cli(nats.url, api, "ctl", "usage", "--scope", "project:acme/ml/chat", "--since", "1h")
+        code, out, err = await cli(
+            nats.url, api, token, "ctl", "usage", "--scope", "project:acme/ml/chat", "--since", "1h"
+        )
         assert code == 0, err
         assert "usage of project:acme/ml/chat" in out
         line = next(x for x in out.splitlines() if x.startswith("qwen-7b"))
         assert line.split()[1:5] == ["2", "0", "200", "40"] and line.endswith("2.000s")
         assert any(x.startswith("TOTAL") and x.split()[1] == "3" for x in out.splitlines())
 
-        code, out, err = await cli(nats.url, api, "ctl", "usage", "--by", "key", "--since", "1h", "--json")
+        code, out, err = await cli(nats.url, api, token, "ctl", "usage", "--by", "key", "--since", "1h", "--json")
         assert code == 0, err
         assert {g["group"]: g["requests"] for g in json.loads(out)["groups"]} == {"key-a": 3, "key-b": 1}
 
-        code, out, err = await cli(nats.url, api, "ctl", "request", "req-3")
+        code, out, err = await cli(nats.url, api, token, "ctl", "request", "req-3")
         assert code == 0, err
         fields = {line.split(None, 1)[0]: line.split(None, 1)[1] for line in out.splitlines()}
         assert fields["status"].startswith("502") and "engine failed" in fields["status"]
@@ -621,14 +627,14 @@ async def test_the_api_and_the_cli_read_back_usage_and_one_request(
         assert fields["tokens"] == "100 in, 0 out"
         assert fields["key"] == "key-a" and fields["project"] == chat
 
-        code, out, err = await cli(nats.url, api, "ctl", "request", "req-2", "--json")
+        code, out, err = await cli(nats.url, api, token, "ctl", "request", "req-2", "--json")
         assert code == 0, err
         assert json.loads(out)["total_s"] == 3.0
 
-        code, out, err = await cli(nats.url, api, "ctl", "request", "req-nope")
+        code, out, err = await cli(nats.url, api, token, "ctl", "request", "req-nope")
         assert code != 0 and "no usage record for request req-nope" in err
 
         # The CLI's verify covers the usage projection too.
-        code, out, err = await cli(nats.url, api, "projections", "verify", "usage")
+        code, out, err = await cli(nats.url, api, token, "projections", "verify", "usage")
         assert code == 0, out + err
         assert "usage: identical" in out

@@ -226,7 +226,7 @@ async def test_headroom_says_how_many_more_fit_through_the_api_and_the_cli(fleet
     await fleet.add_model("tiny", tiny, cores=1, memory_gb=0.05)
     await fleet.wait_ready("tiny", 1)
     api = f"http://127.0.0.1:{fleet.admin_port}"
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=fleet.api_headers()) as s:
         async with s.get(f"{api}/api/v1/models/tiny/headroom") as r:
             body = await r.json()
         assert r.status == 200 and body["current"] == 1
@@ -239,7 +239,7 @@ async def test_headroom_says_how_many_more_fit_through_the_api_and_the_cli(fleet
     proc = await asyncio.create_subprocess_exec(
         str(Path(sys.executable).parent / "llmgw"), "--nats", fleet.nats_url, "--api", api,
         "ctl", "model", "headroom", "tiny",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=fleet.cli_env(),
     )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()

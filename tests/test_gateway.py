@@ -407,7 +407,7 @@ async def test_requests_that_share_a_client_request_id_are_each_billed_and_never
     runner = gw.handles["runner"]
     assert await runner.wait_until("usage", (await gw.store.js.stream_info("LLMGW_USAGE")).state.last_seq, timeout=60)
     async with (
-        aiohttp.ClientSession() as s,
+        aiohttp.ClientSession(headers=gw.api_headers()) as s,
         s.get(f"http://127.0.0.1:{gw.admin_port}/api/v1/requests/same-1") as r,
     ):
         assert r.status == 200, await r.text()

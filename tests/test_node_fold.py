@@ -198,7 +198,7 @@ async def test_ctl_nodes_shows_the_reason_a_node_was_cordoned_for_after_it_is_dr
     assert scheduler.state.nodes["n9"].cordon_reason == "disk swap"
 
     async def shown() -> dict[str, Any] | None:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=fleet.api_headers()) as http:
             async with http.get(f"http://127.0.0.1:{fleet.admin_port}/api/v1/nodes") as resp:
                 nodes = {n["id"]: n for n in (await resp.json())["nodes"]}
         node = nodes.get("n9")

@@ -297,3 +297,29 @@ async def test_the_cli_adds_a_person_who_logs_in_and_out(fleet: Fleet, nats: Nat
     assert out.returncode == 0 and "signed out" in out.stdout, out.stderr
     after = await cli("ctl", "user", "list")
     assert after.returncode != 0 and "sign in first" in after.stderr
+
+
+async def test_every_admin_endpoint_but_the_login_refuses_a_call_without_a_valid_token(fleet: Fleet) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from llmgw.services.api.app import AdminApi
+
+    app = AdminApi(fleet.store, None, None, CollectorRegistry()).app()  # type: ignore[arg-type]
+    routes = sorted(
+        {
+            (r.method, r.resource.canonical.replace("{id}", "x").replace("{name}", "x"))
+            for r in app.router.routes()
+            if r.resource is not None and r.resource.canonical.startswith("/api/v1/") and r.method != "HEAD"
+        }
+    )
+    assert len(routes) > 20 and ("POST", "/api/v1/login") in routes
+    forged = P.make_token("personal")[0]  # well formed, never issued
+    for method, path in routes:
+        if path == "/api/v1/login":
+            continue
+        for token in (None, forged):
+            status, body = await call(fleet, method, path, token)
+            assert status == 401, (method, path, status, body)
+            assert body["error"]["code"] in ("missing_credential", "invalid_credential")
+    # Health and metrics stay open (probes and Prometheus).
+    assert (await call(fleet, "GET", "/healthz"))[0] == 200

@@ -40,7 +40,7 @@ async def tenants_fleet(store: EventStore, nats: NatsServer, tmp_path: Path) -> 
 
 async def replay(fleet: Fleet, until: str) -> tuple[int, dict[str, Any]]:
     url = f"http://127.0.0.1:{fleet.admin_port}/api/v1/replay"
-    async with aiohttp.ClientSession() as s, s.get(url, params={"until": until}) as r:
+    async with aiohttp.ClientSession(headers=fleet.api_headers()) as s, s.get(url, params={"until": until}) as r:
         return r.status, await r.json()
 
 
@@ -88,7 +88,7 @@ async def test_the_cluster_is_shown_as_it_was_before_later_changes(tenants_fleet
     proc = await asyncio.create_subprocess_exec(
         LLMGW, "--nats", fleet.nats_url, "--api", f"http://127.0.0.1:{fleet.admin_port}",
         "events", "replay", "--until", then.isoformat(),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=fleet.cli_env(),
     )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     text = out.decode()

@@ -295,7 +295,7 @@ async def test_ctl_models_shows_the_failures_the_scheduler_counts_after_an_old_d
     assert scheduler.state.models["m"].failures == 1
 
     async def shown() -> dict[str, Any] | None:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=fleet.api_headers()) as http:
             async with http.get(f"http://127.0.0.1:{fleet.admin_port}/api/v1/replicas") as resp:
                 replicas = {r["id"]: r for r in (await resp.json())["replicas"]}
             async with http.get(f"http://127.0.0.1:{fleet.admin_port}/api/v1/models") as resp:

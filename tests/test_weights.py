@@ -69,6 +69,7 @@ class Rig:
             *args,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
+            env=self.fleet.cli_env(),
         )
         out, err = await asyncio.wait_for(proc.communicate(), 120)
         assert proc.returncode is not None

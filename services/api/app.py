@@ -53,6 +53,8 @@ from llmgw.services.api.views import ACCESS_COLUMNS, FLEET_COLUMNS, shape_key, s
 log = structlog.get_logger("llmgw.services.api")
 
 READ_WAIT_S = 5.0
+OPEN_PATHS = ("/api/v1/login",)  # the one call under /api/v1 that needs no token
+IDENTITY = web.RequestKey("identity", Identity)  # who the request was authenticated as
 
 
 class LoginRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -83,7 +85,7 @@ class AdminApi:
     def app(self, *, full: bool = True) -> web.Application:
         """The admin API; with ``full=False`` only ``/healthz`` and ``/metrics``, which every process
         serves on its admin port (a router-only or mirror-only process is scraped like the others)."""
-        app = web.Application(middlewares=[self._errors])
+        app = web.Application(middlewares=[self._errors, self._authenticate] if full else [self._errors])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics)
         if not full:
@@ -126,6 +128,18 @@ class AdminApi:
 
     # -- people ------------------------------------------------------------------------------
 
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
+        """Every call under ``/api/v1`` but the login is someone's: no token, no answer (401), before
+        anything is read or done. Health and metrics stay open (probes and Prometheus)."""
+        if not request.path.startswith("/api/v1/") or request.path in OPEN_PATHS:
+            return await handler(request)
+        who = self._identity(request)
+        if isinstance(who, web.Response):
+            return who
+        request[IDENTITY] = who
+        return await handler(request)
+
     def _signin(self) -> SignIn:
         if self.signin is None:
             raise web.HTTPServiceUnavailable(reason="signing in is not set up in this process")
@@ -153,16 +167,11 @@ class AdminApi:
         return web.json_response({"token": token, "user": body.user, "expires_at": expires.isoformat()})
 
     async def whoami(self, request: web.Request) -> web.Response:
-        who = self._identity(request)
-        if isinstance(who, web.Response):
-            return who
+        who: Identity = request[IDENTITY]
         return web.json_response({"user": who.name, "token": who.kind, "token_id": who.token_id})
 
     async def users(self, request: web.Request) -> web.Response:
         """Every person: name, whether disabled, live tokens (never a hash)."""
-        who = self._identity(request)
-        if isinstance(who, web.Response):
-            return who
         people = self._signin().people
         return web.json_response(
             [

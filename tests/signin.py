@@ -1,0 +1,60 @@
+"""A person the tests act as on the admin API: user ``tester`` and a personal token for them.
+
+The admin API answers no call under ``/api/v1`` without a token, so every harness that runs it
+makes one here. The password hash is made once per test process (argon2id costs about a second).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import aiohttp
+
+from llmgw.events import people as P
+from llmgw.events.commands import CommandClient, CommandRejectedError
+from llmgw.events.store import EventStore
+from llmgw.services.people.passwords import hash_password
+from tests.support import wait_until
+
+TESTER = "tester"
+PASSWORD = "the tester's long password"
+
+
+@functools.cache
+def tester_hash() -> str:
+    return hash_password(PASSWORD)
+
+
+async def sign_in_tester(store: EventStore, admin_url: str) -> str:
+    """A new personal token for ``tester`` (added the first time), once the admin API at ``admin_url``
+    knows it. Needs the people service running on the bus."""
+    client = CommandClient(store)
+    try:
+        add = P.AddUser(name=TESTER, password_hash=tester_hash())
+        await client.send(P.SERVICE, "user.add", add, actor="user:test", timeout=20)
+    except CommandRejectedError as exc:
+        if exc.code != "exists":
+            raise
+    token, prefix, digest = P.make_token("personal")
+    issue = P.IssueToken(name=TESTER, prefix=prefix, secret_sha256=digest, kind="personal", label="tests")
+    await client.send(P.SERVICE, "token.issue", issue, actor="user:test", timeout=20)
+
+    async def known() -> bool:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(f"{admin_url}/api/v1/whoami", headers={"Authorization": f"Bearer {token}"}) as r,
+        ):
+            return r.status == 200
+
+    await wait_until(known, what="the admin API to know the tester's token")
+    return token
+
+
+def headers(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def cli_env(token: str, **more: str) -> dict[str, str]:
+    """The environment a CLI subprocess signs in with (``LLMGW_TOKEN``), plus ``more``."""
+    return {**os.environ, "LLMGW_TOKEN": token, **more}
