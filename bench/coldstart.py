@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import io
 import platform
 import tempfile
 import time
@@ -208,6 +209,8 @@ class Start(msgspec.Struct, kw_only=True):
     tail_events: int
     encode_s: float  # the pause on the running service while it encodes its state
     save_s: float  # compressing it (in a thread) and writing it to the object store: off the fold's path
+    read_s: float  # reading the stored snapshot as a start does (a direct get per chunk)…
+    nats_get_s: float  # …and with nats-py's ObjectStore.get instead, for comparison
     state_bytes: int  # the state as encoded
     snapshot_bytes: int  # as stored: compressed
     state_size: str
@@ -252,6 +255,7 @@ async def measure(store: EventStore, snapshots: SnapshotStore, n: int, echo: Ech
         t = time.perf_counter()
         size = await snapshots.save(name, version, at, data)
         save_s = time.perf_counter() - t
+        read_s, nats_get_s = await _read_both(snapshots, name)
         echo(f"{name}: starting from the snapshot…")
         t, cpu = time.perf_counter(), time.process_time()
         restored = await snapshots.restore(name, version, decode)
@@ -271,12 +275,24 @@ async def measure(store: EventStore, snapshots: SnapshotStore, n: int, echo: Ech
                 tail_events=tail,
                 encode_s=encode_s,
                 save_s=save_s,
+                read_s=read_s,
+                nats_get_s=nats_get_s,
                 state_bytes=len(data),
                 snapshot_bytes=size,
                 state_size=_size_of(state),
             )
         )
     return Result(events=head, write_s=write_s, starts=starts)
+
+
+async def _read_both(snapshots: SnapshotStore, name: str) -> tuple[float, float]:
+    """Seconds to read the stored snapshot by direct gets (as a start does) and by nats-py's get."""
+    t = time.perf_counter()
+    await snapshots.read(name)
+    read_s = time.perf_counter() - t
+    t = time.perf_counter()
+    await snapshots.objects.get(name, writeinto=io.BytesIO())  # type: ignore[arg-type]
+    return read_s, time.perf_counter() - t
 
 
 def _size_of(state: Any) -> str:
@@ -313,6 +329,7 @@ def coldstart_text(results: list[Result]) -> str:
     lines = [
         "cold start: from 0 vs from a snapshot + its tail (same log, same run)",
         f"{'events':>10} {'service':<10} {'from 0':>9} {'snapshot':>9} {'ratio':>7} {'cpu':>7} {'load':>7} "
+        f"{'read':>7} {'get':>7} "
         f"{'tail':>7} {'encode':>8} {'save':>7} {'encoded':>11} {'stored':>11}  state",
     ]
     for r in results:
@@ -320,7 +337,7 @@ def coldstart_text(results: list[Result]) -> str:
             lines.append(
                 f"{r.events:>10,} {s.service:<10} {s.from_zero_s:>8.2f}s {s.from_snapshot_s:>8.2f}s "
                 f"{s.from_zero_s / max(s.from_snapshot_s, 1e-9):>6.1f}x {s.from_snapshot_cpu_s:>6.2f}s "
-                f"{s.snapshot_load_s:>6.2f}s {s.tail_events:>7,} "
+                f"{s.snapshot_load_s:>6.2f}s {s.read_s:>6.3f}s {s.nats_get_s:>6.3f}s {s.tail_events:>7,} "
                 f"{s.encode_s * 1000:>6.0f}ms {s.save_s:>6.2f}s {s.state_bytes:>11,} {s.snapshot_bytes:>11,}  "
                 f"{s.state_size}"
             )

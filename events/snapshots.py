@@ -154,7 +154,7 @@ class SnapshotStore:
         """Write ``name``'s snapshot (replacing the one before); returns its size in bytes, compressed."""
         data = await asyncio.to_thread(encode_snapshot, name, schema_version, position, state_bytes)
         # Chunks as large as the server takes (up to CHUNK_BYTES), not nats-py's 128 KiB: a load
-        # reads one chunk per request (see _read).
+        # reads one chunk per request (see read).
         chunk = max(OBJ_DEFAULT_CHUNK_SIZE, min(CHUNK_BYTES, self.objects._js._nc.max_payload // 2))
         meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=chunk))
         await self.objects.put(name, data, meta=meta)
@@ -163,14 +163,14 @@ class SnapshotStore:
     async def load(self, name: str, schema_version: int) -> tuple[int, bytes] | None:
         """(position, state bytes) of ``name``'s snapshot, or None: none saved, another schema version, or corrupt."""
         try:
-            data = await self._read(name)
+            data = await self.read(name)
         except Exception as exc:  # not found, deleted or unreadable: each means "fold from 0"
             if type(exc).__name__ not in ("ObjectNotFoundError", "NotFoundError", "ObjectDeletedError"):
                 log.warning("a snapshot that cannot be read is ignored; folding from 0", snapshot=name, error=str(exc))
             return None
         return await asyncio.to_thread(open_snapshot, name, schema_version, data)
 
-    async def _read(self, name: str) -> bytes:
+    async def read(self, name: str) -> bytes:
         """The object's bytes, its chunks read by JetStream direct gets, one request each.
 
         nats-py's ``ObjectStore.get`` reads through an ordered push consumer whose flow control
