@@ -38,7 +38,6 @@ from nats.js.api import ObjectInfo, ObjectMeta, ObjectMetaOptions, ObjectStoreCo
 from nats.js.object_store import (
     OBJ_CHUNKS_PRE_TEMPLATE,
     OBJ_DEFAULT_CHUNK_SIZE,
-    OBJ_DIGEST_TYPE,
     OBJ_STREAM_TEMPLATE,
     ObjectStore,
 )
@@ -202,8 +201,8 @@ class SnapshotStore:
             msg = await js.get_msg(stream, seq=seq + 1, subject=subject, next=True, direct=True)
             seq = msg.seq
             data += msg.data or b""
-        digest = OBJ_DIGEST_TYPE + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
-        if len(data) != info.size or digest.lower() != (info.digest or "").lower():
+        _, _, expected = (info.digest or "").partition("=")  # "SHA-256=<base64url of the digest>"
+        if len(data) != info.size or base64.urlsafe_b64decode(expected) != hashlib.sha256(data).digest():
             raise ValueError(f"{len(data)} bytes read of {info.size}, or a digest that does not match")
         return bytes(data)
 

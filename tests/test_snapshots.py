@@ -5,6 +5,9 @@ starts from 0. Real nats-server; the log is the cold-start benchmark's realistic
 from __future__ import annotations
 
 import asyncio
+import base64
+import dataclasses
+import hashlib
 import json
 import random
 import subprocess
@@ -317,6 +320,17 @@ async def test_a_snapshot_of_many_chunks_is_stored_compressed_and_read_back_whol
         assert await snapshots.load("many", 1) == (5, state)
         assert await snapshots.load("small", 1) == (6, compressible)
     assert not [e for e in logs if "direct read failed" in e["event"]], "read by direct gets, not again by get"
+
+
+async def test_a_direct_read_whose_bytes_do_not_match_the_objects_digest_is_refused(store: EventStore) -> None:
+    snapshots = await SnapshotStore.open(store.js)
+    await snapshots.save("snap", 1, 5, b"state" * 1000)
+    info = await snapshots.objects.get_info("snap")
+    other = base64.urlsafe_b64encode(hashlib.sha256(b"other bytes").digest()).decode()
+
+    assert await snapshots._read_direct(info)  # as stored: read
+    with pytest.raises(ValueError, match="digest"):
+        await snapshots._read_direct(dataclasses.replace(info, digest=f"SHA-256={other}"))
 
 
 async def test_a_snapshot_whose_direct_read_fails_is_read_again_through_the_object_stores_get(
