@@ -18,6 +18,7 @@ from llmgw.cli.client import Session, run
 from llmgw.cli.credentials import forget_token, save_token
 from llmgw.cli.ctl import ctl
 from llmgw.events import people as P
+from llmgw.events import roles as R
 from llmgw.events.commands import CommandError, CommandRejectedError
 from llmgw.services.people.passwords import hash_password, password_problem
 
@@ -98,6 +99,36 @@ def user_enable(ctx: click.Context, name: str) -> None:
     run(ctx, go)
 
 
+@user.command("grant")
+@click.argument("name")
+@click.argument("role", type=click.Choice(R.ROLES))
+@click.argument("scope")
+@click.pass_context
+def user_grant(ctx: click.Context, name: str, role: str, scope: str) -> None:
+    """Give a person a role over a scope: cluster, org:ACME, team:ACME/ML or project:ACME/ML/CHAT."""
+
+    async def go(s: Session) -> None:
+        out = await s.command(P.SERVICE, "role.grant", P.GrantRole(name=name, role=role, scope=scope))
+        click.echo(out.message)
+
+    run(ctx, go)
+
+
+@user.command("revoke")
+@click.argument("name")
+@click.argument("role", type=click.Choice(R.ROLES))
+@click.argument("scope")
+@click.pass_context
+def user_revoke(ctx: click.Context, name: str, role: str, scope: str) -> None:
+    """Take a role over a scope back from a person."""
+
+    async def go(s: Session) -> None:
+        out = await s.command(P.SERVICE, "role.revoke", P.RevokeRole(name=name, role=role, scope=scope))
+        click.echo(out.message)
+
+    run(ctx, go)
+
+
 @user.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the people as JSON.")
 @click.pass_context
@@ -114,12 +145,13 @@ def user_list(ctx: click.Context, as_json: bool) -> None:
                 p["name"],
                 p["display_name"] or "-",
                 "disabled" if p["disabled"] else "active",
+                ", ".join(f"{r['role']} of {r['scope']}" for r in p.get("roles", [])) or "-",
                 str(len(p["tokens"])),
                 p["added_at"][:19],
             ]
             for p in people
         ]
-        for line in _table(rows, ["NAME", "DISPLAY NAME", "STATE", "TOKENS", "ADDED"]):
+        for line in _table(rows, ["NAME", "DISPLAY NAME", "STATE", "ROLES", "TOKENS", "ADDED"]):
             click.echo(line)
 
     run(ctx, go)

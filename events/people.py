@@ -49,6 +49,18 @@ class UserEnabled(msgspec.Struct, frozen=True, kw_only=True):
     name: str
 
 
+class RoleGranted(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    role: str  # one of ROLES
+    scope: str  # ``cluster``, or ``org:<id>`` / ``team:<id>`` / ``project:<id>`` (ids: renames keep it)
+
+
+class RoleRevoked(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    role: str
+    scope: str
+
+
 class TokenIssued(msgspec.Struct, frozen=True, kw_only=True):
     name: str  # whose
     token_id: str
@@ -70,6 +82,8 @@ EVENTS = (
     EventType("user.password_set", 1, PasswordSet, "A person's password, as an argon2id hash (never the password)."),
     EventType("user.disabled", 1, UserDisabled, "A person may no longer sign in; their tokens stop working at once."),
     EventType("user.enabled", 1, UserEnabled, "A disabled person may sign in again."),
+    EventType("user.role_granted", 1, RoleGranted, "A person holds a role over a scope (the cluster or a tenant)."),
+    EventType("user.role_revoked", 1, RoleRevoked, "A person no longer holds a role over a scope."),
     EventType(
         "user.token_issued", 1, TokenIssued, "A login's session token or a personal access token; only its hash."
     ),
@@ -112,7 +126,19 @@ class RevokeToken(msgspec.Struct, frozen=True, kw_only=True, tag="token-revoke",
     reason: str = ""
 
 
-PeopleCommand = AddUser | SetPassword | DisableUser | EnableUser | IssueToken | RevokeToken
+class GrantRole(msgspec.Struct, frozen=True, kw_only=True, tag="role-grant", forbid_unknown_fields=True):
+    name: str
+    role: str
+    scope: str  # ``cluster``, ``org:acme``, ``team:acme/ml``, ``project:acme/ml/chat`` (paths or ids)
+
+
+class RevokeRole(msgspec.Struct, frozen=True, kw_only=True, tag="role-revoke", forbid_unknown_fields=True):
+    name: str
+    role: str
+    scope: str
+
+
+PeopleCommand = AddUser | SetPassword | DisableUser | EnableUser | GrantRole | RevokeRole | IssueToken | RevokeToken
 
 
 # -- the token format, shared by whoever makes tokens and the admin API that checks them ----------

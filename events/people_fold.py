@@ -33,6 +33,7 @@ class Person(msgspec.Struct, kw_only=True):
     disabled_reason: str = ""
     added_at: datetime
     tokens: dict[str, Token] = {}  # token id -> token (revoked ones are dropped)
+    roles: list[tuple[str, str]] = []  # (role, scope on the log), each once, in the order granted
     seq: int = 0  # the last sequence on the person's subject
 
 
@@ -62,6 +63,11 @@ class People(msgspec.Struct, kw_only=True):
             person.disabled, person.disabled_reason = True, p.reason
         elif isinstance(p, P.UserEnabled):
             person.disabled, person.disabled_reason = False, ""
+        elif isinstance(p, P.RoleGranted):
+            if (p.role, p.scope) not in person.roles:
+                person.roles.append((p.role, p.scope))
+        elif isinstance(p, P.RoleRevoked):
+            person.roles = [b for b in person.roles if b != (p.role, p.scope)]
         elif isinstance(p, P.TokenIssued):
             person.tokens[p.token_id] = Token(
                 token_id=p.token_id,

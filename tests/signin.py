@@ -1,4 +1,4 @@
-"""A person the tests act as on the admin API: user ``tester`` and a personal token for them.
+"""A person the tests act as on the admin API: user ``tester``, cluster admin, and a personal token.
 
 The admin API answers no call under ``/api/v1`` without a token, so every harness that runs it
 makes one here. The password hash is made once per test process (argon2id costs about a second).
@@ -36,6 +36,8 @@ async def sign_in_tester(store: EventStore, admin_url: str) -> str:
     except CommandRejectedError as exc:
         if exc.code != "exists":
             raise
+    grant = P.GrantRole(name=TESTER, role="cluster-admin", scope="cluster")
+    await client.send(P.SERVICE, "role.grant", grant, actor="user:test", timeout=20)
     token, prefix, digest = P.make_token("personal")
     issue = P.IssueToken(name=TESTER, prefix=prefix, secret_sha256=digest, kind="personal", label="tests")
     await client.send(P.SERVICE, "token.issue", issue, actor="user:test", timeout=20)

@@ -289,9 +289,17 @@ async def test_the_cli_adds_a_person_who_logs_in_and_out(fleet: Fleet, nats: Nat
     assert login.returncode == 0 and "signed in as dee" in login.stdout, login.stderr
     saved = tmp_path / "config" / "llmgw" / "credentials.json"
     assert stat.S_IMODE(os.stat(saved).st_mode) == 0o600
-    listed = await cli("ctl", "user", "list", "--json")
-    assert listed.returncode == 0, listed.stderr
-    assert "dee" in listed.stdout and "$argon2id" not in listed.stdout and "secret" not in listed.stdout
+    refused = await cli("ctl", "user", "list")
+    assert refused.returncode != 0 and "needs viewer of the cluster; dee holds no role" in refused.stderr
+    granted = await cli("ctl", "user", "grant", "dee", "viewer", "cluster")
+    assert granted.returncode == 0 and "dee is viewer of the cluster" in granted.stdout, granted.stderr
+
+    async def listed() -> subprocess.CompletedProcess[str] | None:
+        done = await cli("ctl", "user", "list", "--json")
+        return done if done.returncode == 0 else None
+
+    shown = await wait_until(listed, what="dee's new role to let them list people")
+    assert "dee" in shown.stdout and "$argon2id" not in shown.stdout and "secret" not in shown.stdout
 
     out = await cli("logout")
     assert out.returncode == 0 and "signed out" in out.stdout, out.stderr
@@ -323,3 +331,112 @@ async def test_every_admin_endpoint_but_the_login_refuses_a_call_without_a_valid
             assert body["error"]["code"] in ("missing_credential", "invalid_credential")
     # Health and metrics stay open (probes and Prometheus).
     assert (await call(fleet, "GET", "/healthz"))[0] == 200
+
+
+# -- roles ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bindings", "need", "chain", "allowed"),
+    [
+        ([("viewer", "org:o")], "viewer", ["project:p", "team:t", "org:o", "cluster"], True),  # covers what is under
+        ([("member", "project:p")], "viewer", ["team:t", "org:o", "cluster"], False),  # not what is above
+        ([("member", "project:p")], "member", ["project:p", "team:t", "org:o", "cluster"], True),
+        ([("viewer", "project:p")], "member", ["project:p", "team:t", "org:o", "cluster"], False),  # too low
+        ([("team-admin", "team:t")], "member", ["project:p", "team:t", "org:o", "cluster"], True),  # higher includes
+        ([("org-admin", "org:o2")], "viewer", ["project:p", "team:t", "org:o", "cluster"], False),  # another org
+        ([("cluster-admin", "cluster")], "cluster-admin", ["cluster"], True),
+        ([("viewer", "cluster")], "cluster-admin", ["cluster"], False),
+        ([], "viewer", ["cluster"], False),
+    ],
+)
+def test_a_role_covers_its_scope_and_what_is_under_it_and_includes_lower_roles(
+    bindings: list[tuple[str, str]], need: str, chain: list[str], allowed: bool
+) -> None:
+    from llmgw.events import roles as R
+
+    assert R.allows(bindings, need, chain) is allowed
+
+
+def test_a_role_is_granted_over_a_scope_by_path_and_kept_by_id() -> None:
+    from llmgw.events import tenancy as T
+    from llmgw.events.subjects import event_subject as subject
+    from llmgw.events.tenancy_fold import TenancyTree
+
+    tree = TenancyTree()
+    for seq, p in enumerate(
+        [T.OrgCreated(org_id="o1", name="acme"), T.TeamCreated(team_id="t1", org_id="o1", name="ml")], 1
+    ):
+        env = Envelope(id=f"t{seq}", type="x", at=NOW, actor="user:test")
+        tree.apply(RecordedEvent(envelope=env, payload=p, subject=subject(T.AGGREGATE, T.TREE_ID), seq=seq))
+    people = folded(P.UserAdded(name="ann"))
+    d = rules.decide(people, P.GrantRole(name="ann", role="team-admin", scope="team:acme/ml"), NOW, tree)
+    assert d.payloads == [P.RoleGranted(name="ann", role="team-admin", scope="team:t1")]
+    assert d.message == "ann is team-admin of team:acme/ml"
+    with pytest.raises(Rejected, match="org-admin is bound to a org, not 'team:acme/ml'"):
+        rules.decide(people, P.GrantRole(name="ann", role="org-admin", scope="team:acme/ml"), NOW, tree)
+    with pytest.raises(Rejected, match="there is no role 'owner'"):
+        rules.decide(people, P.GrantRole(name="ann", role="owner", scope="cluster"), NOW, tree)
+    with pytest.raises(Rejected, match="there is no team 'acme/nope'"):
+        rules.decide(people, P.GrantRole(name="ann", role="team-admin", scope="team:acme/nope"), NOW, tree)
+
+
+@pytest.fixture
+async def tenants(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
+    from llmgw.events import tenancy as T
+
+    f = await Fleet(store, nats.url, tmp_path).start(services=("tenancy", "people", "projections", "api"))
+    for kind, path in (("org", "acme"), ("team", "acme/ml"), ("project", "acme/ml/chat"), ("project", "acme/ml/rag")):
+        await f.command("create", T.CreateScope(kind=kind, path=path), service=T.SERVICE)
+    yield f
+    await f.stop()
+
+
+async def person_with(fleet: Fleet, name: str, *roles: tuple[str, str]) -> str:
+    """A person holding ``roles`` (role, scope), signed in: their session token."""
+    await fleet.client.send(P.SERVICE, "user.add", P.AddUser(name=name, password_hash=HASH), actor="user:test")
+    for role, scope in roles:
+        grant = P.GrantRole(name=name, role=role, scope=scope)
+        await fleet.client.send(P.SERVICE, "role.grant", grant, actor="user:test")
+    status, got = await call(
+        fleet, "POST", "/api/v1/login", json={"user": name, "password": "correct horse battery staple"}
+    )
+    assert status == 200, got
+
+    async def holds_them() -> bool:
+        status, people = await call(fleet, "GET", "/api/v1/users", fleet.admin_token)
+        person = next((p for p in people if p["name"] == name), None) if status == 200 else None
+        return person is not None and len(person["roles"]) == len(roles)
+
+    await wait_until(holds_them, what=f"the admin API to know {name}'s roles")
+    return got["token"]
+
+
+async def test_a_viewer_may_look_but_not_change_and_the_refusal_names_the_role_needed(tenants: Fleet) -> None:
+    token = await person_with(tenants, "vic", ("viewer", "cluster"))
+    for path in ("/api/v1/nodes", "/api/v1/models", "/api/v1/tree", "/api/v1/keys", "/api/v1/users"):
+        status, body = await call(tenants, "GET", path, token)
+        assert status == 200, (path, body)
+    for path in ("/api/v1/projections/rebuild", "/api/v1/projections/verify"):
+        status, body = await call(tenants, "POST", path, token)
+        assert status == 403, (path, body)
+        assert body["error"]["message"] == (
+            f"POST {path} needs cluster-admin of the cluster; vic holds viewer of the cluster"
+        )
+
+
+async def test_a_project_member_sees_their_projects_keys_and_nothing_wider(tenants: Fleet) -> None:
+    token = await person_with(tenants, "mo", ("member", "project:acme/ml/chat"))
+    status, body = await call(tenants, "GET", "/api/v1/keys?project=acme/ml/chat", token)
+    assert status == 200, body
+    status, body = await call(tenants, "GET", "/api/v1/keys?project=acme/ml/rag", token)
+    assert status == 403
+    assert body["error"]["message"] == (
+        "GET /api/v1/keys needs viewer of project:acme/ml/rag; mo holds member of project:acme/ml/chat"
+    )
+    status, body = await call(tenants, "GET", "/api/v1/nodes", token)
+    assert status == 403 and "needs viewer of the cluster" in body["error"]["message"]
+    # A team's viewer sees every project of the team.
+    team = await person_with(tenants, "tess", ("viewer", "team:acme/ml"))
+    for project in ("acme/ml/chat", "acme/ml/rag"):
+        assert (await call(tenants, "GET", f"/api/v1/keys?project={project}", team))[0] == 200

@@ -25,6 +25,7 @@ from llmgw.events import subjects as S
 from llmgw.events import tenancy as T
 from llmgw.events.envelope import utc_now
 from llmgw.events.live_fold import FoldRegistry, health_body
+from llmgw.events.roles import CLUSTER
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import encode_token, event_subject
 from llmgw.projections.access import scope_path, tenancy_paths
@@ -60,6 +61,17 @@ IDENTITY = web.RequestKey("identity", Identity)  # who the request was authentic
 class LoginRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     user: str
     password: str
+
+
+def _tenant_of(request: web.Request) -> tuple[str, str] | None:
+    """The one tenant a view is asked about (``/keys?project=``, ``/usage?scope=``), as (kind, path)."""
+    if request.path == "/api/v1/keys" and request.query.get("project"):
+        return "project", request.query["project"].removeprefix("project:")
+    if request.path.startswith("/api/v1/usage") and request.query.get("scope"):
+        kind, _, path = request.query["scope"].partition(":")
+        if kind in ("org", "team", "project") and path:
+            return kind, path
+    return None
 
 
 def error(status: int, message: str, code: str = "error") -> web.Response:
@@ -138,7 +150,25 @@ class AdminApi:
         if isinstance(who, web.Response):
             return who
         request[IDENTITY] = who
+        refused = self._authorize(request, who)
+        if refused is not None:
+            return error(refused.status, refused.message, refused.code)
         return await handler(request)
+
+    def _authorize(self, request: web.Request, who: Identity) -> Refused | None:
+        """The role a call needs (docs/people.md has the table): a change, cluster admin; a view of one
+        tenant's keys or usage, viewer of that tenant; any other view, viewer of the cluster."""
+        signin = self._signin()
+        what = f"{request.method} {request.path}"
+        if request.path == "/api/v1/whoami":
+            return None
+        if request.method != "GET":
+            return signin.authorize(who, "cluster-admin", [CLUSTER], CLUSTER, what)
+        tenant = _tenant_of(request)
+        if tenant is not None:
+            chain, label = signin.chain(*tenant)
+            return signin.authorize(who, "viewer", chain, label, what)
+        return signin.authorize(who, "viewer", [CLUSTER], CLUSTER, what)
 
     def _signin(self) -> SignIn:
         if self.signin is None:
@@ -180,6 +210,7 @@ class AdminApi:
                     "display_name": p.display_name,
                     "disabled": p.disabled,
                     "added_at": p.added_at.isoformat(),
+                    "roles": [{"role": role, "scope": self._signin().label(scope)} for role, scope in p.roles],
                     "tokens": [
                         {
                             "id": t.token_id,

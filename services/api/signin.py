@@ -21,11 +21,14 @@ from datetime import UTC, datetime, timedelta
 import msgspec
 
 from llmgw.events import people as P
+from llmgw.events import roles as R
+from llmgw.events import tenancy as T
 from llmgw.events.commands import CommandClient, CommandError
 from llmgw.events.live_fold import FoldRegistry, LiveFold
 from llmgw.events.people_fold import People
 from llmgw.events.store import EventStore
-from llmgw.events.subjects import EVENTS_ROOT
+from llmgw.events.subjects import EVENTS_ROOT, event_subject
+from llmgw.events.tenancy_fold import TenancyTree
 from llmgw.services.people.passwords import PasswordChecker
 from llmgw.services.people.throttle import LoginThrottle
 
@@ -94,6 +97,9 @@ class SignIn:
         self.throttle = throttle or LoginThrottle()
         self.clock = clock
         self.client = CommandClient(store)
+        self.tree = TenancyTree()  # where a role's scope sits, and how to name it
+        tree_subject = event_subject(T.AGGREGATE, T.TREE_ID)
+        self.tree_fold = LiveFold(store, tree_subject, self.tree.apply, name="signin-tenancy", after=0, registry=folds)
         self._folded = asyncio.Condition()  # notified after each batch the fold applied
         self.fold = LiveFold(
             store,
@@ -111,9 +117,36 @@ class SignIn:
 
     def start(self) -> None:
         self.fold.start()
+        self.tree_fold.start()
 
     async def close(self) -> None:
         await self.fold.close()
+        await self.tree_fold.close()
+
+    # -- roles -------------------------------------------------------------------------------
+
+    def chain(self, kind: str, path: str) -> tuple[list[str], str]:
+        """The scopes a tenant named ``kind:path`` (path or id) sits in, nearest first, and its name;
+        an unknown one sits in the cluster only (so only the cluster's viewers learn it is unknown)."""
+        found = self.tree.find(kind, path)
+        if found is None:
+            return [R.CLUSTER], f"{kind}:{path}"
+        return [f"{kind}:{found.id}", *self.tree.scopes_above(found.id), R.CLUSTER], f"{kind}:{self.tree.path(found)}"
+
+    def label(self, scope: str) -> str:
+        """A scope on the log (``team:<id>``) as a person reads it (``team:acme/ml``)."""
+        kind, _, sid = scope.partition(":")
+        found = self.tree.scopes.get(sid)
+        return f"{kind}:{self.tree.path(found)}" if found is not None else scope
+
+    def authorize(self, who: Identity, need: str, chain: list[str], scope_label: str, what: str) -> Refused | None:
+        """None when ``who`` may act as ``need`` within ``chain``; else the 403 naming what is needed."""
+        person = self.people.by_name.get(who.name)
+        bindings = person.roles if person is not None else []
+        if R.allows(bindings, need, chain):
+            return None
+        held = ", ".join(R.needs(role, self.label(scope)) for role, scope in bindings) or "no role"
+        return Refused(403, "forbidden", f"{what} needs {R.needs(need, scope_label)}; {who.name} holds {held}")
 
     def now(self) -> datetime:
         return datetime.fromtimestamp(self.clock(), UTC)

@@ -1,4 +1,4 @@
-"""The first administrator, made by the first `llmgw up`: user ``admin``, with a password written once
+"""The first administrator, made by the first `llmgw up`: user ``admin``, cluster admin, with a password written once
 to ``DATA_DIR/admin-password`` and a personal access token in ``DATA_DIR/admin-token`` (both 0600,
 never logged). The CLI on the machine running `llmgw up` signs in with that token, so the README's
 commands need no login; a person elsewhere signs in with `llmgw login`.
@@ -62,6 +62,8 @@ async def ensure_admin(store: EventStore, data_dir: Path, *, timeout: float = 15
             raise
         # Made before an interrupted start (the kept password is theirs), or long before, elsewhere.
         ours = kept
+    grant = P.GrantRole(name=ADMIN, role="cluster-admin", scope="cluster")
+    await client.send(P.SERVICE, "role.grant", grant, actor=ACTOR, timeout=timeout)  # "already" when it is
     token, _ = _pending(data_dir / f"{TOKEN_FILE}.pending", P.make_token("personal")[0])
     prefix = P.token_prefix(token)
     assert prefix is not None  # made above, or kept from a start that made it

@@ -6,11 +6,13 @@ import re
 from datetime import datetime
 
 from llmgw.events import people as P
+from llmgw.events import roles as R
 from llmgw.events.command_shell import Decision
 from llmgw.events.commands import Rejected
 from llmgw.events.ids import new_id
 from llmgw.events.people_fold import People, Person
 from llmgw.events.subjects import event_subject
+from llmgw.events.tenancy_fold import TenancyTree
 
 MAX_DISPLAY = 100
 MAX_LABEL = 100
@@ -23,7 +25,8 @@ MIN_MEMORY_KIB = 19 * 1024
 MIN_PASSES = 2
 
 
-def decide(people: People, c: P.PeopleCommand, now: datetime) -> Decision:
+def decide(people: People, c: P.PeopleCommand, now: datetime, tree: TenancyTree | None = None) -> Decision:
+    """``tree``: the tenancy tree, to resolve a role's scope (``team:acme/ml``) to its id on the log."""
     match c:
         case P.AddUser():
             return _add(people, c)
@@ -47,6 +50,29 @@ def decide(people: People, c: P.PeopleCommand, now: datetime) -> Decision:
             if not person.disabled:
                 return Decision(message=f"{person.name} is not disabled")
             return _decision(person, [P.UserEnabled(name=person.name)], f"{person.name} may sign in again")
+        case P.GrantRole():
+            person = _person(people, c.name)
+            scope, label = _role_scope(c.role, c.scope, tree or TenancyTree())
+            if (c.role, scope) in person.roles:
+                return Decision(message=f"{person.name} is {R.needs(c.role, label)} already")
+            return _decision(
+                person,
+                [P.RoleGranted(name=person.name, role=c.role, scope=scope)],
+                f"{person.name} is {R.needs(c.role, label)}",
+            )
+        case P.RevokeRole():
+            person = _person(people, c.name)
+            scope, label = _role_scope(c.role, c.scope, tree or TenancyTree())
+            if (c.role, scope) not in person.roles:
+                held = ", ".join(f"{r} of {s}" for r, s in person.roles) or "none"
+                raise Rejected(
+                    f"{person.name} does not hold {R.needs(c.role, label)} (their roles: {held})", "not_found"
+                )
+            return _decision(
+                person,
+                [P.RoleRevoked(name=person.name, role=c.role, scope=scope)],
+                f"{person.name} is no longer {R.needs(c.role, label)}",
+            )
         case P.IssueToken():
             return _issue(people, c, now)
         case P.RevokeToken():
@@ -121,6 +147,28 @@ def _issue(people: People, c: P.IssueToken, now: datetime) -> Decision:
         f"{c.kind} token {c.prefix} issued to {person.name}",
         {"token_id": token_id, "prefix": c.prefix},
     )
+
+
+def _role_scope(role: str, text: str, tree: TenancyTree) -> tuple[str, str]:
+    """(the scope as the log keeps it, as a person reads it) for binding ``role`` to ``text``."""
+    if role not in R.RANKS:
+        raise Rejected(f"there is no role {role!r}: the roles are {', '.join(R.ROLES)}", "invalid_role")
+    text = text.strip()
+    kind, _, path = text.partition(":")
+    kind = R.CLUSTER if text == R.CLUSTER else kind
+    if kind not in R.BINDABLE[role]:
+        where = " or ".join(R.BINDABLE[role])
+        raise Rejected(f"{role} is bound to a {where}, not {text!r}", "invalid_scope")
+    if kind == R.CLUSTER:
+        return R.CLUSTER, R.CLUSTER
+    if kind not in ("org", "team", "project") or not path:
+        raise Rejected(
+            f"{text!r} is not a scope: write cluster, org:ORG, team:ORG/TEAM or project:O/T/P", "invalid_scope"
+        )
+    found = tree.find(kind, path)
+    if found is None:
+        raise Rejected(f"there is no {kind} {path!r}: see `llmgw ctl tree`", "not_found")
+    return f"{kind}:{found.id}", f"{kind}:{tree.path(found)}"
 
 
 def _person(people: People, name: str) -> Person:

@@ -9,13 +9,15 @@ from collections.abc import Callable
 from datetime import datetime
 
 from llmgw.events import people as P
+from llmgw.events import tenancy as T
 from llmgw.events.command_shell import CommandShell, Decision, LogFold
 from llmgw.events.commands import Command, CommandProcessor
-from llmgw.events.envelope import utc_now
+from llmgw.events.envelope import RecordedEvent, utc_now
 from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.people_fold import People
 from llmgw.events.store import EventStore
-from llmgw.events.subjects import EVENTS_ROOT
+from llmgw.events.subjects import EVENTS_ROOT, event_subject
+from llmgw.events.tenancy_fold import TenancyTree
 from llmgw.services.people import rules
 
 
@@ -26,7 +28,10 @@ class PeopleService:
         self.store = store
         self.people = People()
         self.clock = clock
-        self.fold = LogFold(store, {f"{EVENTS_ROOT}.{P.AGGREGATE}.>": "people"}, self.people.apply, registry=folds)
+        self.tree = TenancyTree()  # to resolve the scope a role is granted over
+        tree_subject = event_subject(T.AGGREGATE, T.TREE_ID)
+        subjects = {f"{EVENTS_ROOT}.{P.AGGREGATE}.>": "people", tree_subject: "people-tenancy"}
+        self.fold = LogFold(store, subjects, self._apply, registry=folds)
         self.shell = CommandShell(
             store,
             service=P.SERVICE,
@@ -36,6 +41,12 @@ class PeopleService:
             payload_type=P.PeopleCommand,
         )
 
+    def _apply(self, event: RecordedEvent) -> None:
+        if event.subject.startswith(f"{EVENTS_ROOT}.{P.AGGREGATE}."):
+            self.people.apply(event)
+        else:
+            self.tree.apply(event)
+
     def start(self) -> None:
         """Follow the log from now on (the first command would start it otherwise)."""
         self.fold.start()
@@ -44,7 +55,7 @@ class PeopleService:
         await self.fold.close()
 
     def decide(self, command: Command, payload: P.PeopleCommand) -> Decision:
-        return rules.decide(self.people, payload, self.clock())
+        return rules.decide(self.people, payload, self.clock(), self.tree)
 
     def processor(self) -> CommandProcessor:
         return self.shell.processor()
