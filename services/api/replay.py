@@ -58,8 +58,11 @@ async def _views(backend: Backend, when: datetime) -> dict[str, Any]:
 
     nodes = await rows("fleet", "nodes", FLEET_COLUMNS["nodes"], "ORDER BY id")
     models = await rows("fleet", "models", FLEET_COLUMNS["models"], "ORDER BY name")
-    replicas = await rows("fleet", "replicas", FLEET_COLUMNS["replicas"], "ORDER BY model, placed_at")
-    active = [r for r in replicas if r["state"] in ACTIVE_STATES]
+    # Only the active ones from SQL, sorted here: at a million events the table holds 267,000 replicas and
+    # 5,000 are active; an ORDER BY there walked the model index over all of them (0.9 s against 0.1 s).
+    states = ", ".join(f"'{state}'" for state in sorted(ACTIVE_STATES))
+    found = await rows("fleet", "replicas", FLEET_COLUMNS["replicas"], f"WHERE state IN ({states})")
+    active = sorted(found, key=lambda r: (r["model"], r["placed_at"] or ""))
     # Each node and model is handed only its own replicas (what the shapers count anyway): handed them
     # all, 1,000 nodes by 5,000 replicas took seconds.
     on_node: dict[str, list[dict[str, Any]]] = {}
