@@ -5,9 +5,8 @@ deleted afterwards. The live projections are not touched.
 It starts from the newest replay snapshot at or before that moment (the three projections' rows,
 saved every 10,000 events by the process that runs them: :mod:`llmgw.projections.replay_snapshots`)
 and folds only the events after it; with none to trust it folds the log from 0, which costs what a
-rebuild of those projections costs (about 40 s per million events on SQLite, against under 5 s
-from a snapshot: docs/benchmarks.md, "Replay to a moment"). The answer's ``from_snapshot`` says
-which it did.
+rebuild of those projections costs (minutes at a million events, against seconds from a snapshot:
+docs/benchmarks.md, "Replay to a moment"). The answer's ``from_snapshot`` says which it did.
 """
 
 from __future__ import annotations
