@@ -194,9 +194,9 @@ def first_start_warnings(demo_wanted: bool, demo: object | None, agent: bool) ->
     return out
 
 
-def _refuse_exposed_admin(admin_host: str, admin_port: int, serves_api: bool, insecure: bool) -> None:
-    """Before anything starts: an admin API beyond loopback without --insecure is refused in one line."""
-    exposed = exposure_refusal(admin_host, admin_port, serves_api)
+def _refuse_exposed_admin(admin_host: str, admin_port: int, serves_api: bool, insecure: bool, tls: bool) -> None:
+    """Before anything starts: an admin API beyond loopback without TLS or --insecure is refused in one line."""
+    exposed = exposure_refusal(admin_host, admin_port, serves_api, tls)
     if exposed is not None and not insecure:
         raise click.ClickException(exposed)
 
@@ -260,7 +260,7 @@ def up(
 ) -> None:
     """Run everything on this machine: embedded NATS, SQLite projections, every service."""
     logs.configure(log_level)
-    _refuse_exposed_admin(admin_host, admin_port, True, insecure)
+    _refuse_exposed_admin(admin_host, admin_port, True, insecure, bool(tls_cert))
     _refuse_bad_certificate(tls_cert, tls_key)
     chosen = up_data_dir or ctx.find_root().obj.get("data_dir")
     data_dir = (Path(chosen).expanduser() if chosen else default_data_dir()).resolve()
@@ -475,7 +475,7 @@ def server(
     """Run services against an external NATS and PostgreSQL (the cluster shape)."""
     logs.configure(log_level)
     chosen = tuple(s.strip() for s in services.split(",") if s.strip())
-    _refuse_exposed_admin(admin_host, admin_port, "api" in chosen, insecure)
+    _refuse_exposed_admin(admin_host, admin_port, "api" in chosen, insecure, bool(tls_cert))
     _refuse_bad_certificate(tls_cert, tls_key)
     config = ServerConfig(
         nats_url=nats_url,

@@ -195,13 +195,13 @@ async def serve(
     unknown = set(config.services) - set(ALL_SERVICES)
     if unknown:
         raise SystemExit(f"error: unknown service(s) {', '.join(sorted(unknown))}; known: {', '.join(ALL_SERVICES)}")
-    exposed = exposure_refusal(config.admin_host, config.admin_port, "api" in config.services)
+    exposed = exposure_refusal(config.admin_host, config.admin_port, "api" in config.services, bool(config.tls_cert))
     if exposed is not None and not config.insecure:
         raise SystemExit(f"error: {exposed}")
     if exposed is not None:
         log.warning(
-            "the admin API listens beyond loopback with no TLS and no authentication (--insecure): anyone who "
-            "reaches it can change keys, limits, budgets and the catalog",
+            "the admin API listens beyond loopback with no TLS (--insecure): the passwords and tokens it is "
+            "called with cross the network in the clear",
             admin_host=config.admin_host,
             admin_port=config.admin_port,
         )

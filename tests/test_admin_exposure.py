@@ -31,8 +31,9 @@ def test_an_admin_api_beyond_loopback_is_refused_with_what_to_do(host: str) -> N
     assert not is_loopback(host)
     message = exposure_refusal(host, 8081, serves_api=True)
     assert message is not None
-    assert f"{host}:8081" in message and "no TLS and no authentication" in message
+    assert f"{host}:8081" in message and "with no TLS" in message and "--tls-cert" in message
     assert "--admin-host 127.0.0.1" in message and "--insecure" in message
+    assert exposure_refusal(host, 8081, serves_api=True, tls=True) is None, "served over TLS it may listen anywhere"
 
 
 def test_a_process_that_serves_only_health_and_metrics_may_listen_anywhere() -> None:
