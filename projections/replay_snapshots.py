@@ -30,6 +30,7 @@ import sqlite3
 import tempfile
 import zlib
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -209,21 +210,29 @@ async def dump(
     at ``path`` and deflated; None when one of them has not folded anything yet or runs another
     version (a rebuild under way). The copying runs in threads; the live database is read in pages."""
     at: list[ProjectionAt] = []
-    db, indexes = await asyncio.to_thread(_create_database, path, projections)
+    # One thread for every use of the new file's connection, in order: a save cancelled while a page
+    # is being inserted (the service stopping) must not finish or close the connection beside it.
+    one = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-snapshot")
+    loop = asyncio.get_running_loop()
     try:
-        async with backend.snapshot() as tx:
-            for p in projections:
-                row = await tx.fetchone(f"SELECT position, version FROM {CHECKPOINTS} WHERE name = ?", p.name)
-                if row is None or int(row[1]) != p.version:
-                    return None
-                for logical in p.tables:
-                    table = p.table_name(logical)
-                    columns = await tx.columns(table)
-                    async for rows in _pages(tx, table, columns, list(p.primary_keys[logical])):
-                        await asyncio.to_thread(_insert, db, table, columns, rows)
-                at.append(ProjectionAt(p.name, p.version, int(row[0])))
+        db, indexes = await loop.run_in_executor(one, _create_database, path, projections)
+        try:
+            async with backend.snapshot() as tx:
+                for p in projections:
+                    row = await tx.fetchone(f"SELECT position, version FROM {CHECKPOINTS} WHERE name = ?", p.name)
+                    if row is None or int(row[1]) != p.version:
+                        return None
+                    for logical in p.tables:
+                        table = p.table_name(logical)
+                        columns = await tx.columns(table)
+                        async for rows in _pages(tx, table, columns, list(p.primary_keys[logical])):
+                            await loop.run_in_executor(one, _insert, db, table, columns, rows)
+                    at.append(ProjectionAt(p.name, p.version, int(row[0])))
+        finally:
+            done = indexes if len(at) == len(projections) else []
+            await asyncio.shield(loop.run_in_executor(one, _finish, db, done))
     finally:
-        await asyncio.to_thread(_finish, db, indexes if len(at) == len(projections) else [])
+        one.shutdown(wait=False)
     position = max(a.checkpoint for a in at)
     if position <= 0:
         return None
