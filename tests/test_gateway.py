@@ -572,6 +572,36 @@ async def test_an_on_demand_model_starts_on_the_first_request_and_returns_to_zer
         await gw.stop()
 
 
+async def test_a_request_held_longer_than_the_idle_time_keeps_its_on_demand_replica_until_it_is_served(
+    store: EventStore, nats: NatsServer, tmp_path: Path, tiny: Path
+) -> None:
+    # The request arrives before any node: the replica starts later than idle_s after it. A held
+    # request is demand all the while, so the new replica is not stopped as idle before it answers.
+    from tests.fleet import FAST
+
+    sched = msgspec.structs.replace(FAST, idle_s=1.0)
+    gw = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=FAST_ROUTER, scheduler=sched)
+    try:
+        tenant = await make_tenant(store)
+        key, _ = await make_key(store, tenant)
+        await gw.add_model("lazy", tiny, min_=0, max_=1)
+        await router_caught_up(gw, 0)
+        asked = asyncio.create_task(
+            client(gw, key).chat.completions.create(
+                model="lazy", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+        )
+        scheduler = gw.handles["scheduler"]
+        await wait_until(lambda: "lazy" in scheduler.state.demand, what="the scheduler to hear of the request")
+        first_asked = scheduler.state.demand["lazy"]
+        await wait_until(lambda: time.time() - first_asked > 2 * sched.idle_s, what="the idle time to pass")
+        gw.agent("n1")
+        chat = await asked
+        assert chat.usage.completion_tokens > 0
+    finally:
+        await gw.stop()
+
+
 def test_error_bodies_are_in_openai_shape() -> None:
     from llmgw.services.router.app import ApiError
 

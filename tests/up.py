@@ -86,7 +86,8 @@ class Up:
         return self
 
     def output(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
+        """Everything the process printed (its log grows with each service it runs: no tail is enough)."""
+        return self.log.read_text(errors="replace")
 
     def run_info(self) -> dict[str, Any] | None:
         try:

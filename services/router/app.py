@@ -62,6 +62,7 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 _dec = msgspec.json.Decoder()
 _enc = msgspec.json.Encoder()
 DEMAND_ROOT = f"{S.PREFIX}.demand"
+DEMAND_EVERY_S = 1.0  # how often a held request says again that its model is wanted
 
 
 def _client_request_id(request: web.Request) -> str | None:
@@ -437,10 +438,16 @@ class Router:
             self._demand(model.name)  # keeps an on-demand replica from going idle
         if ready:
             return ready
-        # Hold the request until a replica is ready, within the activation window.
+        # Hold the request until a replica is ready, within the activation window, saying all the while
+        # that the model is wanted: a request held is demand, and an on-demand replica that took longer
+        # to start than the idle time must not be stopped as idle before it serves the request.
         t0 = time.monotonic()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.state.ready_event(model.name).wait(), self.cfg.activation_s)
+        deadline = t0 + self.cfg.activation_s
+        ready = self.state.ready_event(model.name)
+        while not ready.is_set() and (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ready.wait(), min(left, DEMAND_EVERY_S))
+            self._demand(model.name)
         call.queue_s += time.monotonic() - t0
         ready = self.state.ready(model.name)
         if not ready:
