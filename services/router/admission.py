@@ -69,7 +69,7 @@ class View(Protocol):
 
 
 def admit(
-    authorization: str,
+    authorization: str | KeyInfo,
     asked: str,
     tokens: int,
     view: View,
@@ -79,8 +79,9 @@ def admit(
 ) -> Verdict:
     """Key → (usage can be kept) → model → servable → limits, the first refusal wins; nothing is
     spent here (the caller admits into the limiter, then reserves budget). ``tokens``: the prompt's
-    estimate; ``usage_refusal``: why usage records cannot be kept now, if they cannot (GW-8)."""
-    key = authenticate(authorization, view.keys, now)
+    estimate; ``usage_refusal``: why usage records cannot be kept now, if they cannot (GW-8).
+    ``authorization`` may be the key already authenticated (the router checks it before the body)."""
+    key = authorization if isinstance(authorization, KeyInfo) else authenticate(authorization, view.keys, now)
     if isinstance(key, Refusal):
         return Verdict(refusal=msgspec.structs.replace(key, layer="key"))
     if usage_refusal is not None:

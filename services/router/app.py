@@ -307,10 +307,10 @@ class Router:
         try:
             # The key before the body: without one nothing is read, so a stranger learns no more than
             # 401 (not which body would be too large or malformed) and costs no body's read.
-            self._authenticate(request)
+            key = self._authenticate(request)
             body, raw = await self._body(request, endpoint)
             prompt = prompt_text(body, endpoint)
-            limit_headers = self._admit(call, request, body, prompt)
+            limit_headers = self._admit(call, key, body, prompt)
             await self._reserve(call, body)
             return await self._route(request, call, body, raw, prompt, limit_headers)
         except ApiError as exc:
@@ -371,13 +371,12 @@ class Router:
             raise ApiError(exc.status, exc.message, exc.code, param=exc.param) from exc
         return body, raw
 
-    def _admit(self, call: Call, request: web.Request, body: dict[str, Any], prompt: str) -> dict[str, str]:
+    def _admit(self, call: Call, key: KeyInfo, body: dict[str, Any], prompt: str) -> dict[str, str]:
         """Key → model → servable → limits (:func:`.admission.admit`); admitted, the request counts
         against its limits here and in the gossip. Returns the x-ratelimit-* headers."""
         tokens = max(1, len(prompt) // 4)  # an estimate until the engine counts
         now = self.clock()
-        auth = request.headers.get("authorization", "")
-        verdict = adm.admit(auth, body["model"], tokens, self.state, self.limiter, now, self.usage.refusal())
+        verdict = adm.admit(key, body["model"], tokens, self.state, self.limiter, now, self.usage.refusal())
         call.key, call.model = verdict.key, verdict.model
         refusal = verdict.refusal
         if refusal is not None and refusal.layer == "usage":
