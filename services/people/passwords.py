@@ -10,13 +10,20 @@ does not say whether the name exists.
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
 
 MIN_LENGTH = 12
 _hasher = PasswordHasher()  # argon2id, RFC 9106's second recommendation: 64 MiB, 3 passes, 4 lanes
-_NOBODY = _hasher.hash("the hash an unknown name is checked against")
+
+
+@functools.cache
+def _nobody() -> str:
+    """The hash an unknown name is checked against: made at the first such check, not at import (every
+    CLI call imports this module, and a hash costs 64 MiB and a fraction of a second)."""
+    return _hasher.hash("the hash an unknown name is checked against")
 
 
 def hash_password(password: str) -> str:
@@ -36,7 +43,7 @@ def password_problem(password: str) -> str | None:
 def verify_now(password_hash: str | None, password: str) -> bool:
     """Whether ``password`` matches ``password_hash`` (None: nobody; checked anyway, for the time)."""
     try:
-        return _hasher.verify(password_hash or _NOBODY, password) and password_hash is not None
+        return _hasher.verify(password_hash or _nobody(), password) and password_hash is not None
     except (VerificationError, InvalidHashError):
         return False
 
