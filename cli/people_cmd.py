@@ -35,6 +35,15 @@ def _new_password(from_stdin: bool) -> str:
     return password
 
 
+def _send(ctx: click.Context, verb: str, payload: P.PeopleCommand) -> None:
+    """Send one people command and print what the service answered."""
+
+    async def go(s: Session) -> None:
+        click.echo((await s.command(P.SERVICE, verb, payload)).message)
+
+    run(ctx, go)
+
+
 @ctl.group()
 def user() -> None:
     """People who may sign in: add, list, disable, enable, change a password."""
@@ -65,11 +74,7 @@ def user_passwd(ctx: click.Context, name: str, password_stdin: bool) -> None:
     """Set a person's password (their sessions and tokens go on working)."""
     password_hash = hash_password(_new_password(password_stdin))
 
-    async def go(s: Session) -> None:
-        out = await s.command(P.SERVICE, "user.passwd", P.SetPassword(name=name, password_hash=password_hash))
-        click.echo(out.message)
-
-    run(ctx, go)
+    _send(ctx, "user.passwd", P.SetPassword(name=name, password_hash=password_hash))
 
 
 @user.command("disable")
@@ -79,11 +84,7 @@ def user_passwd(ctx: click.Context, name: str, password_stdin: bool) -> None:
 def user_disable(ctx: click.Context, name: str, reason: str) -> None:
     """Stop a person signing in; their tokens stop working at once."""
 
-    async def go(s: Session) -> None:
-        out = await s.command(P.SERVICE, "user.disable", P.DisableUser(name=name, reason=reason))
-        click.echo(out.message)
-
-    run(ctx, go)
+    _send(ctx, "user.disable", P.DisableUser(name=name, reason=reason))
 
 
 @user.command("enable")
@@ -92,11 +93,7 @@ def user_disable(ctx: click.Context, name: str, reason: str) -> None:
 def user_enable(ctx: click.Context, name: str) -> None:
     """Let a disabled person sign in again."""
 
-    async def go(s: Session) -> None:
-        out = await s.command(P.SERVICE, "user.enable", P.EnableUser(name=name))
-        click.echo(out.message)
-
-    run(ctx, go)
+    _send(ctx, "user.enable", P.EnableUser(name=name))
 
 
 @user.command("grant")
@@ -107,11 +104,7 @@ def user_enable(ctx: click.Context, name: str) -> None:
 def user_grant(ctx: click.Context, name: str, role: str, scope: str) -> None:
     """Give a person a role over a scope: cluster, org:ACME, team:ACME/ML or project:ACME/ML/CHAT."""
 
-    async def go(s: Session) -> None:
-        out = await s.command(P.SERVICE, "role.grant", P.GrantRole(name=name, role=role, scope=scope))
-        click.echo(out.message)
-
-    run(ctx, go)
+    _send(ctx, "role.grant", P.GrantRole(name=name, role=role, scope=scope))
 
 
 @user.command("revoke")
@@ -122,11 +115,7 @@ def user_grant(ctx: click.Context, name: str, role: str, scope: str) -> None:
 def user_revoke(ctx: click.Context, name: str, role: str, scope: str) -> None:
     """Take a role over a scope back from a person."""
 
-    async def go(s: Session) -> None:
-        out = await s.command(P.SERVICE, "role.revoke", P.RevokeRole(name=name, role=role, scope=scope))
-        click.echo(out.message)
-
-    run(ctx, go)
+    _send(ctx, "role.revoke", P.RevokeRole(name=name, role=role, scope=scope))
 
 
 @user.command("list")
@@ -191,11 +180,7 @@ def token_create(ctx: click.Context, name: str, label: str, days: int | None) ->
 def token_revoke(ctx: click.Context, name: str, token_ref: str, reason: str) -> None:
     """Revoke one of a person's tokens (a session or a personal token)."""
 
-    async def go(s: Session) -> None:
-        out = await s.command(P.SERVICE, "token.revoke", P.RevokeToken(name=name, token=token_ref, reason=reason))
-        click.echo(out.message)
-
-    run(ctx, go)
+    _send(ctx, "token.revoke", P.RevokeToken(name=name, token=token_ref, reason=reason))
 
 
 @click.command("login")

@@ -19,7 +19,12 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import nats.js.errors
+
 from llmgw.events import natsd
+from llmgw.events.store import EventStore
+from llmgw.events.usage import UsageRecord
 
 
 def free_port() -> int:
@@ -167,3 +172,17 @@ def nats_server(tmp: Path, **kwargs: Any) -> Iterator[NatsServer]:
         yield server
     finally:
         server.stop()
+
+
+async def usage_records(store: EventStore, project: str) -> list[UsageRecord]:
+    """Every usage record of ``project`` in the usage stream, oldest first."""
+    out = []
+    info = await store.js.stream_info("LLMGW_USAGE")
+    for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
+        try:
+            msg = await store.js.get_msg("LLMGW_USAGE", seq)
+        except nats.js.errors.NotFoundError:
+            continue
+        if msg.subject == f"llmgw.usage.{project}":
+            out.append(msgspec.json.decode(msg.data, type=UsageRecord))
+    return out

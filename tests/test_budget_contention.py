@@ -8,8 +8,6 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-import msgspec
-import nats.js.errors
 import pytest
 
 from llmgw.events import access as A
@@ -18,25 +16,12 @@ from llmgw.events.usage import UsageRecord
 from llmgw.services.router.budgets import BudgetBook
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
-from tests.support import NatsServer, wait_until
+from tests.support import NatsServer, usage_records, wait_until
 from tests.test_gateway import FAST_ROUTER, GATEWAY, make_key, make_tenant, set_event
 
 pytestmark = [pytest.mark.timeout(600)]
 
 REQUESTS = 1000
-
-
-async def usage_records(store: EventStore, project: str) -> list[UsageRecord]:
-    out = []
-    info = await store.js.stream_info("LLMGW_USAGE")
-    for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
-        try:
-            msg = await store.js.get_msg("LLMGW_USAGE", seq)
-        except nats.js.errors.NotFoundError:
-            continue
-        if msg.subject == f"llmgw.usage.{project}":
-            out.append(msgspec.json.decode(msg.data, type=UsageRecord))
-    return out
 
 
 async def test_a_thousand_requests_through_three_routers_never_pass_any_budget_and_the_book_reconciles(

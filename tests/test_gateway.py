@@ -27,7 +27,7 @@ from llmgw.events.usage import UsageRecord
 from llmgw.services.router.app import RouterConfig
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
-from tests.support import NatsServer, wait_until
+from tests.support import NatsServer, usage_records, wait_until
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -340,20 +340,6 @@ async def test_a_budget_is_never_overshot_by_concurrent_streaming_requests(gw: F
     assert 0 < spent <= budget
 
 
-async def usage_records(gw: Fleet, project: str) -> list[UsageRecord]:
-    """Every usage record of ``project`` in the usage stream."""
-    out = []
-    info = await gw.store.js.stream_info("LLMGW_USAGE")
-    for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
-        try:
-            msg = await gw.store.js.get_msg("LLMGW_USAGE", seq)
-        except nats.js.errors.NotFoundError:
-            continue
-        if msg.subject == f"llmgw.usage.{project}":
-            out.append(msgspec.json.decode(msg.data, type=UsageRecord))
-    return out
-
-
 async def test_requests_that_share_a_client_request_id_are_each_billed_and_never_overshoot_a_budget(
     gw: Fleet, tiny: Path
 ) -> None:
@@ -390,7 +376,7 @@ async def test_requests_that_share_a_client_request_id_are_each_billed_and_never
     assert len({rid for _, rid in answers}) == 30  # each its own id
 
     async def all_recorded() -> list[UsageRecord] | None:
-        found = [r for r in await usage_records(gw, tenant.project) if r.client_request_id == "same-1"]
+        found = [r for r in await usage_records(gw.store, tenant.project) if r.client_request_id == "same-1"]
         return found if len(found) == 30 else None
 
     records = await wait_until(all_recorded, what="a usage record for each of the 30 requests")
