@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -530,23 +532,39 @@ async def test_a_stopped_model_is_answered_at_once_with_its_reason(gw: Fleet, ti
         assert "stopped by an administrator" in (await r.json())["error"]["message"]
 
 
-async def test_an_on_demand_model_starts_on_the_first_request_and_returns_to_zero(
-    store: EventStore, nats: NatsServer, tmp_path: Path, tiny: Path
-) -> None:
+@contextlib.asynccontextmanager
+async def on_demand(
+    store: EventStore, nats: NatsServer, base: Path, tiny: Path, idle_s: float
+) -> AsyncIterator[tuple[Fleet, str]]:
+    """A gateway whose scheduler stops an idle on-demand replica after ``idle_s``, with model ``lazy``
+    (min 0, max 1) and a key for it; no agent yet."""
     from tests.fleet import FAST
 
-    sched = msgspec.structs.replace(FAST, idle_s=2.0)
-    gw = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=FAST_ROUTER, scheduler=sched)
+    sched = msgspec.structs.replace(FAST, idle_s=idle_s)
+    gw = await Fleet(store, nats.url, base).start(services=GATEWAY, router=FAST_ROUTER, scheduler=sched)
     try:
-        gw.agent("n1")
         tenant = await make_tenant(store)
         key, _ = await make_key(store, tenant)
         await gw.add_model("lazy", tiny, min_=0, max_=1)
         await router_caught_up(gw, 0)
+        yield gw, key
+    finally:
+        await gw.stop()
+
+
+def ask_lazy(gw: Fleet, key: str) -> Awaitable[Any]:
+    return client(gw, key).chat.completions.create(
+        model="lazy", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+
+
+async def test_an_on_demand_model_starts_on_the_first_request_and_returns_to_zero(
+    store: EventStore, nats: NatsServer, tmp_path: Path, tiny: Path
+) -> None:
+    async with on_demand(store, nats, tmp_path, tiny, idle_s=2.0) as (gw, key):
+        gw.agent("n1")
         assert await gw.active("lazy") == []
-        chat = await client(gw, key).chat.completions.create(
-            model="lazy", messages=[{"role": "user", "content": "hi"}], max_tokens=2
-        )
+        chat = await ask_lazy(gw, key)
         assert chat.usage.completion_tokens > 0  # held until a replica was ready, then answered
 
         async def idle_stopped() -> bool:
@@ -554,8 +572,6 @@ async def test_an_on_demand_model_starts_on_the_first_request_and_returns_to_zer
             return bool(reps) and all(r["state"] == "stopped" for r in reps)
 
         await wait_until(idle_stopped, deadline_s=30, what="the idle on-demand replica to stop")
-    finally:
-        await gw.stop()
 
 
 async def test_a_request_held_longer_than_the_idle_time_keeps_its_on_demand_replica_until_it_is_served(
@@ -563,29 +579,16 @@ async def test_a_request_held_longer_than_the_idle_time_keeps_its_on_demand_repl
 ) -> None:
     # The request arrives before any node: the replica starts later than idle_s after it. A held
     # request is demand all the while, so the new replica is not stopped as idle before it answers.
-    from tests.fleet import FAST
-
-    sched = msgspec.structs.replace(FAST, idle_s=1.0)
-    gw = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=FAST_ROUTER, scheduler=sched)
-    try:
-        tenant = await make_tenant(store)
-        key, _ = await make_key(store, tenant)
-        await gw.add_model("lazy", tiny, min_=0, max_=1)
-        await router_caught_up(gw, 0)
-        asked = asyncio.create_task(
-            client(gw, key).chat.completions.create(
-                model="lazy", messages=[{"role": "user", "content": "hi"}], max_tokens=2
-            )
-        )
+    idle_s = 1.0
+    async with on_demand(store, nats, tmp_path, tiny, idle_s) as (gw, key):
+        asked = asyncio.create_task(ask_lazy(gw, key))
         scheduler = gw.handles["scheduler"]
         await wait_until(lambda: "lazy" in scheduler.state.demand, what="the scheduler to hear of the request")
         first_asked = scheduler.state.demand["lazy"]
-        await wait_until(lambda: time.time() - first_asked > 2 * sched.idle_s, what="the idle time to pass")
+        await wait_until(lambda: time.time() - first_asked > 2 * idle_s, what="the idle time to pass")
         gw.agent("n1")
         chat = await asked
         assert chat.usage.completion_tokens > 0
-    finally:
-        await gw.stop()
 
 
 def test_error_bodies_are_in_openai_shape() -> None:
