@@ -19,10 +19,13 @@ import aiohttp
 import click
 import msgspec
 
-from llmgw.cli.context import Target, cli_actor, default_data_dir, resolve
+from llmgw.cli.context import Target, default_data_dir, resolve
+from llmgw.cli.natsd import CredentialError, read_credential
 from llmgw.events import pki
 from llmgw.events.catalog import default_registry
+from llmgw.events.command_auth import TokenSigner
 from llmgw.events.commands import CommandClient, CommandError, Unreachable
+from llmgw.events.nats_permissions import NatsCredential
 from llmgw.events.outcomes import CommandCompleted
 from llmgw.events.store import EventStore, StoreError
 
@@ -42,7 +45,10 @@ class Session:
                 tls = nats_tls(
                     os.environ.get("LLMGW_NATS_CA"), os.environ.get("LLMGW_NATS_CERT"), os.environ.get("LLMGW_NATS_KEY")
                 )
-                self._store = await EventStore.connect(self.target.nats_url, default_registry(), tls=tls)
+                creds = read_credential(self.target.nats_creds) if self.target.nats_creds else None
+                self._store = await EventStore.connect(self.target.nats_url, default_registry(), tls=tls, creds=creds)
+            except CredentialError as exc:
+                raise CommandError(str(exc)) from exc
             except pki.PkiError as exc:
                 raise CommandError(str(exc)) from exc
             except StoreError as exc:
@@ -52,8 +58,21 @@ class Session:
     async def command(
         self, service: str, verb: str, payload: msgspec.Struct, timeout: float = 15.0
     ) -> CommandCompleted:
-        client = CommandClient(await self.store())
-        return await client.send(service, verb, payload, actor=cli_actor(), timeout=timeout)
+        client = CommandClient(await self.store(), self.signer())
+        # The actor is left to the verifier: the person whose token signed it (docs/security.md).
+        return await client.send(service, verb, payload, actor="", timeout=timeout)
+
+    def signer(self) -> TokenSigner:
+        """Commands are signed with the person's token: `llmgw login`'s, $LLMGW_TOKEN, or this machine's admin's."""
+        if not self.target.token:
+            raise CommandError(
+                "sign in first: `llmgw login` (or set LLMGW_TOKEN to a personal token); commands are signed "
+                "with your token"
+            )
+        try:
+            return TokenSigner(self.target.token)
+        except ValueError as exc:
+            raise CommandError(f"the token in use cannot sign commands: {exc}") from exc
 
     async def api(
         self, method: str, path: str, *, params: dict[str, Any] | None = None, json: Any = None, timeout: float = 120.0
@@ -105,7 +124,7 @@ def run(ctx: click.Context, fn: Callable[[Session], Awaitable[int | None]]) -> N
 
     async def main() -> int:
         try:
-            target = resolve(opts.get("nats"), opts.get("api"), opts.get("data_dir"))
+            target = resolve(opts.get("nats"), opts.get("api"), opts.get("data_dir"), opts.get("nats_creds"))
         except CommandError as exc:
             click.echo(f"error: {exc}", err=True)
             return exc.exit_code
@@ -146,6 +165,26 @@ def nats_tls(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContex
     if bool(cert) != bool(key):
         raise pki.PkiError("a NATS client certificate needs both --nats-cert FILE and --nats-key FILE")
     return pki.client_context(ca, cert, key, now=time.time())
+
+
+def nats_creds_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--nats-creds FILE``: the NATS user a process connects as (`server`, `agent`; the CLI's is global)."""
+    return click.option(
+        "--nats-creds",
+        envvar="LLMGW_NATS_CREDS",
+        help="Connect to NATS as the user in this credential file ($LLMGW_NATS_CREDS; `llmgw up` makes one per "
+        "role in DATA_DIR/nats/users/, `llmgw ctl nats add-agent NODE` one per node).",
+    )(fn)
+
+
+def load_creds(path: str | None) -> NatsCredential | None:
+    """The credential in ``path`` (None: connect with no user); a click error naming what to do."""
+    if not path:
+        return None
+    try:
+        return read_credential(path)
+    except CredentialError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 def nats_tls_options(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -7,7 +7,6 @@ it, unless ``--nats URL`` / ``LLMGW_NATS_URL`` (and ``--api URL`` / ``LLMGW_API_
 from __future__ import annotations
 
 import errno
-import getpass
 import json
 import os
 from pathlib import Path
@@ -16,7 +15,6 @@ import msgspec
 
 from llmgw.cli.credentials import token_for
 from llmgw.events.commands import Unreachable
-from llmgw.events.envelope import sanitize_actor
 
 RUN_FILE = "run.json"
 
@@ -111,33 +109,31 @@ class Target(msgspec.Struct, frozen=True):
     nats_url: str
     api_url: str | None
     token: str | None = None  # what the admin API is called with (cli/credentials.py)
+    nats_creds: str | None = None  # the NATS credential file to connect with (None: no user)
 
 
-def resolve(nats_url: str | None, api_url: str | None, data_dir: str | None) -> Target:
+OPERATOR_CREDS = Path("nats") / "users" / "operator.json"  # cli/natsd.py: what `up` makes at its first start
+
+
+def resolve(nats_url: str | None, api_url: str | None, data_dir: str | None, nats_creds: str | None = None) -> Target:
     nats_url = nats_url or os.environ.get("LLMGW_NATS_URL")
     api_url = api_url or os.environ.get("LLMGW_API_URL")
+    nats_creds = nats_creds or os.environ.get("LLMGW_NATS_CREDS") or None
     if nats_url and api_url:
-        return Target(nats_url, api_url, token_for(api_url, None))
+        return Target(nats_url, api_url, token_for(api_url, None), nats_creds)
     where = Path(data_dir).expanduser() if data_dir else default_data_dir()
     info = read_run_info(where)
     if info is None:
         if nats_url:
-            return Target(nats_url, api_url, token_for(api_url, None))
+            return Target(nats_url, api_url, token_for(api_url, None), nats_creds)
         raise Unreachable(
             f"no running `llmgw up` found in {where}: start one with `llmgw up`, "
             "or say where the system is with --nats URL (or LLMGW_NATS_URL) and --api URL"
         )
     api = api_url or info.admin_url
+    nats = nats_url or info.nats_url
+    if nats_creds is None and nats == info.nats_url and (where / OPERATOR_CREDS).exists():
+        # On the `up` machine its operator's credential, so its commands need no flags (another NATS: none).
+        nats_creds = str(where / OPERATOR_CREDS)
     # The up's own admin token only for its own admin API (another address is another system).
-    return Target(nats_url or info.nats_url, api, token_for(api, where if api == info.admin_url else None))
-
-
-def cli_actor() -> str:
-    """The OS user running the command (the sudo user under sudo), as ``user:<name>``."""
-    name = os.environ.get("SUDO_USER") if os.geteuid() == 0 else None
-    if not name:
-        try:
-            name = getpass.getuser()
-        except (KeyError, OSError):
-            name = f"uid-{os.getuid()}"
-    return sanitize_actor("user", name)
+    return Target(nats, api, token_for(api, where if api == info.admin_url else None), nats_creds)

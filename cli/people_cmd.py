@@ -158,13 +158,10 @@ def token() -> None:
 @click.pass_context
 def token_create(ctx: click.Context, name: str, label: str, days: int | None) -> None:
     """Make a personal access token: shown once, only its hash is kept."""
-    secret, prefix, digest = P.make_token("personal")
     expires = datetime.now(UTC) + timedelta(days=days) if days else None
+    secret, issue = P.issue(name, "personal", label=label, expires_at=expires)
 
     async def go(s: Session) -> None:
-        issue = P.IssueToken(
-            name=name, prefix=prefix, secret_sha256=digest, kind="personal", label=label, expires_at=expires
-        )
         out = await s.command(P.SERVICE, "token.issue", issue)
         click.echo(f"{out.message}; it is shown only this once:", err=True)
         click.echo(secret)

@@ -24,13 +24,17 @@ import nats.js.errors
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from llmgw.events import signing
 from llmgw.events import subjects as S
 from llmgw.events.codec import decode_event
+from llmgw.events.command_auth import CommandVerifier, Refusal, ServiceSigner, Signer
 from llmgw.events.envelope import utc_now
 from llmgw.events.ids import new_id
-from llmgw.events.outcomes import CommandCompleted, CommandRejected
+from llmgw.events.outcomes import REFUSAL_AGGREGATE, CommandCompleted, CommandRejected, CommandReplayed
 from llmgw.events.retry import is_transient, keep_running
+from llmgw.events.roles import Need
 from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
+from llmgw.events.subjects import event_subject
 
 log = structlog.get_logger("llmgw.events.commands")
 
@@ -47,6 +51,21 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     expected: int | None = None
     correlation: str | None = None
     data: msgspec.Raw = msgspec.Raw(b"{}")
+    signer: str = ""  # the key that signed it: token:<prefix> (a person) or svc:<name> (events/command_auth.py)
+    signature: str = ""  # Ed25519 over :meth:`signed_bytes`
+
+    def signed_bytes(self) -> bytes:
+        """What the signature covers: every field but the signature itself, the data as sent."""
+        return signing.signed_bytes(
+            id=self.id,
+            kind=self.kind,
+            actor=self.actor,
+            at=self.at,
+            expected=self.expected,
+            correlation=self.correlation,
+            signer=self.signer,
+            data=bytes(self.data),
+        )
 
     @property
     def thread(self) -> str:
@@ -93,10 +112,17 @@ class Unreachable(CommandError):
 
 
 class CommandClient:
-    """Publish a command and wait for its outcome."""
+    """Sign a command, publish it and wait for its outcome."""
 
-    def __init__(self, store: EventStore) -> None:
+    def __init__(self, store: EventStore, signer: Signer) -> None:
         self.store = store
+        self.signer = signer
+
+    @classmethod
+    def for_service(cls, store: EventStore, service: str) -> CommandClient:
+        """A client of a part of the system, signing as ``svc:<service>`` (it must be able to read the
+        cluster secret)."""
+        return cls(store, ServiceSigner(store, service))
 
     async def send(
         self,
@@ -118,7 +144,10 @@ class CommandClient:
             expected=expected,
             correlation=correlation,
             data=msgspec.Raw(msgspec.json.encode(payload)),
+            signer=self.signer.name,
         )
+        key = await self.signer.key()
+        command = msgspec.structs.replace(command, signature=signing.sign(key, command.signed_bytes()))
         outcome_subject = S.command_outcome_subject(command.id)
         nc = self.store.nc
         # Subscribe before publishing, so the outcome cannot slip past us.
@@ -198,13 +227,16 @@ class Accepted(msgspec.Struct, frozen=True, kw_only=True):
 
 
 Handler = Callable[[Command, Any], Awaitable[Accepted]]
+Authorize = Callable[[Command, Any], "Need | None"]
 
 
 class CommandProcessor:
     """Feeds one service's commands to its handler, one at a time, and writes each outcome once.
 
     ``payload_type`` is the service's strict tagged union of command payloads; ``handler``
-    decides and appends, returning :class:`Accepted` or raising :class:`Rejected`.
+    decides and appends, returning :class:`Accepted` or raising :class:`Rejected`. Before either,
+    ``verifier`` proves who signed the command and ``authorize`` names the role it needs
+    (:mod:`llmgw.events.command_auth`); a command that fails is refused, its refusal in the log.
     """
 
     def __init__(
@@ -214,6 +246,8 @@ class CommandProcessor:
         payload_type: Any,
         handler: Handler,
         *,
+        verifier: CommandVerifier,
+        authorize: Authorize,
         max_deliver: int = 5,
         ack_wait_s: float = 30.0,
     ) -> None:
@@ -221,6 +255,8 @@ class CommandProcessor:
         self.service = service
         self.actor = f"svc:{service}"
         self.handler = handler
+        self.verifier = verifier
+        self.authorize = authorize
         self.max_deliver = max_deliver
         self.ack_wait_s = ack_wait_s
         self._payload_decoder = msgspec.json.Decoder(payload_type)
@@ -229,9 +265,13 @@ class CommandProcessor:
 
     async def run(self) -> None:
         """Handle commands until :meth:`stop`; rides out NATS trouble (an election, a lost node) by retrying."""
-        await keep_running(
-            f"{self.service} commands", self._run_once, stop=self._stopping, closed=lambda: self.store.nc.is_closed
-        )
+        self.verifier.start()
+        try:
+            await keep_running(
+                f"{self.service} commands", self._run_once, stop=self._stopping, closed=lambda: self.store.nc.is_closed
+            )
+        finally:
+            await self.verifier.close()
 
     async def _run_once(self) -> None:
         durable = f"svc-{self.service}"
@@ -282,15 +322,29 @@ class CommandProcessor:
             await msg.term()
             return
         outcome_subject = S.command_outcome_subject(command.id)
-        if await self.store.last_seq(outcome_subject):
-            await msg.ack()  # handled before: one outcome per command, however often delivered
+        seq = msg.metadata.sequence.stream
+        handled = await self.store.last_seq(outcome_subject)
+        if handled:
+            # One outcome per command, however often delivered; the same id in a new message is a replay.
+            await self._refuse_replay(command, handled, seq)
+            await msg.ack()
             return
+        kept = {"signer": command.signer, "command_seq": seq, "command": msgspec.Raw(msg.data)}
         outcome: msgspec.Struct
         try:
+            try:
+                verified = await self.verifier.verify(command)
+            except Refusal as exc:
+                raise Rejected(exc.reason, exc.code) from exc
+            command = msgspec.structs.replace(command, actor=verified.actor)  # its events carry the proven actor
             try:
                 payload = self._payload_decoder.decode(command.data)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 raise Rejected(f"malformed {command.kind} command: {exc}", "malformed") from exc
+            try:
+                await self.verifier.authorize(verified, self.authorize(command, payload))
+            except Refusal as exc:
+                raise Rejected(exc.reason, exc.code) from exc
             accepted = await self.handler(command, payload)
             outcome = CommandCompleted(
                 kind=command.kind,
@@ -299,9 +353,12 @@ class CommandProcessor:
                 events=accepted.events,
                 last_seq=accepted.last_seq,
                 result=accepted.result,
+                **kept,
             )
         except Rejected as exc:
-            outcome = CommandRejected(kind=command.kind, requested_by=command.actor, reason=exc.reason, code=exc.code)
+            outcome = CommandRejected(
+                kind=command.kind, requested_by=command.actor, reason=exc.reason, code=exc.code, **kept
+            )
         except Exception as exc:
             delivered = msg.metadata.num_delivered
             log.exception("command handler failed", kind=command.kind, command=command.id, delivered=delivered)
@@ -314,6 +371,7 @@ class CommandProcessor:
                 reason=f"the {self.service} service failed on this command {delivered} times ({exc}); "
                 "see its log, fix the cause and send it again",
                 code="internal",
+                **kept,
             )
         try:
             await self.store.append(
@@ -329,3 +387,23 @@ class CommandProcessor:
             return
         self.handled += 1
         await msg.ack()
+
+    async def _refuse_replay(self, command: Command, handled: int, seq: int) -> None:
+        """Write a ``command.replayed`` refusal when ``command`` came again as a new message (once per message)."""
+        first = await self.store.get(handled)
+        payload = getattr(first, "payload", None)
+        first_seq = getattr(payload, "command_seq", 0)
+        if not first_seq or first_seq == seq:
+            return  # a redelivery of the message it was handled from (or an outcome from before replays were told)
+        refusal = CommandReplayed(
+            command_id=command.id,
+            kind=command.kind,
+            requested_by=command.actor,
+            signer=command.signer,
+            first_seq=first_seq,
+            replay_seq=seq,
+        )
+        log.warning("a command id was sent again: refused", command=command.id, kind=command.kind, seq=seq)
+        event = NewEvent(payload=refusal, actor=self.actor, causation=command.id, correlation=command.thread)
+        with contextlib.suppress(AppendConflict):  # this replay's refusal was written by an earlier delivery
+            await self.store.append(event_subject(REFUSAL_AGGREGATE, f"{command.id}.{seq}"), [event], expected=0)

@@ -1,4 +1,10 @@
-"""Command outcomes: exactly one per command, on ``llmgw.evt.command.<command id>``."""
+"""Command outcomes: exactly one per command, on ``llmgw.evt.command.<command id>``.
+
+Each outcome keeps the command as it was received (``command``: its exact bytes, signature
+included) and the key that signed it, so the log is evidence of who asked: `llmgw events verify`
+checks every one again. A command id sent a second time (a replay, not a redelivery) gets no
+second outcome; a ``command.replayed`` refusal on ``llmgw.evt.refusal.<id>`` says it was refused.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,9 @@ class CommandCompleted(msgspec.Struct, frozen=True, kw_only=True):
     events: list[str] = []
     last_seq: int = 0
     result: dict[str, Any] = {}
+    signer: str = ""  # the key that signed the command (token:<prefix>, svc:<name>)
+    command_seq: int = 0  # the command's sequence on the command stream
+    command: msgspec.Raw = msgspec.Raw(b"null")  # the command's bytes as received (null: from before they were kept)
 
 
 class CommandRejected(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,9 +34,32 @@ class CommandRejected(msgspec.Struct, frozen=True, kw_only=True):
     requested_by: str = ""
     reason: str
     code: str = "rejected"
+    signer: str = ""
+    command_seq: int = 0
+    command: msgspec.Raw = msgspec.Raw(b"null")
+
+
+REFUSAL_AGGREGATE = "refusal"
+
+
+class CommandReplayed(msgspec.Struct, frozen=True, kw_only=True):
+    """A command id that had its outcome already arrived again as a new message: nothing was done."""
+
+    command_id: str
+    kind: str
+    requested_by: str = ""
+    signer: str = ""
+    first_seq: int  # the command stream sequence the id was first handled at
+    replay_seq: int
 
 
 EVENTS = (
     EventType("command.completed", 1, CommandCompleted, "A command was carried out; names the events it wrote."),
     EventType("command.rejected", 1, CommandRejected, "A command was refused, with a reason a person can act on."),
+    EventType(
+        "command.replayed",
+        1,
+        CommandReplayed,
+        "A command id already handled was sent again (a replay); refused, nothing applied.",
+    ),
 )

@@ -21,6 +21,7 @@ from datetime import datetime
 
 import msgspec
 
+from llmgw.events import signing
 from llmgw.events.registry import EventType
 
 AGGREGATE = "user"
@@ -69,6 +70,7 @@ class TokenIssued(msgspec.Struct, frozen=True, kw_only=True):
     kind: str  # session | personal
     label: str = ""
     expires_at: datetime | None = None
+    signing_key: str = ""  # the Ed25519 public key the token's commands are checked with (events/signing.py)
 
 
 class TokenRevoked(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,6 +120,7 @@ class IssueToken(msgspec.Struct, frozen=True, kw_only=True, tag="token-issue", f
     kind: str = "personal"
     label: str = ""
     expires_at: datetime | None = None
+    signing_key: str = ""  # events/signing.token_public_key of the token
 
 
 class RevokeToken(msgspec.Struct, frozen=True, kw_only=True, tag="token-revoke", forbid_unknown_fields=True):
@@ -150,6 +153,27 @@ def make_token(kind: str) -> tuple[str, str, str]:
     prefix = "".join(secrets.choice(alphabet) for _ in range(8))
     token = f"llmgw-{_TOKEN_TAGS[kind]}-{prefix}-{secrets.token_urlsafe(32)}"
     return token, prefix, hash_token(token)
+
+
+def issue(
+    name: str, kind: str, *, label: str = "", expires_at: datetime | None = None, token: str | None = None
+) -> tuple[str, IssueToken]:
+    """A new token of ``kind`` for ``name`` (or ``token``, made before) and the command that records it:
+    its prefix, its hash and the public key its commands are checked with, never the token."""
+    if token is None:
+        token = make_token(kind)[0]
+    prefix = token_prefix(token)
+    if prefix is None:
+        raise ValueError("not a token llmgw made")
+    return token, IssueToken(
+        name=name,
+        prefix=prefix,
+        secret_sha256=hash_token(token),
+        kind=kind,
+        label=label,
+        expires_at=expires_at,
+        signing_key=signing.token_public_key(token),
+    )
 
 
 def token_prefix(token: str) -> str | None:

@@ -23,6 +23,7 @@ class Token(msgspec.Struct, kw_only=True):
     label: str = ""
     issued_at: datetime
     expires_at: datetime | None = None
+    signing_key: str = ""  # the public key its commands are checked with; "" for a token made before signing
 
 
 class Person(msgspec.Struct, kw_only=True):
@@ -77,6 +78,7 @@ class People(msgspec.Struct, kw_only=True):
                 label=p.label,
                 issued_at=event.envelope.at,
                 expires_at=p.expires_at,
+                signing_key=p.signing_key,
             )
             self.by_prefix[p.prefix] = (name, p.token_id)
         elif isinstance(p, P.TokenRevoked):

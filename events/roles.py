@@ -11,7 +11,9 @@ docs/people.md has the table of what each may do.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+
+import msgspec
 
 CLUSTER = "cluster"
 RANKS = {"viewer": 1, "member": 2, "team-admin": 3, "org-admin": 4, "cluster-admin": 5}
@@ -41,3 +43,38 @@ def allows(bindings: Iterable[tuple[str, str]], need: str, chain: Iterable[str])
 def needs(need: str, scope_label: str) -> str:
     """What a refusal says is needed: ``member of team:acme/ml``, ``viewer of the cluster``."""
     return f"{need} of the cluster" if scope_label == CLUSTER else f"{need} of {scope_label}"
+
+
+def refusal(
+    who: str,
+    bindings: list[tuple[str, str]],
+    need: str,
+    chain: list[str],
+    scope_label: str,
+    what: str,
+    label: Callable[[str], str],
+) -> str | None:
+    """None when ``bindings`` allow ``need`` within ``chain``; else the refusal a person reads:
+    "creating a key needs member of project:acme/ml/chat; bob holds viewer of the cluster"."""
+    if allows(bindings, need, chain):
+        return None
+    held = ", ".join(needs(role, label(scope)) for role, scope in bindings) or "no role"
+    return f"{what} needs {needs(need, scope_label)}; {who} holds {held}"
+
+
+class Need(msgspec.Struct, frozen=True, kw_only=True):
+    """What a command asks of the person who sends it: a role over a scope.
+
+    ``kind`` is ``cluster`` or the kind of tenant (``org``, ``team``, ``project``) the command acts
+    on, ``tenant`` that tenant's path or id; ``what`` says what the command does, for the refusal
+    ("creating a key in acme/ml/chat needs member of project:acme/ml/chat").
+    """
+
+    role: str
+    what: str
+    kind: str = CLUSTER
+    tenant: str = ""
+
+
+def cluster_admin(what: str) -> Need:
+    return Need(role="cluster-admin", what=what)

@@ -108,6 +108,23 @@ class TenancyTree:
             parent = found.id
         return found if found is not None and found.kind == kind else None
 
+    def chain(self, kind: str, tenant: str) -> tuple[list[str], str]:
+        """The scopes a tenant (``kind`` and a path or id) sits in, nearest first, ending in ``cluster``,
+        and its name as a person reads it (``team:acme/ml``). An unknown tenant sits in the cluster
+        only, so only a role over the whole cluster reaches it (and learns that it is unknown)."""
+        if kind == "cluster":
+            return ["cluster"], "cluster"
+        found = self.find(kind, tenant)
+        if found is None:
+            return ["cluster"], f"{kind}:{tenant}"
+        return [f"{kind}:{found.id}", *self.scopes_above(found.id), "cluster"], f"{kind}:{self.path(found)}"
+
+    def label(self, scope: str) -> str:
+        """A scope as on the log (``team:<id>``) as a person reads it (``team:acme/ml``)."""
+        kind, _, sid = scope.partition(":")
+        found = self.scopes.get(sid)
+        return f"{kind}:{self.path(found)}" if found is not None else scope
+
     def scopes_above(self, scope_id: str) -> list[str]:
         """The scopes above ``scope_id`` as on the log, nearest first (``team:<id>``, ``org:<id>``).
 

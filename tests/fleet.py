@@ -102,7 +102,7 @@ class Fleet:
         self.port = free_port()
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.client = CommandClient(store)
+        self.client = CommandClient.for_service(store, "tests")
         self.admin_token = ""  # set by start() when the admin API runs
 
     async def start(

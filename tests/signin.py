@@ -29,7 +29,7 @@ def tester_hash() -> str:
 async def sign_in_tester(store: EventStore, admin_url: str) -> str:
     """A new personal token for ``tester`` (added the first time), once the admin API at ``admin_url``
     knows it. Needs the people service running on the bus."""
-    client = CommandClient(store)
+    client = CommandClient.for_service(store, "tests")
     try:
         add = P.AddUser(name=TESTER, password_hash=tester_hash())
         await client.send(P.SERVICE, "user.add", add, actor="user:test", timeout=20)
@@ -38,8 +38,7 @@ async def sign_in_tester(store: EventStore, admin_url: str) -> str:
             raise
     grant = P.GrantRole(name=TESTER, role="cluster-admin", scope="cluster")
     await client.send(P.SERVICE, "role.grant", grant, actor="user:test", timeout=20)
-    token, prefix, digest = P.make_token("personal")
-    issue = P.IssueToken(name=TESTER, prefix=prefix, secret_sha256=digest, kind="personal", label="tests")
+    token, issue = P.issue(TESTER, "personal", label="tests")
     await client.send(P.SERVICE, "token.issue", issue, actor="user:test", timeout=20)
 
     async def known() -> bool:

@@ -44,7 +44,7 @@ class Access:
 
     def __init__(self, store: EventStore, nats_url: str, db_dsn: str) -> None:
         self.store = store
-        self.client = CommandClient(store)
+        self.client = CommandClient.for_service(store, "tests")
         self.admin_port = free_port()
         self.config = ServerConfig(
             nats_url=nats_url, db_dsn=db_dsn, services=SERVICES, port=free_port(), admin_port=self.admin_port

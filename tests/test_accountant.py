@@ -510,7 +510,7 @@ async def test_the_api_and_the_cli_read_back_usage_and_one_request(
     store: EventStore, nats: NatsServer, db_dsn: str
 ) -> None:
     async with running(nats.url, db_dsn, store) as (api, token), aiohttp.ClientSession(headers=headers(token)) as http:
-        client = CommandClient(store)
+        client = CommandClient.for_service(store, "tests")
         ids = {}
         for kind, path in (
             ("org", "acme"),

@@ -55,13 +55,15 @@ async def serving(*services: TenancyService | AccessService) -> AsyncIterator[No
 
 
 async def create(store: EventStore, kind: str, path: str) -> CommandCompleted:
-    return await CommandClient(store).send(T.SERVICE, "create", T.CreateScope(kind=kind, path=path), actor="user:a")
+    return await CommandClient.for_service(store, "tests").send(
+        T.SERVICE, "create", T.CreateScope(kind=kind, path=path), actor="user:a"
+    )
 
 
 async def create_key(store: EventStore, project: str) -> CommandCompleted:
     _, prefix, digest = A.make_api_key()
     key = A.CreateKey(project=project, prefix=prefix, secret_sha256=digest, name="ci")
-    return await CommandClient(store).send(A.SERVICE, "key.create", key, actor="user:a")
+    return await CommandClient.for_service(store, "tests").send(A.SERVICE, "key.create", key, actor="user:a")
 
 
 def states(folds: FoldRegistry) -> dict[str, str]:

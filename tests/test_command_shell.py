@@ -31,7 +31,7 @@ from llmgw.services.mirror.service import MirrorConfig, MirrorService
 from llmgw.services.tenancy.service import TenancyService
 from tests.fakehub import FakeHub
 from tests.gguf_tiny import write_tiny_gguf
-from tests.support import wait_until
+from tests.support import signed, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -72,7 +72,7 @@ async def test_a_command_that_loses_a_race_is_decided_again_and_applied_once(sto
     service = TenancyService(store)
     decided = with_rival(store, service, races=1)
     async with running(service.processor()):
-        out = await CommandClient(store).send(
+        out = await CommandClient.for_service(store, "tests").send(
             T.SERVICE, "create", T.CreateScope(kind="org", path="acme"), actor="user:alice"
         )
     assert out.message == "org acme created"
@@ -85,7 +85,7 @@ async def test_a_command_that_keeps_losing_races_is_refused_as_busy_with_what_to
     decided = with_rival(store, service, races=None)
     async with running(service.processor()):
         with pytest.raises(CommandRejectedError) as caught:
-            await CommandClient(store).send(
+            await CommandClient.for_service(store, "tests").send(
                 T.SERVICE, "create", T.CreateScope(kind="org", path="acme"), actor="user:alice"
             )
     assert caught.value.code == "busy"
@@ -118,7 +118,9 @@ async def test_a_command_redelivered_after_its_events_but_before_its_outcome_is_
     await store.append(node, [NewEvent(payload=cordoned, actor="user:ops", causation=command.id)])
     async with running(FleetService(store).processor()):
         await store.js.publish(
-            command_subject(N.SERVICE, "cordon"), msgspec.json.encode(command), headers={S.HDR_MSG_ID: command.id}
+            command_subject(N.SERVICE, "cordon"),
+            msgspec.json.encode(await signed(store, command)),
+            headers={S.HDR_MSG_ID: command.id},
         )
         outcome = S.command_outcome_subject(command.id)
         await wait_until(lambda: store.last_seq(outcome), what="the redelivered command's outcome")
@@ -127,7 +129,9 @@ async def test_a_command_redelivered_after_its_events_but_before_its_outcome_is_
         assert [e.type for e in await store.read(node)] == ["node.registered", "node.cordoned"]
         # The fold holds the cordon: cordoning again is refused for what it is, not applied twice.
         with pytest.raises(CommandRejectedError) as caught:
-            await CommandClient(store).send(N.SERVICE, "cordon", N.CordonNode(node_id="n1"), actor="user:ops")
+            await CommandClient.for_service(store, "tests").send(
+                N.SERVICE, "cordon", N.CordonNode(node_id="n1"), actor="user:ops"
+            )
     assert caught.value.reason == "node n1 is already cordoned"
 
 
@@ -138,7 +142,7 @@ async def _outcomes(store: EventStore) -> list[RecordedEvent]:
 async def test_a_command_s_events_name_it_as_cause_and_carry_its_own_id_or_its_job_s_as_correlation(
     store: EventStore,
 ) -> None:
-    client = CommandClient(store)
+    client = CommandClient.for_service(store, "tests")
     async with running(TenancyService(store).processor()):
         await client.send(T.SERVICE, "create", T.CreateScope(kind="org", path="acme"), actor="user:alice")
         await client.send(
@@ -169,7 +173,7 @@ async def test_a_fetch_a_job_asked_for_keeps_the_job_s_correlation_to_its_last_e
         hub.add_file("acme/tiny-GGUF", "tiny-Q8_0.gguf", write_tiny_gguf(tmp_path / "tiny.gguf"))
         await mirror.start()
         async with running(mirror.processor()):
-            await CommandClient(store).send(
+            await CommandClient.for_service(store, "tests").send(
                 MI.SERVICE,
                 "fetch",
                 MI.MirrorFetch(model="tiny", repo="acme/tiny-GGUF"),
@@ -207,7 +211,9 @@ async def test_a_serve_command_redelivered_after_its_job_started_answers_with_th
     await store.append(job, [NewEvent(payload=started, actor="user:a", causation=command.id)], expected=0)
     async with running(JobsService(store, JobsConfig()).processor()):
         await store.js.publish(
-            command_subject(J.SERVICE, "serve"), msgspec.json.encode(command), headers={S.HDR_MSG_ID: command.id}
+            command_subject(J.SERVICE, "serve"),
+            msgspec.json.encode(await signed(store, command)),
+            headers={S.HDR_MSG_ID: command.id},
         )
         outcome = S.command_outcome_subject(command.id)
         await wait_until(lambda: store.last_seq(outcome), what="the redelivered command's outcome")

@@ -19,10 +19,11 @@ from llmgw.events.commands import (
 )
 from llmgw.events.envelope import utc_now
 from llmgw.events.ids import new_id
+from llmgw.events.outcomes import REFUSAL_AGGREGATE
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import event_subject
 from llmgw.services.tenancy.service import TenancyService
-from tests.support import wait_until
+from tests.support import signed, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -41,7 +42,7 @@ async def tenancy(store: EventStore) -> AsyncIterator[TenancyService]:
 async def test_a_command_waits_for_its_outcome_and_the_events_carry_its_actor(
     store: EventStore, tenancy: TenancyService
 ) -> None:
-    client = CommandClient(store)
+    client = CommandClient.for_service(store, "tests")
     out = await client.send(T.SERVICE, "create", T.CreateScope(kind="org", path="acme"), actor="user:alice")
     assert out.message == "org acme created"
     [event] = await store.read(event_subject(T.AGGREGATE, T.TREE_ID))
@@ -51,7 +52,7 @@ async def test_a_command_waits_for_its_outcome_and_the_events_carry_its_actor(
 
 
 async def test_a_refusal_reaches_the_caller_with_its_reason(store: EventStore, tenancy: TenancyService) -> None:
-    client = CommandClient(store)
+    client = CommandClient.for_service(store, "tests")
     with pytest.raises(CommandRejectedError) as caught:
         await client.send(T.SERVICE, "create", T.CreateScope(kind="team", path="acme/ml"), actor="user:alice")
     assert "`llmgw ctl org create acme` first" in caught.value.reason
@@ -67,7 +68,7 @@ async def test_a_command_with_an_unknown_field_is_refused_as_malformed(
         owner: str
 
     with pytest.raises(CommandRejectedError) as caught:
-        await CommandClient(store).send(
+        await CommandClient.for_service(store, "tests").send(
             T.SERVICE, "create", Sneaky(kind="org", path="acme", owner="eve"), actor="user:eve"
         )
     assert "malformed" in caught.value.reason and "owner" in caught.value.reason
@@ -75,19 +76,22 @@ async def test_a_command_with_an_unknown_field_is_refused_as_malformed(
 
 async def test_a_command_nobody_handles_times_out_with_advice(store: EventStore) -> None:
     with pytest.raises(CommandTimeoutError) as caught:
-        await CommandClient(store).send(
+        await CommandClient.for_service(store, "tests").send(
             "nobody", "create", T.CreateScope(kind="org", path="x"), actor="user:a", timeout=1.5
         )
     assert "is the nobody service running?" in str(caught.value)
 
 
 async def _publish_raw_command(store: EventStore, command: Command, msg_id: str) -> None:
+    command = await signed(store, command)
     await store.js.publish(
         command_subject(T.SERVICE, "create"), msgspec.json.encode(command), headers={S.HDR_MSG_ID: msg_id}
     )
 
 
-async def test_a_redelivered_command_is_handled_once(store: EventStore, tenancy: TenancyService) -> None:
+async def test_a_command_sent_again_is_handled_once_and_the_replay_refused_in_the_log(
+    store: EventStore, tenancy: TenancyService
+) -> None:
     command = Command(
         id=new_id(),
         kind="tenancy.create",
@@ -106,6 +110,8 @@ async def test_a_redelivered_command_is_handled_once(store: EventStore, tenancy:
     assert [e.type for e in tree] == ["org.created"]
     assert len(await store.read(outcome)) == 1
     assert tenancy.processor_ref.handled == handled  # type: ignore[attr-defined]
+    [refusal] = await store.read(f"{S.EVENTS_ROOT}.{REFUSAL_AGGREGATE}.>")
+    assert refusal.type == "command.replayed" and refusal.payload.command_id == command.id
 
 
 async def _queue_empty(store: EventStore) -> bool:
@@ -141,7 +147,7 @@ async def test_two_services_racing_on_the_tree_never_create_a_name_twice(store: 
     services = [TenancyService(store) for _ in range(2)]
     processors = [s.processor() for s in services]
     tasks = [asyncio.create_task(p.run()) for p in processors]
-    client = CommandClient(store)
+    client = CommandClient.for_service(store, "tests")
     results = await asyncio.gather(
         *(client.send(T.SERVICE, "create", T.CreateScope(kind="org", path="acme"), actor="user:a") for _ in range(6)),
         return_exceptions=True,

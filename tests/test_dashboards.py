@@ -75,7 +75,7 @@ async def test_every_sql_panel_runs_on_the_projections_and_names_projects_by_nam
 ) -> None:
     dsn = await postgres.new_database()
     async with running(nats.url, dsn, store):
-        client = CommandClient(store)
+        client = CommandClient.for_service(store, "tests")
         for kind, path in (("org", "acme"), ("team", "acme/ml"), ("project", "acme/ml/chat")):
             await client.send(T.SERVICE, "create", T.CreateScope(kind=kind, path=path), actor="user:test", timeout=20)
         events = await store.read(event_subject(T.AGGREGATE, T.TREE_ID))

@@ -66,7 +66,7 @@ class Rig:
             chunk_bytes=64 * 1024,
             **{"hub_allow_private": True, **config},  # the fake hub is on loopback
         )
-        self.client = CommandClient(store)
+        self.client = CommandClient.for_service(store, "tests")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.svc: MirrorService | None = None

@@ -229,7 +229,7 @@ async def test_two_servers_ride_out_each_node_killed_and_the_meta_leader_paused(
         )
         servers.append(await _serving(config, stop, {}))
 
-    client = CommandClient(r3)
+    client = CommandClient.for_service(r3, "tests")
     answered: list[str] = []
     acked: list[str] = []
     failed: list[str] = []  # attempts that got an error: the load felt the fault

@@ -272,17 +272,28 @@ async def test_the_cli_adds_a_person_who_logs_in_and_out(fleet: Fleet, nats: Nat
     }
     env.pop("LLMGW_TOKEN", None)
 
-    async def cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    admin_env = {**env, "LLMGW_TOKEN": fleet.admin_token}
+
+    async def cli(*args: str, stdin: str = "", as_admin: bool = False) -> subprocess.CompletedProcess[str]:
         # In a thread: the services answering the CLI run on this test's event loop.
         return await asyncio.to_thread(
-            subprocess.run, [LLMGW, *args], input=stdin, capture_output=True, text=True, env=env, timeout=60
+            subprocess.run,
+            [LLMGW, *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            env=admin_env if as_admin else env,
+            timeout=60,
         )
 
-    weak = await cli("ctl", "user", "add", "dee", "--password-stdin", stdin="short\n")
+    nobody = await cli("ctl", "user", "add", "dee", "--password-stdin", stdin="a long enough passphrase\n")
+    assert nobody.returncode != 0 and "sign in first" in nobody.stderr
+    weak = await cli("ctl", "user", "add", "dee", "--password-stdin", stdin="short\n", as_admin=True)
     assert weak.returncode != 0 and "at least 12 characters" in weak.stderr
-    added = await cli("ctl", "user", "add", "dee", "--password-stdin", stdin="a long enough passphrase\n")
+    pw = "a long enough passphrase\n"
+    added = await cli("ctl", "user", "add", "dee", "--password-stdin", stdin=pw, as_admin=True)
     assert added.returncode == 0, added.stderr
-    again = await cli("ctl", "user", "add", "dee", "--password-stdin", stdin="a long enough passphrase\n")
+    again = await cli("ctl", "user", "add", "dee", "--password-stdin", stdin=pw, as_admin=True)
     assert again.returncode == 2 and "user dee exists" in again.stderr
 
     login = await cli("login", "--user", "dee", "--password-stdin", stdin="a long enough passphrase\n")
@@ -291,7 +302,9 @@ async def test_the_cli_adds_a_person_who_logs_in_and_out(fleet: Fleet, nats: Nat
     assert stat.S_IMODE(os.stat(saved).st_mode) == 0o600
     refused = await cli("ctl", "user", "list")
     assert refused.returncode != 0 and "needs viewer of the cluster; dee holds no role" in refused.stderr
-    granted = await cli("ctl", "user", "grant", "dee", "viewer", "cluster")
+    own = await cli("ctl", "user", "grant", "dee", "viewer", "cluster")
+    assert own.returncode == 2 and "granting viewer of cluster needs cluster-admin of the cluster" in own.stderr
+    granted = await cli("ctl", "user", "grant", "dee", "viewer", "cluster", as_admin=True)
     assert granted.returncode == 0 and "dee is viewer of the cluster" in granted.stdout, granted.stderr
 
     async def listed() -> subprocess.CompletedProcess[str] | None:

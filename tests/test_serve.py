@@ -56,7 +56,7 @@ class Rig:
         )
         self.jobs: JobsService | None = None
         self.tasks: list[asyncio.Task] = []
-        self.client = CommandClient(store)
+        self.client = CommandClient.for_service(store, "tests")
 
     async def start(self) -> Rig:
         await self.mirror.start()

@@ -40,7 +40,7 @@ class Rig:
         self.fleet = fleet
         self.hub = hub
         self.tmp = tmp
-        self.client = CommandClient(fleet.store)
+        self.client = CommandClient.for_service(fleet.store, "tests")
 
     async def mirror(self, model: str, repo: str) -> None:
         """Fetch ``repo`` into the mirror as ``model`` and wait until it is verified."""

@@ -58,7 +58,7 @@ async def ensure_demo_key(store: EventStore, data_dir: Path, *, timeout: float =
     target = data_dir / DEMO_KEY_FILE
     if target.exists():
         return None
-    client = CommandClient(store)
+    client = CommandClient.for_service(store, "bootstrap")
     for kind, path in DEMO_SCOPES:
         try:
             await client.send(T.SERVICE, "create", T.CreateScope(kind=kind, path=path), actor=ACTOR, timeout=timeout)

@@ -25,6 +25,7 @@ import msgspec
 
 from llmgw.events import access as A
 from llmgw.events import key_fold as K
+from llmgw.events import roles as R
 from llmgw.events import tenancy as T
 from llmgw.events.commands import Rejected
 from llmgw.events.envelope import RecordedEvent
@@ -365,3 +366,36 @@ def decide(state: AccessState, command: A.AccessCommand, now: datetime) -> Decis
         case A.SetBudget():
             return decide_set_budget(state, command)
     raise Rejected(f"unknown access command {type(command).__name__}")
+
+
+# -- who may send what ------------------------------------------------------------------------------
+
+# The role that sets limits and budgets on a tenant of each kind: its own admins (a project's: its team's).
+_ADMIN_OF = {"org": "org-admin", "team": "team-admin", "project": "team-admin", "key": "team-admin"}
+
+
+def need(state: AccessState, c: A.AccessCommand) -> R.Need:
+    """The role a person needs to send ``c`` (pure over ``state``): a member makes and revokes keys in its
+    projects; a tenant's admins set its limits and budgets; prices are the cluster admins'.
+
+    Something that does not resolve is checked against the cluster (only its admins learn it is unknown)."""
+    match c:
+        case A.CreateKey():
+            return R.Need(role="member", what=f"creating a key in {c.project}", kind="project", tenant=c.project)
+        case A.RevokeKey():
+            keys = state.find_keys(c.key)
+            project = keys[0].project_id if len(keys) == 1 else ""
+            return R.Need(role="member", what=f"revoking key {c.key}", kind="project", tenant=project)
+        case A.SetLimit() | A.SetBudget():
+            what = f"setting a {'limit' if isinstance(c, A.SetLimit) else 'budget'} on {c.scope}"
+            try:
+                scope = resolve_scope(state, c.scope).scope
+            except Rejected:
+                return R.Need(role="cluster-admin", what=what)
+            kind, _, sid = scope.partition(":")
+            role = _ADMIN_OF[kind]
+            if kind == "key":
+                return R.Need(role=role, what=what, kind="project", tenant=state.keys[sid].project_id)
+            return R.Need(role=role, what=what, kind=kind, tenant=sid)
+        case _:
+            return R.cluster_admin(f"setting the price of {c.model}")

@@ -13,10 +13,11 @@ import structlog
 
 from llmgw.events import access as A
 from llmgw.events import tenancy as T
-from llmgw.events.command_shell import CommandShell, Decision, Fence, LogFold
+from llmgw.events.command_shell import CommandShell, Decision, Fence
 from llmgw.events.commands import Command, CommandProcessor
 from llmgw.events.envelope import utc_now
 from llmgw.events.live_fold import FoldRegistry
+from llmgw.events.log_fold import LogFold
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import EVENTS_ROOT, event_subject
 from llmgw.services.access import rules
@@ -45,6 +46,7 @@ class AccessService:
             fold=self.fold,
             decide=self.decide,
             payload_type=A.AccessCommand,
+            authorize=lambda command, payload: rules.need(self.state, payload),
         )
 
     def start(self) -> None:

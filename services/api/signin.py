@@ -96,7 +96,7 @@ class SignIn:
         self.checker = checker or PasswordChecker()
         self.throttle = throttle or LoginThrottle()
         self.clock = clock
-        self.client = CommandClient(store)
+        self.client = CommandClient.for_service(store, "api")  # signs for the person it signed in
         self.tree = TenancyTree()  # where a role's scope sits, and how to name it
         tree_subject = event_subject(T.AGGREGATE, T.TREE_ID)
         self.tree_fold = LiveFold(store, tree_subject, self.tree.apply, name="signin-tenancy", after=0, registry=folds)
@@ -126,27 +126,17 @@ class SignIn:
     # -- roles -------------------------------------------------------------------------------
 
     def chain(self, kind: str, path: str) -> tuple[list[str], str]:
-        """The scopes a tenant named ``kind:path`` (path or id) sits in, nearest first, and its name;
-        an unknown one sits in the cluster only (so only the cluster's viewers learn it is unknown)."""
-        found = self.tree.find(kind, path)
-        if found is None:
-            return [R.CLUSTER], f"{kind}:{path}"
-        return [f"{kind}:{found.id}", *self.tree.scopes_above(found.id), R.CLUSTER], f"{kind}:{self.tree.path(found)}"
+        """The scopes a tenant named ``kind:path`` (path or id) sits in, nearest first, and its name."""
+        return self.tree.chain(kind, path)
 
     def label(self, scope: str) -> str:
-        """A scope on the log (``team:<id>``) as a person reads it (``team:acme/ml``)."""
-        kind, _, sid = scope.partition(":")
-        found = self.tree.scopes.get(sid)
-        return f"{kind}:{self.tree.path(found)}" if found is not None else scope
+        return self.tree.label(scope)
 
     def authorize(self, who: Identity, need: str, chain: list[str], scope_label: str, what: str) -> Refused | None:
         """None when ``who`` may act as ``need`` within ``chain``; else the 403 naming what is needed."""
         person = self.people.by_name.get(who.name)
-        bindings = person.roles if person is not None else []
-        if R.allows(bindings, need, chain):
-            return None
-        held = ", ".join(R.needs(role, self.label(scope)) for role, scope in bindings) or "no role"
-        return Refused(403, "forbidden", f"{what} needs {R.needs(need, scope_label)}; {who.name} holds {held}")
+        refusal = R.refusal(who.name, person.roles if person else [], need, chain, scope_label, what, self.tree.label)
+        return None if refusal is None else Refused(403, "forbidden", refusal)
 
     def now(self) -> datetime:
         return datetime.fromtimestamp(self.clock(), UTC)
@@ -167,16 +157,9 @@ class SignIn:
         if person.disabled:
             raise Refused(403, "user_disabled", f"user {person.name} is disabled" + _why(person.disabled_reason))
         self.throttle.succeeded(address)
-        token, prefix, digest = P.make_token("session")
         expires = self.now() + timedelta(hours=SESSION_HOURS)
-        issue = P.IssueToken(
-            name=person.name,
-            prefix=prefix,
-            secret_sha256=digest,
-            kind="session",
-            label=f"login from {address}",
-            expires_at=expires,
-        )
+        token, issue = P.issue(person.name, "session", label=f"login from {address}", expires_at=expires)
+        prefix = issue.prefix
         try:
             await self.client.send(P.SERVICE, "token.issue", issue, actor=f"user:{person.name}")
         except CommandError as exc:

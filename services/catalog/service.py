@@ -11,10 +11,11 @@ from pathlib import Path
 import structlog
 
 from llmgw.events import models as M
-from llmgw.events.command_shell import CommandShell, Decision, LogFold
+from llmgw.events.command_shell import CommandShell, Decision
 from llmgw.events.commands import Command, CommandProcessor
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.live_fold import FoldRegistry
+from llmgw.events.log_fold import LogFold
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.catalog.rules import Catalog, decide

@@ -11,10 +11,11 @@ import msgspec
 
 from llmgw.events import node_fold as NF
 from llmgw.events import nodes as N
-from llmgw.events.command_shell import CommandShell, Decision, LogFold
+from llmgw.events.command_shell import CommandShell, Decision
 from llmgw.events.commands import Command, CommandProcessor, Rejected
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.live_fold import FoldRegistry
+from llmgw.events.log_fold import LogFold
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 

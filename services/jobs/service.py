@@ -26,7 +26,7 @@ from llmgw.events import mirror as MI
 from llmgw.events import models as M
 from llmgw.events import replicas as R
 from llmgw.events import scheduler as SCH
-from llmgw.events.command_shell import CommandShell, Decision, LogFold
+from llmgw.events.command_shell import CommandShell, Decision
 from llmgw.events.commands import (
     Command,
     CommandClient,
@@ -37,6 +37,7 @@ from llmgw.events.commands import (
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.follow import LogFollower
 from llmgw.events.live_fold import FoldRegistry
+from llmgw.events.log_fold import LogFold
 from llmgw.events.retry import backoff_delay, is_transient
 from llmgw.events.secrets import engine_key, engine_key_secret, mirror_token
 from llmgw.events.store import AppendConflict, AppendResult, EventStore, NewEvent
@@ -78,7 +79,7 @@ class JobsService:
         self.config = config
         self.folds = folds if folds is not None else FoldRegistry()
         self.hub = HubClient(config.hub, config.token, resolver=OutboundResolver(config.hub_allow_private))
-        self.client = CommandClient(store)
+        self.client = CommandClient.for_service(store, "jobs")
         self.tasks: dict[str, asyncio.Task] = {}
         self._processor: CommandProcessor | None = None
         # Only which commands started a job is folded: a redelivered serve command starts none.

@@ -23,9 +23,10 @@ import structlog
 from aiohttp import web
 
 from llmgw.events import mirror as E
-from llmgw.events.command_shell import Cause, CommandShell, Decision, LogFold
+from llmgw.events.command_shell import Cause, CommandShell, Decision
 from llmgw.events.commands import Command, CommandProcessor, Rejected
 from llmgw.events.live_fold import FoldRegistry
+from llmgw.events.log_fold import LogFold
 from llmgw.events.secrets import engine_key_secret, mirror_token
 from llmgw.events.store import AppendResult, EventStore, NewEvent
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject

@@ -50,7 +50,7 @@ async def ensure_admin(store: EventStore, data_dir: Path, *, timeout: float = 15
     token_file, password_file = data_dir / TOKEN_FILE, data_dir / PASSWORD_FILE
     if token_file.exists():
         return False
-    client = CommandClient(store)
+    client = CommandClient.for_service(store, "bootstrap")
     pending_password = data_dir / f"{PASSWORD_FILE}.pending"
     password, kept = _pending(pending_password, secrets.token_urlsafe(18))
     ours = True  # whether the admin's password is the one in this directory
@@ -64,12 +64,8 @@ async def ensure_admin(store: EventStore, data_dir: Path, *, timeout: float = 15
         ours = kept
     grant = P.GrantRole(name=ADMIN, role="cluster-admin", scope="cluster")
     await client.send(P.SERVICE, "role.grant", grant, actor=ACTOR, timeout=timeout)  # "already" when it is
-    token, _ = _pending(data_dir / f"{TOKEN_FILE}.pending", P.make_token("personal")[0])
-    prefix = P.token_prefix(token)
-    assert prefix is not None  # made above, or kept from a start that made it
-    issue = P.IssueToken(
-        name=ADMIN, prefix=prefix, secret_sha256=P.hash_token(token), kind="personal", label="this machine's CLI"
-    )
+    kept_token, _ = _pending(data_dir / f"{TOKEN_FILE}.pending", P.make_token("personal")[0])
+    _, issue = P.issue(ADMIN, "personal", label="this machine's CLI", token=kept_token)
     try:
         await client.send(P.SERVICE, "token.issue", issue, actor=ACTOR, timeout=timeout)
     except CommandRejectedError as exc:

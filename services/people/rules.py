@@ -7,6 +7,7 @@ from datetime import datetime
 
 from llmgw.events import people as P
 from llmgw.events import roles as R
+from llmgw.events import signing
 from llmgw.events.command_shell import Decision
 from llmgw.events.commands import Rejected
 from llmgw.events.ids import new_id
@@ -130,6 +131,11 @@ def _issue(people: People, c: P.IssueToken, now: datetime) -> Decision:
     if c.expires_at is not None and c.expires_at <= now:
         raise Rejected(f"the token would expire at {c.expires_at.isoformat()}, which has passed", "invalid_expiry")
     _check_text("label", c.label, MAX_LABEL)
+    if c.signing_key:
+        try:
+            signing.load_public_key(c.signing_key)
+        except ValueError as exc:
+            raise Rejected(f"the token's signing key is not an Ed25519 public key ({exc})", "invalid_token") from exc
     token_id = new_id()
     return _decision(
         person,
@@ -142,6 +148,7 @@ def _issue(people: People, c: P.IssueToken, now: datetime) -> Decision:
                 kind=c.kind,
                 label=c.label,
                 expires_at=c.expires_at,
+                signing_key=c.signing_key,
             )
         ],
         f"{c.kind} token {c.prefix} issued to {person.name}",
@@ -207,3 +214,38 @@ def _check_hash(password_hash: str) -> None:
 def _check_text(what: str, value: str, most: int) -> None:
     if len(value) > most or not value.isprintable():
         raise Rejected(f"the {what} must be at most {most} printable characters", f"invalid_{what.replace(' ', '_')}")
+
+
+# The least admin role that manages people's roles over a tenant of each kind.
+_GRANTED_BY = {"org": "org-admin", "team": "team-admin", "project": "team-admin"}
+
+
+_VERBS = {
+    P.AddUser: "adding user",
+    P.DisableUser: "disabling user",
+    P.EnableUser: "enabling user",
+    P.SetPassword: "setting the password of",
+    P.IssueToken: "issuing a token to",
+    P.RevokeToken: "revoking a token of",
+}
+
+
+def need(actor: str, c: P.PeopleCommand) -> R.Need | None:
+    """The role a person (``actor``, verified) needs to send ``c`` (pure); None: anyone may, for themself.
+
+    A person sets their own password and issues and revokes their own tokens; adding, disabling and
+    enabling people is the cluster admins'. A role over a tenant is granted by that tenant's admins,
+    and never above what the granter holds (a team admin cannot make an org admin)."""
+    own = actor == f"user:{c.name}"
+    match c:
+        case P.SetPassword() | P.IssueToken() | P.RevokeToken() if own:
+            return None
+        case P.GrantRole() | P.RevokeRole():
+            verb = "granting" if isinstance(c, P.GrantRole) else "revoking"
+            what = f"{verb} {c.role} of {c.scope}"
+            kind, _, tenant = c.scope.partition(":")
+            if kind not in _GRANTED_BY or c.role not in R.RANKS:
+                return R.cluster_admin(what)
+            role = max(_GRANTED_BY[kind], c.role, key=lambda r: R.RANKS[r])
+            return R.Need(role=role, what=what, kind=kind, tenant=tenant)
+    return R.cluster_admin(f"{_VERBS[type(c)]} {c.name}")

@@ -10,10 +10,11 @@ from datetime import datetime
 
 from llmgw.events import people as P
 from llmgw.events import tenancy as T
-from llmgw.events.command_shell import CommandShell, Decision, LogFold
+from llmgw.events.command_shell import CommandShell, Decision
 from llmgw.events.commands import Command, CommandProcessor
 from llmgw.events.envelope import RecordedEvent, utc_now
 from llmgw.events.live_fold import FoldRegistry
+from llmgw.events.log_fold import LogFold
 from llmgw.events.people_fold import People
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import EVENTS_ROOT, event_subject
@@ -39,6 +40,7 @@ class PeopleService:
             fold=self.fold,
             decide=self.decide,
             payload_type=P.PeopleCommand,
+            authorize=lambda command, payload: rules.need(command.actor, payload),
         )
 
     def _apply(self, event: RecordedEvent) -> None:

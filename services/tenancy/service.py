@@ -13,13 +13,14 @@ import structlog
 
 from llmgw.events import access as A
 from llmgw.events import tenancy as T
-from llmgw.events.command_shell import CommandShell, Decision, LogFold
+from llmgw.events.command_shell import CommandShell, Decision
 from llmgw.events.commands import Command, CommandProcessor
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.live_fold import FoldRegistry
+from llmgw.events.log_fold import LogFold
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import EVENTS_ROOT, event_subject
-from llmgw.services.tenancy.tree import TenancyTree, decide
+from llmgw.services.tenancy.tree import TenancyTree, decide, need
 
 log = structlog.get_logger("llmgw.services.tenancy")
 
@@ -43,6 +44,7 @@ class TenancyService:
             fold=self.fold,
             decide=self.decide,
             payload_type=T.TenancyCommand,
+            authorize=lambda command, payload: need(payload),
         )
 
     def _apply(self, event: RecordedEvent) -> None:

@@ -14,6 +14,7 @@ import re
 
 import msgspec
 
+from llmgw.events import roles as R
 from llmgw.events import tenancy as T
 from llmgw.events.commands import Rejected
 from llmgw.events.ids import new_id
@@ -157,3 +158,23 @@ def decide(tree: TenancyTree, command: T.CreateScope | T.RenameScope | T.DeleteS
         case T.DeleteScope():
             return decide_delete(tree, command.kind, command.path)
     raise Rejected(f"unknown tenancy command {type(command).__name__}")
+
+
+# The role over the parent each kind of tenant is managed by: orgs by the cluster's admins, a team by its
+# org's admins, a project by its team's admins.
+_MANAGED_BY = {"org": ("cluster-admin", "cluster"), "team": ("org-admin", "org"), "project": ("team-admin", "team")}
+
+
+def need(c: T.TenancyCommand) -> R.Need:
+    """The role a person needs to send ``c`` (pure): an admin of the tenant's parent, named by path.
+
+    A new tenant is checked against its parent's path; a rename or delete against the tenant itself,
+    whose chain reaches its parent (an id works there too)."""
+    verb = {T.CreateScope: "creating", T.RenameScope: "renaming", T.DeleteScope: "deleting"}[type(c)]
+    role, parent_kind = _MANAGED_BY.get(c.kind, ("cluster-admin", "cluster"))
+    what = f"{verb} {c.kind} {c.path}"
+    if parent_kind == "cluster":
+        return R.Need(role=role, what=what)
+    if isinstance(c, T.CreateScope):
+        return R.Need(role=role, what=what, kind=parent_kind, tenant=c.path.rpartition("/")[0])
+    return R.Need(role=role, what=what, kind=c.kind, tenant=c.path)

@@ -142,7 +142,7 @@ async def mirror_fetch(store: EventStore, model: str) -> tuple[float, E.FetchCom
     subject = event_subject(E.AGGREGATE, model)
     after = await store.stream_last_seq()
     t0 = time.perf_counter()
-    await CommandClient(store).send(
+    await CommandClient.for_service(store, "tests").send(
         E.SERVICE, "fetch", E.MirrorFetch(model=model, repo=BIG_REPO), actor="user:bench", timeout=30
     )
     async for batch in store.subscribe(subject, after=after):
@@ -158,7 +158,7 @@ async def serve_once(store: EventStore, name: str) -> tuple[float, J.JobFinished
     """Seconds from the ServeModel command to `job.finished`, and that event."""
     after = await store.stream_last_seq()
     t0 = time.perf_counter()
-    out = await CommandClient(store).send(
+    out = await CommandClient.for_service(store, "tests").send(
         J.SERVICE,
         "serve",
         J.ServeModel(repo=TINY_REPO, name=name, ctx_pool=1024, cores=1),
