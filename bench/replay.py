@@ -8,11 +8,14 @@ a time, while the live projections follow it as a server runs them — a
 :class:`~llmgw.projections.replay_snapshots.ReplaySnapshotter` as its batch listener — waiting after
 each step until they have folded it and the saver has saved: the snapshots are the ones a running
 system saves when its events arrive more slowly than a save takes (a catch-up from 0 saves fewer,
-one after the other). Each replay is the admin API's own ``cluster_at`` (the whole answer: the fold,
-the views), timed twice at the same moment, from 0 and from snapshots, and the two answers are
-compared (a difference is an error). The moments: just before the newest snapshot (near the head)
-and just before the first snapshot past the middle of the log, each the longest tail a replay there
-folds: the worst point of the snapshot cycle. Nothing here asserts a time; it prints.
+one after the other). Each replay is the admin API's own (:func:`~llmgw.services.api.replay.replayed`
+and its ``answer``, one page of keys: the fold, the views), timed twice at the same moment, from 0 and
+from snapshots; the two answers with every key (made after the timing) are compared, and the page
+with them (a difference is an error). The moments: just before the newest snapshot (near the head) and
+just before the first snapshot past the middle of the log, each the longest tail a replay there folds:
+the worst point of the snapshot cycle. With ``keep`` the server's directory is kept there with what the
+build measured, and a later run of the same size and spacing measures on it without building it again
+(at a million events the build takes twenty minutes, the replays seconds). Nothing here asserts a time; it prints.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import contextlib
 import platform
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +50,7 @@ from llmgw.projections.replay_snapshots import (
     start_from_snapshot,
 )
 from llmgw.projections.runner import ProjectionRunner
-from llmgw.services.api.replay import cluster_at
+from llmgw.services.api.replay import answer, replayed
 
 TIMEOUT_S = 3600.0
 
@@ -55,6 +59,20 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
     events: tuple[int, ...] = (200_000,)
     every: int = EVERY_EVENTS
     base_dir: str | None = None
+    keep: str | None = None  # a directory the built logs are kept in, and reused from by a later run
+
+
+class Built(msgspec.Struct, kw_only=True):
+    """What building a log measured, kept beside it so a run that reuses the log can report it."""
+
+    events: int
+    every: int
+    head: int
+    build_s: float
+    saves: int
+    snapshot_bytes: int
+    copy_s: float
+    save_s: float
 
 
 class Moment(msgspec.Struct, kw_only=True):
@@ -63,7 +81,9 @@ class Moment(msgspec.Struct, kw_only=True):
     from_zero_s: float
     from_snapshot_s: float
     snapshot: int | None  # the snapshot it started from
-    load_s: float  # of from_snapshot_s: reading, decoding and inserting the snapshot's rows
+    load_s: float  # of from_snapshot_s: reading the snapshot and writing its database out (timed on its own)
+    views_s: float  # of from_snapshot_s: the views that shape the answer (one page of keys)
+    keys: int  # keys at the moment (all counted, one page listed)
     tail: int  # events on the log after the snapshot it started from (all of them from 0)
     tail_events: int  # events folded after the snapshot, by the three projections together
     zero_events: int  # events folded from 0 (the same)
@@ -123,19 +143,31 @@ async def _load_s(store: EventStore, tmp: Path, position: int) -> float:
     return took
 
 
+async def _replay(store: EventStore, when: datetime, *, from_snapshots: bool) -> tuple[float, float, dict, dict]:
+    """One replay as the API answers it (one page of keys): (seconds, of which the views, the answer, and the
+    same moment's answer with every key, made after the timing and kept out of it, for the comparison)."""
+    started = time.perf_counter()
+    async with replayed(store, when, from_snapshots=from_snapshots) as moment:
+        shaping = time.perf_counter()
+        page = await answer(moment)
+        views_s = time.perf_counter() - shaping
+        untimed = time.perf_counter()
+        full = await answer(moment, keys_limit=None)
+        untimed = time.perf_counter() - untimed
+    return time.perf_counter() - started - untimed, views_s, page, full
+
+
 async def _moment(store: EventStore, tmp: Path, where: str, seq: int, saved: list[int]) -> Moment:
     when = await stamp_of(store, seq)
     if when is None:
         raise BenchError(f"no event at sequence {seq} to replay to")
-    started = time.perf_counter()
-    zero = await cluster_at(store, when, from_snapshots=False)
-    from_zero_s = time.perf_counter() - started
-    started = time.perf_counter()
-    snap = await cluster_at(store, when)
-    from_snapshot_s = time.perf_counter() - started
+    from_zero_s, _, _, zero = await _replay(store, when, from_snapshots=False)
+    from_snapshot_s, views_s, snap, full = await _replay(store, when, from_snapshots=True)
     how = ("from_snapshot", "events_folded")
-    if {k: v for k, v in zero.items() if k not in how} != {k: v for k, v in snap.items() if k not in how}:
+    if {k: v for k, v in zero.items() if k not in how} != {k: v for k, v in full.items() if k not in how}:
         raise BenchError(f"the replay to #{seq} from a snapshot differs from the replay from 0")
+    if snap["keys"] != full["keys"][: len(snap["keys"])] or snap["counts"] != full["counts"]:
+        raise BenchError(f"the replay to #{seq}: its page of keys is not the start of all of them")
     if snap["from_snapshot"] != newest_at_or_before(saved, snap["position"]):
         raise BenchError(f"the replay to #{seq} started from {snap['from_snapshot']}, not the newest snapshot before")
     return Moment(
@@ -145,16 +177,41 @@ async def _moment(store: EventStore, tmp: Path, where: str, seq: int, saved: lis
         from_snapshot_s=from_snapshot_s,
         snapshot=snap["from_snapshot"],
         load_s=await _load_s(store, tmp, snap["position"]),
+        views_s=views_s,
+        keys=snap["counts"]["keys"]["total"],
         tail=snap["position"] - (snap["from_snapshot"] or 0),
         tail_events=snap["events_folded"],
         zero_events=zero["events_folded"],
     )
 
 
-async def measure(store: EventStore, tmp: Path, n: int, every: int, echo: Echo) -> Result:
+async def _build(store: EventStore, where: Path, n: int, every: int, echo: Echo) -> Built:
+    """The log and its snapshots: built, or the ones a run before kept in ``where`` (``built.json`` says so)."""
+    record = where / "built.json"
+    if record.exists():
+        built = msgspec.json.decode(record.read_bytes(), type=Built)
+        echo(f"reusing the log of {built.head:,} events kept in {where} (built in {built.build_s:.0f} s)")
+        return built
     await store.ensure_streams(events_spec())
     echo(f"writing {n:,} events, {every:,} at a time, the projections following and saving snapshots…")
-    build_s, head, saver = await _live(store, tmp / "live.db", n, every, echo)
+    build_s, head, saver = await _live(store, where / "live.db", n, every, echo)
+    built = Built(
+        events=n,
+        every=every,
+        head=head,
+        build_s=build_s,
+        saves=saver.saves,
+        snapshot_bytes=saver.last_bytes,
+        copy_s=saver.last_copy_s,
+        save_s=saver.last_save_s,
+    )
+    record.write_bytes(msgspec.json.encode(built))  # written last: a build cut short is not reused
+    return built
+
+
+async def measure(store: EventStore, tmp: Path, n: int, every: int, echo: Echo) -> Result:
+    built = await _build(store, tmp, n, every, echo)
+    head = built.head
     snapshots = await SnapshotStore.open(store.js, replicas=1)
     saved = sorted(p for name in await snapshots.names(PREFIX) if (p := position_of(name)) is not None)
     infos = await snapshots.objects.list(ignore_deletes=True) if saved else []
@@ -171,22 +228,27 @@ async def measure(store: EventStore, tmp: Path, n: int, every: int, echo: Echo) 
     return Result(
         events=head,
         every=every,
-        build_s=build_s,
-        saves=saver.saves,
+        build_s=built.build_s,
+        saves=built.saves,
         kept=len(saved),
         kept_bytes=kept_bytes,
-        snapshot_bytes=saver.last_bytes,
-        copy_s=saver.last_copy_s,
-        save_s=saver.last_save_s,
+        snapshot_bytes=built.snapshot_bytes,
+        copy_s=built.copy_s,
+        save_s=built.save_s,
         moments=moments,
     )
 
 
 async def run_replay(opts: ReplayOptions, echo: Echo) -> list[Result]:
     results: list[Result] = []
-    with tempfile.TemporaryDirectory(prefix="llmgw-bench-replay-", dir=opts.base_dir) as tmp:
+    with contextlib.ExitStack() as stack:
+        if opts.keep is not None:
+            tmp = opts.keep
+            Path(tmp).mkdir(parents=True, exist_ok=True)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="llmgw-bench-replay-", dir=opts.base_dir))
         for n in opts.events:
-            where = Path(tmp) / f"n{n}"
+            where = Path(tmp) / f"n{n}-every{opts.every}"
             with nats_server(where, durable=True) as server:
                 try:
                     store = await EventStore.connect(server.url, default_registry())
@@ -208,13 +270,14 @@ def replay_text(results: list[Result]) -> str:
     lines = [
         "events replay --until T: from 0 vs from the newest replay snapshot + its tail (same log, same run)",
         f"{'events':>10} {'moment':<27} {'position':>10} {'from 0':>9} {'snapshot':>9} {'ratio':>7} "
-        f"{'load':>7} {'tail':>8}",
+        f"{'load':>7} {'views':>7} {'tail':>8} {'keys':>8}",
     ]
     for r in results:
         for m in r.moments:
             lines.append(
                 f"{r.events:>10,} {m.where:<27} {m.position:>10,} {m.from_zero_s:>8.2f}s {m.from_snapshot_s:>8.2f}s "
-                f"{m.from_zero_s / max(m.from_snapshot_s, 1e-9):>6.1f}x {m.load_s:>6.2f}s {m.tail:>8,}"
+                f"{m.from_zero_s / max(m.from_snapshot_s, 1e-9):>6.1f}x {m.load_s:>6.2f}s {m.views_s:>6.2f}s "
+                f"{m.tail:>8,} {m.keys:>8,}"
             )
         lines.append(
             f"{'':>10} (log written and folded in {r.build_s:.1f} s, saving "

@@ -133,8 +133,13 @@ def coldstart(events: str, base_dir: str | None, as_json: bool) -> None:
 )
 @click.option("--every", default=EVERY_EVENTS, show_default=True, help="Events between two replay snapshots.")
 @click.option("--dir", "base_dir", help="Where the temporary server goes (default: the system's temp).")
+@click.option(
+    "--keep",
+    type=click.Path(file_okay=False),
+    help="Keep each built log (server, snapshots) in this directory, and reuse one built there before.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
-def replay(events: str, every: int, base_dir: str | None, as_json: bool) -> None:
+def replay(events: str, every: int, base_dir: str | None, keep: str | None, as_json: bool) -> None:
     """`events replay --until T` on a long log: from 0, and from the newest replay snapshot plus its tail."""
     try:
         sizes = tuple(int(s) for s in events.split(",") if s.strip())
@@ -144,7 +149,9 @@ def replay(events: str, every: int, base_dir: str | None, as_json: bool) -> None
         raise click.BadParameter("--events must name at least one count of 1 or more, and --every be 1 or more")
     logs.configure("warning")
     try:
-        results = asyncio.run(run_replay(ReplayOptions(events=sizes, every=every, base_dir=base_dir), progress))
+        results = asyncio.run(
+            run_replay(ReplayOptions(events=sizes, every=every, base_dir=base_dir, keep=keep), progress)
+        )
     except BenchError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(json.dumps(replay_json(results), indent=2) if as_json else replay_text(results))

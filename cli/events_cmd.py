@@ -14,6 +14,7 @@ from llmgw.events.commands import CommandError
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.store import Quarantined
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of
+from llmgw.services.api.views import KEYS_LIMIT, KEYS_LIMIT_MAX
 
 
 @click.group()
@@ -171,14 +172,23 @@ def catalog() -> None:
 @click.option(
     "--until", required=True, help="The moment: an ISO time (UTC unless it names a zone), or 10m, 2h, 3d ago."
 )
-@click.option("--json", "as_json", is_flag=True, help="Everything, as the admin API returns it.")
+@click.option(
+    "--keys-limit",
+    type=click.IntRange(0, KEYS_LIMIT_MAX),
+    default=KEYS_LIMIT,
+    show_default=True,
+    help="Keys to list (all are counted); 0 for the counts only.",
+)
+@click.option("--keys-after", help="List the keys after this cursor (the one the page before ends with).")
+@click.option("--json", "as_json", is_flag=True, help="The answer as the admin API returns it.")
 @click.pass_context
-def replay(ctx: click.Context, until: str, as_json: bool) -> None:
+def replay(ctx: click.Context, until: str, keys_limit: int, keys_after: str | None, as_json: bool) -> None:
     """The cluster as it was at a moment: nodes, models, replicas, the tree and keys, folded from the log."""
     parse_since(until)  # a bad time is refused here, before the fold
 
     async def go(s: Session) -> None:
-        c = await s.api("GET", "/api/v1/replay", params={"until": until}, timeout=3600)
+        params = {"until": until, "keys_limit": str(keys_limit)} | ({"keys_after": keys_after} if keys_after else {})
+        c = await s.api("GET", "/api/v1/replay", params=params, timeout=3600)
         if as_json:
             click.echo(json.dumps(c, indent=2))
             return
@@ -205,8 +215,18 @@ def replay(ctx: click.Context, until: str, as_json: bool) -> None:
         click.echo(f"\norgs, teams and projects ({len(c['scopes'])})")
         for sc in c["scopes"]:
             click.echo(f"  {sc['kind']:<8} {sc['path']}")
-        click.echo(f"\nkeys ({len(c['keys'])})")
-        for k in c["keys"]:
-            click.echo(f"  {k['prefix']:<10} {k['project']:<28} {k['name']:<20} {k['state']}")
+        k = c["counts"]["keys"]
+        click.echo(
+            f"\nkeys ({k['total']}: {k['active']} active, {k['revoked']} revoked, {k['expired']} expired"
+            + (f"; {len(c['keys'])} listed" if len(c["keys"]) < k["total"] else "")
+            + ")"
+        )
+        for key in c["keys"]:
+            click.echo(f"  {key['prefix']:<10} {key['project']:<28} {key['name']:<20} {key['state']}")
+        if c["keys_next"]:
+            click.echo(
+                f"  … more: llmgw events replay --until {c['until']} --keys-limit {keys_limit} "
+                f"--keys-after {c['keys_next']}"
+            )
 
     run(ctx, go)

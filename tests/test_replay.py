@@ -38,10 +38,21 @@ async def tenants_fleet(store: EventStore, nats: NatsServer, tmp_path: Path) -> 
         await f.stop()
 
 
-async def replay(fleet: Fleet, until: str) -> tuple[int, dict[str, Any]]:
+async def replay(fleet: Fleet, until: str, **more: str) -> tuple[int, dict[str, Any]]:
     url = f"http://127.0.0.1:{fleet.admin_port}/api/v1/replay"
-    async with aiohttp.ClientSession(headers=fleet.api_headers()) as s, s.get(url, params={"until": until}) as r:
+    params = {"until": until, **more}
+    async with aiohttp.ClientSession(headers=fleet.api_headers()) as s, s.get(url, params=params) as r:
         return r.status, await r.json()
+
+
+async def cli(fleet: Fleet, *args: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        LLMGW, "--nats", fleet.nats_url, "--api", f"http://127.0.0.1:{fleet.admin_port}", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=fleet.cli_env(),
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    return out.decode()
 
 
 async def test_the_cluster_is_shown_as_it_was_before_later_changes(tenants_fleet: Fleet, tmp_path: Path) -> None:
@@ -85,15 +96,47 @@ async def test_the_cluster_is_shown_as_it_was_before_later_changes(tenants_fleet
     assert status == 200 and before["position"] == 0 and before["nodes"] == before["models"] == before["keys"] == []
 
     # The CLI prints the same moment.
-    proc = await asyncio.create_subprocess_exec(
-        LLMGW, "--nats", fleet.nats_url, "--api", f"http://127.0.0.1:{fleet.admin_port}",
-        "events", "replay", "--until", then.isoformat(),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=fleet.cli_env(),
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    text = out.decode()
-    assert proc.returncode == 0, err.decode()
+    text = await cli(fleet, "events", "replay", "--until", then.isoformat())
     assert "tiny" in text and "1/1 ready" in text and "serving" in text and f"{prefix}" in text and "active" in text
+
+
+async def test_keys_at_a_moment_are_all_counted_by_state_and_listed_a_page_at_a_time(tenants_fleet: Fleet) -> None:
+    fleet = tenants_fleet
+    for kind, path in (("org", "acme"), ("team", "acme/ml"), ("project", "acme/ml/chat")):
+        await fleet.command("create", T.CreateScope(kind=kind, path=path), service=T.SERVICE)
+    ends = utc_now() + timedelta(seconds=1)
+    prefixes = {}
+    for name, expires in (("a", None), ("b", None), ("c", None), ("d", ends)):
+        _, prefixes[name], digest = A.make_api_key()
+        create = A.CreateKey(
+            project="acme/ml/chat", prefix=prefixes[name], secret_sha256=digest, name=name, expires_at=expires
+        )
+        await fleet.command("key.create", create, A.SERVICE)
+    await fleet.command("key.revoke", A.RevokeKey(key=prefixes["a"]), A.SERVICE)
+    await wait_until(lambda: utc_now() > ends, deadline_s=10, what="key d's expiry to pass")
+    until = utc_now().isoformat()
+
+    status, first = await replay(fleet, until, keys_limit="2")
+    assert status == 200, first
+    assert first["counts"]["keys"] == {"total": 4, "active": 2, "revoked": 1, "expired": 1}
+    assert [(k["name"], k["state"]) for k in first["keys"]] == [("a", "revoked"), ("b", "active")]
+    assert first["keys_next"]
+    status, rest = await replay(fleet, until, keys_limit="2", keys_after=first["keys_next"])
+    assert status == 200, rest
+    assert [(k["name"], k["state"]) for k in rest["keys"]] == [("c", "active"), ("d", "expired")]
+    assert rest["keys_next"] is None and rest["counts"] == first["counts"]
+    status, counted = await replay(fleet, until, keys_limit="0")
+    assert status == 200 and counted["keys"] == [] and counted["counts"] == first["counts"]
+
+    # The CLI prints the counts and the page, and says how to see the next one.
+    text = await cli(fleet, "events", "replay", "--until", until, "--keys-limit", "2")
+    assert "keys (4: 2 active, 1 revoked, 1 expired; 2 listed)" in text, text
+    assert prefixes["b"] in text and prefixes["c"] not in text
+    assert f"--keys-limit 2 --keys-after {first['keys_next']}" in text, text
+    text = await cli(
+        fleet, "events", "replay", "--until", until, "--keys-limit", "2", "--keys-after", first["keys_next"]
+    )
+    assert prefixes["c"] in text and prefixes["d"] in text and prefixes["b"] not in text and "--keys-after" not in text
 
 
 async def _stopped(fleet: Fleet, replica_id: str) -> bool:
@@ -108,4 +151,15 @@ async def test_a_moment_that_is_not_one_is_refused_with_what_to_give(
     tenants_fleet: Fleet, until: str, says: str
 ) -> None:
     status, body = await replay(tenants_fleet, until)
+    assert status == 400 and says in body["error"]["message"] and body["error"]["code"] == "invalid"
+
+
+@pytest.mark.parametrize(
+    ("page", "says"),
+    [({"keys_limit": "many"}, "not a whole number"), ({"keys_after": "not-a-cursor"}, "give the keys_next")],
+)
+async def test_a_page_of_keys_that_is_not_one_is_refused_with_what_to_give(
+    tenants_fleet: Fleet, page: dict[str, str], says: str
+) -> None:
+    status, body = await replay(tenants_fleet, "1h", **page)
     assert status == 400 and says in body["error"]["message"] and body["error"]["code"] == "invalid"

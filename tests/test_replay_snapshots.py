@@ -196,8 +196,8 @@ async def test_a_replay_from_a_snapshot_answers_what_a_replay_from_0_answers_at_
     }
     for what, seq in moments.items():
         when = await _moment(store, seq)
-        snap = await cluster_at(store, when)
-        zero = await cluster_at(store, when, from_snapshots=False)
+        snap = await cluster_at(store, when, keys_limit=None)
+        zero = await cluster_at(store, when, from_snapshots=False, keys_limit=None)
         assert _without_how(snap) == _without_how(zero), what
         assert zero["from_snapshot"] is None and zero["events_folded"] > 0, what
         expected = newest_at_or_before(saved, snap["position"])
@@ -272,11 +272,35 @@ async def test_a_snapshot_that_cannot_be_trusted_is_ignored_and_the_replay_folds
 
     when = await _moment(store, head)
     with capture_logs() as logs:
-        answer = await cluster_at(store, when)
-    zero = await cluster_at(store, when, from_snapshots=False)
+        answer = await cluster_at(store, when, keys_limit=None)
+    zero = await cluster_at(store, when, from_snapshots=False, keys_limit=None)
     assert answer["from_snapshot"] is None
     assert _without_how(answer) == _without_how(zero) and answer["events_folded"] == zero["events_folded"]
     assert any("is ignored" in e["event"] for e in logs), logs
+
+
+async def test_every_key_is_counted_and_the_pages_list_them_all_once_in_order(
+    logged: tuple[EventStore, list[int]],
+) -> None:
+    store, _ = logged
+    when = await _moment(store, await store.stream_last_seq())
+    every = await cluster_at(store, when, keys_limit=None)
+    counts = every["counts"]["keys"]
+    assert every["keys_next"] is None and len(every["keys"]) == counts["total"] > 100
+    assert counts["revoked"] == sum(k["state"] == "revoked" for k in every["keys"]) > 0
+    assert counts["active"] + counts["revoked"] + counts["expired"] == counts["total"]
+    first = await cluster_at(store, when)  # the API's default page
+    assert first["keys"] == every["keys"][:100] and first["keys_next"] is not None
+    listed, after = [], None
+    while True:
+        page = await cluster_at(store, when, keys_limit=60, keys_after=after)
+        assert page["counts"] == every["counts"] and len(page["keys"]) <= 60
+        listed += page["keys"]
+        after = page["keys_next"]
+        if after is None:
+            break
+    assert listed == every["keys"]
+    assert (await cluster_at(store, when, keys_limit=0))["keys"] == []
 
 
 async def test_a_replay_with_no_snapshot_saved_folds_from_0(store: EventStore) -> None:
@@ -341,6 +365,17 @@ def test_bench_replay_times_a_replay_from_0_and_from_snapshots_at_the_head_and_m
     assert any("near the head, before one" in line for line in lines), result.output
     assert any("mid-log, before a snapshot" in line for line in lines), result.output
     assert "snapshots every 500 events" in result.output
+
+
+def test_bench_replay_keeps_the_log_it_built_and_a_later_run_measures_on_it_without_building(tmp_path: Path) -> None:
+    args = ["bench", "replay", "--events", "1500", "--every", "500", "--keep", str(tmp_path / "kept")]
+    built = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert built.exit_code == 0, built.output
+    assert "writing 1,500 events" in built.output and "reusing" not in built.output
+    again = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert again.exit_code == 0, again.output
+    assert "reusing the log of 1,500 events" in again.output and "writing" not in again.output
+    assert "near the head, before one" in again.output
 
 
 def test_bench_replay_refuses_counts_that_are_not_counts() -> None:

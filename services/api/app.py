@@ -47,9 +47,17 @@ from llmgw.projections.usage import (
     spend,
     usage_totals,
 )
-from llmgw.services.api.replay import cluster_at
+from llmgw.services.api.replay import cluster_at, parse_keys_cursor
 from llmgw.services.api.signin import Identity, Refused, SignIn
-from llmgw.services.api.views import ACCESS_COLUMNS, FLEET_COLUMNS, shape_key, shape_model, shape_node
+from llmgw.services.api.views import (
+    ACCESS_COLUMNS,
+    FLEET_COLUMNS,
+    KEYS_LIMIT,
+    KEYS_LIMIT_MAX,
+    shape_key,
+    shape_model,
+    shape_node,
+)
 
 log = structlog.get_logger("llmgw.services.api")
 
@@ -282,7 +290,19 @@ class AdminApi:
         return web.json_response({"events": [dict(zip(cols, r, strict=True)) for r in reversed(rows)]})
 
     async def replay(self, request: web.Request) -> web.Response:
-        """The cluster as it was at ``?until=`` (an ISO time, or ``30m``/``2h``/``1d`` ago), from the log."""
+        """The cluster as it was at ``?until=`` (an ISO time, or ``30m``/``2h``/``1d`` ago), from the log;
+        keys counted and paged: ``?keys_limit=`` (default 100, at most 1000), ``?keys_after=`` (a ``keys_next``)."""
+        q = request.query
+        try:
+            keys_limit = min(max(int(q.get("keys_limit", str(KEYS_LIMIT))), 0), KEYS_LIMIT_MAX)
+        except ValueError:
+            return error(400, f"keys_limit {q.get('keys_limit')!r} is not a whole number", "invalid")
+        keys_after = q.get("keys_after") or None
+        if keys_after is not None:
+            try:
+                parse_keys_cursor(keys_after)  # refused before the fold, not after it
+            except ValueError as exc:
+                return error(400, str(exc), "invalid")
         until = request.query.get("until", "").strip()
         if not until:
             return error(400, "say when: ?until=2026-11-29T20:00:00Z, or a duration back such as 2h", "invalid")
@@ -292,7 +312,7 @@ class AdminApi:
             return error(400, str(exc).replace("since", "until", 1), "invalid")
         if when > utc_now():
             return error(400, f"until {when.isoformat()} is in the future; the log holds the past only", "invalid")
-        return web.json_response(await cluster_at(self.store, when))
+        return web.json_response(await cluster_at(self.store, when, keys_limit=keys_limit, keys_after=keys_after))
 
     async def _caught_up(self, projection: str, position: int) -> None:
         if not await self.runner.wait_until(projection, position, timeout=READ_WAIT_S):

@@ -7,26 +7,73 @@ saved every 10,000 events by the process that runs them: :mod:`llmgw.projections
 and folds only the events after it; with none to trust it folds the log from 0, which costs what a
 rebuild of those projections costs (minutes at a million events, against seconds from a snapshot:
 docs/benchmarks.md, "Replay to a moment"). The answer's ``from_snapshot`` says which it did.
+
+The answer is bounded: nodes, models, active replicas and scopes are the fleet's and the tree's size,
+but keys only grow (a revoked key stays on the books: 150,000 at a million events), so the answer
+counts them all, by state, and lists one page of them (``keys_limit``, oldest first) with the cursor
+that asks for the next (``keys_next``; ``keys_after`` takes it back).
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import tempfile
+from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from llmgw.events.store import EventStore
 from llmgw.projections.access import tenancy_paths
 from llmgw.projections.backends import Backend, open_backend
 from llmgw.projections.replay import position_at, replay_into
 from llmgw.projections.replay_snapshots import replay_projections, start_from_snapshot
-from llmgw.services.api.views import ACCESS_COLUMNS, ACTIVE_STATES, FLEET_COLUMNS, shape_key, shape_model, shape_node
+from llmgw.services.api.views import (
+    ACCESS_COLUMNS,
+    ACTIVE_STATES,
+    FLEET_COLUMNS,
+    KEYS_LIMIT,
+    key_expired,
+    shape_key,
+    shape_model,
+    shape_node,
+)
 
 
-async def cluster_at(store: EventStore, when: datetime, *, from_snapshots: bool = True) -> dict[str, Any]:
-    """The cluster at ``when``, as the admin API's live views show it now (heartbeat figures aside:
-    they are telemetry, not events). ``from_snapshots=False`` folds from 0 whatever is saved."""
+class Replayed(msgspec.Struct, kw_only=True):
+    """The projections folded up to a moment, in a scratch database open while the block lasts."""
+
+    backend: Backend
+    until: datetime
+    position: int  # the last event folded: the last one stamped at or before ``until``; 0 for none
+    last_event_at: datetime | None
+    from_snapshot: int | None  # the snapshot the fold started from; None when it folded from 0
+    events_folded: int
+
+
+def keys_cursor(created_at: str, key_id: str) -> str:
+    """The opaque cursor that asks for the keys after this one (in the order pages list them)."""
+    return base64.urlsafe_b64encode(msgspec.json.encode([created_at, key_id])).decode().rstrip("=")
+
+
+def parse_keys_cursor(cursor: str) -> tuple[str, str]:
+    """(created_at, id) of the key a cursor names; ValueError naming what to give when it is not one."""
+    try:
+        created_at, key_id = msgspec.json.decode(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        if isinstance(created_at, str) and isinstance(key_id, str):
+            return created_at, key_id
+    except (ValueError, TypeError, msgspec.DecodeError):
+        pass
+    raise ValueError(f"keys_after {cursor!r} is not a cursor; give the keys_next of the page before, as it came")
+
+
+@contextlib.asynccontextmanager
+async def replayed(store: EventStore, when: datetime, *, from_snapshots: bool = True) -> AsyncIterator[Replayed]:
+    """The projections folded up to ``when`` (from the newest replay snapshot before it, unless
+    ``from_snapshots`` is false), in a scratch database deleted when the block ends."""
     position, stamped = await position_at(store, when)
     projections = replay_projections()
     with tempfile.TemporaryDirectory(prefix="llmgw-replay-") as tmp:
@@ -38,21 +85,50 @@ async def cluster_at(store: EventStore, when: datetime, *, from_snapshots: bool 
         try:
             after = start.after if start is not None else None
             folded = await replay_into(store, backend, position, projections, after)
-            return {
-                "until": when.isoformat(),
-                "position": position,
-                "last_event_at": stamped.isoformat() if stamped else None,
-                "from_snapshot": start.position if start is not None else None,
-                "events_folded": folded,
-                **await _views(backend, when),
-            }
+            yield Replayed(
+                backend=backend,
+                until=when,
+                position=position,
+                last_event_at=stamped,
+                from_snapshot=start.position if start is not None else None,
+                events_folded=folded,
+            )
         finally:
             await backend.close()
 
 
-async def _views(backend: Backend, when: datetime) -> dict[str, Any]:
-    async def rows(projection: str, table: str, columns: list[str], tail: str = "") -> list[dict[str, Any]]:
-        found = await backend.query(projection, f"SELECT {', '.join(columns)} FROM {{{table}}} {tail}")
+async def cluster_at(
+    store: EventStore,
+    when: datetime,
+    *,
+    from_snapshots: bool = True,
+    keys_limit: int | None = KEYS_LIMIT,
+    keys_after: str | None = None,
+) -> dict[str, Any]:
+    """The cluster at ``when``, as the admin API's live views show it now (heartbeat figures aside:
+    they are telemetry, not events), with one page of keys. ``from_snapshots=False`` folds from 0
+    whatever is saved; ``keys_limit=None`` lists every key (for comparisons, not for answers)."""
+    async with replayed(store, when, from_snapshots=from_snapshots) as moment:
+        return await answer(moment, keys_limit=keys_limit, keys_after=keys_after)
+
+
+async def answer(
+    moment: Replayed, *, keys_limit: int | None = KEYS_LIMIT, keys_after: str | None = None
+) -> dict[str, Any]:
+    """The API's answer for a replayed moment: where it is on the log, how it was folded, the views."""
+    return {
+        "until": moment.until.isoformat(),
+        "position": moment.position,
+        "last_event_at": moment.last_event_at.isoformat() if moment.last_event_at else None,
+        "from_snapshot": moment.from_snapshot,
+        "events_folded": moment.events_folded,
+        **await _views(moment.backend, moment.until, keys_limit, keys_after),
+    }
+
+
+async def _views(backend: Backend, when: datetime, keys_limit: int | None, keys_after: str | None) -> dict[str, Any]:
+    async def rows(projection: str, table: str, columns: list[str], tail: str = "", *args: Any) -> list[dict[str, Any]]:
+        found = await backend.query(projection, f"SELECT {', '.join(columns)} FROM {{{table}}} {tail}", *args)
         return [dict(zip(columns, r, strict=True)) for r in found]
 
     nodes = await rows("fleet", "nodes", FLEET_COLUMNS["nodes"], "ORDER BY id")
@@ -72,10 +148,46 @@ async def _views(backend: Backend, when: datetime) -> dict[str, Any]:
     nodes = [shape_node(n, on_node.get(n["id"], [])) for n in nodes]
     models = [shape_model(m, of_model.get(m["name"], [])) for m in models]
     paths = await tenancy_paths(backend)
-    keys = [
-        shape_key(k, paths, when)
-        for k in await rows("access", "keys", ACCESS_COLUMNS["keys"], "ORDER BY created_at, id")
-    ]
     by_path = sorted(paths.items(), key=lambda item: item[1][1])
     scopes = [{"id": sid, "kind": kind, "path": path} for sid, (kind, path) in by_path]
-    return {"nodes": nodes, "models": models, "replicas": active, "scopes": scopes, "keys": keys}
+    keys, keys_next = await _keys_page(backend, paths, when, keys_limit, keys_after)
+    counts = {"nodes": len(nodes), "models": len(models), "replicas": len(active), "scopes": len(scopes)}
+    return {
+        "counts": {**counts, "keys": await _keys_count(backend, when)},
+        "nodes": nodes,
+        "models": models,
+        "replicas": active,
+        "scopes": scopes,
+        "keys": keys,
+        "keys_next": keys_next,
+    }
+
+
+async def _keys_page(
+    backend: Backend, paths: dict[str, tuple[str, str]], when: datetime, limit: int | None, after: str | None
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Keys oldest first, ``limit`` of them after the cursor ``after``, and the cursor for the next page."""
+    if limit == 0:
+        return [], None  # counts only
+    columns = ACCESS_COLUMNS["keys"]
+    where, args = "", []
+    if after is not None:
+        where, args = "WHERE (created_at, id) > (?, ?)", list(parse_keys_cursor(after))
+    more = "" if limit is None else f"LIMIT {limit + 1}"  # one more than asked: is there a next page?
+    found = await backend.query(
+        "access", f"SELECT {', '.join(columns)} FROM {{keys}} {where} ORDER BY created_at, id {more}", *args
+    )
+    page = found if limit is None else found[:limit]
+    keys = [shape_key(dict(zip(columns, r, strict=True)), paths, when) for r in page]
+    following = (
+        keys_cursor(keys[-1]["created_at"], keys[-1]["id"]) if limit is not None and len(found) > limit else None
+    )
+    return keys, following
+
+
+async def _keys_count(backend: Backend, when: datetime) -> dict[str, int]:
+    """Every key at ``when`` counted by the state :func:`shape_key` gives it (total, active, revoked, expired)."""
+    [(total, revoked)] = await backend.query("access", "SELECT COUNT(*), COALESCE(SUM(revoked), 0) FROM {keys}")
+    ends = await backend.query("access", "SELECT expires_at FROM {keys} WHERE revoked = 0 AND expires_at IS NOT NULL")
+    expired = sum(1 for (at,) in ends if key_expired(at, when))
+    return {"total": total, "active": total - revoked - expired, "revoked": revoked, "expired": expired}

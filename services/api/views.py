@@ -14,6 +14,8 @@ import msgspec
 from llmgw.events import access as A
 
 ACTIVE_STATES = ("placed", "starting", "ready", "draining")
+KEYS_LIMIT = 100  # keys a replay's answer lists unless asked otherwise (all are counted)
+KEYS_LIMIT_MAX = 1000  # at most, as the audit's ``limit``: a page, not the book
 
 FLEET_COLUMNS = {
     "nodes": [
@@ -127,6 +129,11 @@ def shape_model(m: dict[str, Any], active: list[dict[str, Any]]) -> dict[str, An
     return m
 
 
+def key_expired(expires_at: str | None, now: datetime) -> bool:
+    """Whether a key that ends at ``expires_at`` (a ``keys`` row's ISO time, or None: never) has ended at ``now``."""
+    return expires_at is not None and datetime.fromisoformat(expires_at) <= now
+
+
 def shape_key(k: dict[str, Any], paths: dict[str, tuple[str, str]], now: datetime) -> dict[str, Any]:
     """A ``keys`` row as the API shows it (never a secret): its project's path and its state at ``now``."""
     found = paths.get(k["project_id"])
@@ -134,7 +141,6 @@ def shape_key(k: dict[str, Any], paths: dict[str, tuple[str, str]], now: datetim
     k["user"] = k.pop("user_name")
     k["models"] = msgspec.json.decode(k["models"] or "[]")
     k["revoked"] = bool(k["revoked"])
-    expired = k["expires_at"] is not None and datetime.fromisoformat(k["expires_at"]) <= now
-    k["state"] = "revoked" if k["revoked"] else "expired" if expired else "active"
+    k["state"] = "revoked" if k["revoked"] else "expired" if key_expired(k["expires_at"], now) else "active"
     k["display"] = f"{A.KEY_PREFIX}-{k['prefix']}-…"
     return k
