@@ -10,8 +10,10 @@ import click
 import msgspec
 
 from llmgw.cli.client import Session, run
+from llmgw.events.command_audit import CommandAudit
 from llmgw.events.commands import CommandError
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.secrets import engine_key_secret
 from llmgw.events.store import Quarantined
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of
 from llmgw.services.api.views import KEYS_LIMIT, KEYS_LIMIT_MAX
@@ -228,5 +230,37 @@ def replay(ctx: click.Context, until: str, keys_limit: int, keys_after: str | No
                 f"  … more: llmgw events replay --until {c['until']} --keys-limit {keys_limit} "
                 f"--keys-after {c['keys_next']}"
             )
+
+    run(ctx, go)
+
+
+@events.command("verify")
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.pass_context
+def verify(ctx: click.Context, as_json: bool) -> None:
+    """Check every carried-out command's signature again, from the log alone: who asked for each change.
+
+    Exits 1 when a signature does not hold (the log was altered) and lists those commands."""
+
+    async def go(s: Session) -> int:
+        store = await s.store()
+        audit = CommandAudit(secret=await engine_key_secret(store.js))
+        async for batch in store.subscribe(f"{EVENTS_ROOT}.>", follow=False):
+            for event in batch:
+                if isinstance(event, RecordedEvent):
+                    audit.apply(event)
+        found = audit.result
+        if as_json:
+            click.echo(msgspec.json.encode(found).decode())
+        else:
+            click.echo(
+                f"{found.checked:,} command(s) carried out, each signature holds; {found.refused:,} refused when sent "
+                f"as unproven; {found.not_kept:,} from before commands were kept"
+            )
+            for signer, n in sorted(found.signers.items(), key=lambda kv: -kv[1]):
+                click.echo(f"  {n:>8,}  signed by {signer}")
+            for f in found.failures:
+                click.echo(f"FAILED {f.kind} {f.command_id} (#{f.seq}, by {f.requested_by}, {f.signer}): {f.why}")
+        return 0 if found.ok else 1
 
     run(ctx, go)

@@ -398,7 +398,7 @@ class CommandProcessor:
         refusal = CommandReplayed(
             command_id=command.id,
             kind=command.kind,
-            requested_by=command.actor,
+            requested_by=getattr(payload, "requested_by", command.actor),  # as verified the first time
             signer=command.signer,
             first_seq=first_seq,
             replay_seq=seq,
