@@ -12,8 +12,10 @@ the events after it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
+from functools import partial
+from typing import Any
 
 import nats.js.errors
 
@@ -69,13 +71,17 @@ async def replay_into(
     until: int,
     projections: Sequence[Projection],
     after: Mapping[str, int] | None = None,
+    *,
+    commit: Callable[[Projection, list[Any]], Awaitable[int]] | None = None,
 ) -> int:
     """Fold the events up to sequence ``until`` into ``backend``; the events folded (per projection).
 
     Each projection folds from its position in ``after`` (its rows up to there already in ``backend``:
     a replay snapshot's, :mod:`llmgw.projections.replay_snapshots`), else from 0 into fresh tables.
     Projections that read the same subject read it once together (fleet and access both read the
-    whole log: reading and decoding it is half of what a fold costs).
+    whole log: reading and decoding it is half of what a fold costs). ``commit`` folds each batch instead
+    of :func:`~llmgw.projections.fold.commit_batch` on ``backend`` (the tables are made on ``backend``
+    first either way): a replay's on a thread of its own, :class:`~llmgw.projections.replay_fold.TailFold`.
     """
     starts = {p.name: (after or {}).get(p.name, 0) for p in projections}
     together: dict[tuple[str, object], list[Projection]] = {}
@@ -96,5 +102,5 @@ async def replay_into(
                     start = starts[projection.name]
                     mine = batch if batch[0].seq > start else [e for e in batch if e.seq > start]
                     if mine:
-                        folded += await commit_batch(backend, projection, mine)
+                        folded += await (commit or partial(commit_batch, backend))(projection, mine)
     return folded

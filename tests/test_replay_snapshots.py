@@ -24,6 +24,7 @@ from llmgw.events.snapshots import SnapshotStore
 from llmgw.events.store import EventStore
 from llmgw.projections.backends import open_backend
 from llmgw.projections.replay import replay_into, stamp_of
+from llmgw.projections.replay_fold import TailFold
 from llmgw.projections.replay_snapshots import (
     FORMAT,
     PREFIX,
@@ -112,14 +113,22 @@ async def logged(store: EventStore, tmp_path: Path) -> AsyncIterator[tuple[Event
         await backend.close()
 
 
-async def _tables(store: EventStore, tmp_path: Path, position: int, from_snapshots: bool) -> tuple[Any, dict]:
-    """Every row of the replayed projections at ``position`` (from the newest snapshot, or from 0)."""
+async def _tables(
+    store: EventStore, tmp_path: Path, position: int, from_snapshots: bool, on_a_thread: bool = False
+) -> tuple[Any, dict]:
+    """Every row of the replayed projections at ``position`` (from the newest snapshot, or from 0), folded
+    through the backend as the server's projections fold, or ``on_a_thread`` as a replay's tail is."""
     database = tmp_path / f"scratch-{uuid.uuid4().hex[:6]}.db"
     projections = replay_projections()
     start = await start_from_snapshot(store, database, position, projections) if from_snapshots else None
     backend = await open_backend(f"sqlite:///{database}")
     try:
-        await replay_into(store, backend, position, projections, start.after if start else None)
+        after = start.after if start else None
+        if on_a_thread:
+            async with TailFold(database) as fold:
+                await replay_into(store, backend, position, projections, after, commit=fold.commit)
+        else:
+            await replay_into(store, backend, position, projections, after)
         tables = {}
         for p in projections:
             for logical in p.tables:
@@ -209,6 +218,17 @@ async def test_a_replay_from_a_snapshot_answers_what_a_replay_from_0_answers_at_
         _, rows_from_0 = await _tables(store, tmp_path, snap["position"], from_snapshots=False)
         assert (start.position if start else None) == expected
         assert rows == rows_from_0, what
+
+
+async def test_a_tail_folded_on_a_thread_of_its_own_leaves_the_rows_the_backend_folds(
+    logged: tuple[EventStore, list[int]], tmp_path: Path
+) -> None:
+    store, saved = logged
+    for seq in ((saved[-2] + saved[-1]) // 2, await store.stream_last_seq()):
+        for from_snapshots in (True, False):
+            start, rows = await _tables(store, tmp_path, seq, from_snapshots, on_a_thread=True)
+            _, expected = await _tables(store, tmp_path, seq, from_snapshots)
+            assert (start is not None) == from_snapshots and rows == expected
 
 
 async def test_snapshots_copied_from_either_live_database_replay_the_rows_a_replay_from_0_folds(

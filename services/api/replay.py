@@ -30,6 +30,7 @@ from llmgw.events.store import EventStore
 from llmgw.projections.access import tenancy_paths
 from llmgw.projections.backends import Backend, open_backend
 from llmgw.projections.replay import position_at, replay_into
+from llmgw.projections.replay_fold import TailFold
 from llmgw.projections.replay_snapshots import replay_projections, start_from_snapshot
 from llmgw.services.api.views import (
     ACCESS_COLUMNS,
@@ -84,7 +85,8 @@ async def replayed(store: EventStore, when: datetime, *, from_snapshots: bool = 
         backend = await open_backend(f"sqlite:///{database}")
         try:
             after = start.after if start is not None else None
-            folded = await replay_into(store, backend, position, projections, after)
+            async with TailFold(database) as fold:
+                folded = await replay_into(store, backend, position, projections, after, commit=fold.commit)
             yield Replayed(
                 backend=backend,
                 until=when,
