@@ -9,12 +9,14 @@ import asyncio
 import json
 
 import click
+import msgspec
 
 from llmgw.bench import BenchError
 from llmgw.bench.backbone import BackboneOptions, backbone_text, run_backbone
 from llmgw.bench.coldstart import ColdstartOptions, coldstart_json, coldstart_text, run_coldstart
 from llmgw.bench.replay import ReplayOptions, replay_json, replay_text, run_replay
 from llmgw.bench.scheduler import SchedulerOptions, run_scheduler, scheduler_json, scheduler_text
+from llmgw.bench.signing import run_signing, signing_text
 from llmgw.cli import logs
 from llmgw.projections.replay_snapshots import EVERY_EVENTS
 
@@ -155,3 +157,21 @@ def replay(events: str, every: int, base_dir: str | None, keep: str | None, as_j
     except BenchError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(json.dumps(replay_json(results), indent=2) if as_json else replay_text(results))
+
+
+@bench.command("signing")
+@click.option("--checks", default=20000, show_default=True, help="Signed commands checked for the rate.")
+@click.option("--rounds", default=6, show_default=True, help="Alternating rounds of signed and unchecked commands.")
+@click.option("--per-round", default=50, show_default=True, help="Commands sent per round.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of text.")
+def signing(checks: int, rounds: int, per_round: int, as_json: bool) -> None:
+    """What signed commands cost: checks per second on one core, and a command end to end against unchecked."""
+    logs.configure("warning")
+    try:
+        result = asyncio.run(run_signing(checks, rounds, per_round))
+    except BenchError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps({**msgspec.to_builtins(result), "ratio": result.ratio}, indent=2))
+    else:
+        click.echo(signing_text(result))
