@@ -13,7 +13,8 @@ import aiohttp
 
 from llmgw.events import people as P
 from llmgw.events.commands import CommandClient, CommandRejectedError
-from llmgw.events.store import EventStore
+from llmgw.events.store import EventStore, NewEvent
+from llmgw.events.subjects import event_subject
 from llmgw.services.people.passwords import hash_password
 from tests.support import wait_until
 
@@ -59,3 +60,26 @@ def headers(token: str) -> dict[str, str]:
 def cli_env(token: str, **more: str) -> dict[str, str]:
     """The environment a CLI subprocess signs in with (``LLMGW_TOKEN``), plus ``more``."""
     return {**os.environ, "LLMGW_TOKEN": token, **more}
+
+
+async def person_on_log(store: EventStore, name: str = "operator", role: str = "cluster-admin") -> str:
+    """A person with ``role`` over the cluster and a personal token, written straight to the log as the
+    people service writes them (for tests whose process runs no people service); returns the token, which
+    the CLI signs commands with (``LLMGW_TOKEN``)."""
+    token, issue = P.issue(name, "personal", label="tests")
+    subject = event_subject(P.AGGREGATE, name)
+    payloads = [
+        P.UserAdded(name=name),
+        P.RoleGranted(name=name, role=role, scope="cluster"),
+        P.TokenIssued(
+            name=name,
+            token_id=f"t-{issue.prefix}",
+            prefix=issue.prefix,
+            secret_sha256=issue.secret_sha256,
+            kind="personal",
+            label=issue.label,
+            signing_key=issue.signing_key,
+        ),
+    ]
+    await store.append(subject, [NewEvent(payload=p, actor="system:tests") for p in payloads])
+    return token

@@ -33,6 +33,7 @@ from llmgw.services.mirror.rules import should_report
 from llmgw.services.mirror.service import MirrorConfig, MirrorService
 from tests.fakehub import FakeHub
 from tests.gguf_tiny import write_tiny_gguf
+from tests.signin import person_on_log
 from tests.support import NatsServer, free_port, wait_until
 
 pytestmark = [pytest.mark.timeout(120)]  # asyncio_mode = auto marks the async tests
@@ -508,8 +509,8 @@ async def test_the_file_server_answers_ranges_and_only_to_token_holders(rig: Rig
 # -- the CLI, through the composition root ---------------------------------------------------
 
 
-async def cli(nats_url: str, base: Path, *args: str) -> tuple[int, str, str]:
-    env = {**os.environ, "LLMGW_DATA_DIR": str(base / "no-up")}
+async def cli(nats_url: str, base: Path, *args: str, token: str = "") -> tuple[int, str, str]:
+    env = {**os.environ, "LLMGW_DATA_DIR": str(base / "no-up"), "LLMGW_TOKEN": token}
     env.pop("LLMGW_API_URL", None)
     proc = await asyncio.create_subprocess_exec(
         LLMGW, "--nats", nats_url, *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
@@ -538,7 +539,8 @@ async def test_mirror_fetch_list_and_remove_through_the_cli(
     task = asyncio.create_task(serve(config, stop, on_ready=ready.set))
     try:
         await asyncio.wait_for(ready.wait(), 30)
-        code, out, err = await cli(nats.url, tmp_path, "mirror", "fetch", "tiny", REPO)
+        token = await person_on_log(store)
+        code, out, err = await cli(nats.url, tmp_path, "mirror", "fetch", "tiny", REPO, token=token)
         assert code == 0, err
         assert f"into tiny/{version}" in out and "verified" in out and f"tiny/{version} is on the mirror" in out
 
@@ -550,15 +552,15 @@ async def test_mirror_fetch_list_and_remove_through_the_cli(
         code, out, _ = await cli(nats.url, tmp_path, "mirror", "list")
         assert "tiny" in out and "present" in out and version in out
 
-        code, out, err = await cli(nats.url, tmp_path, "mirror", "remove", f"tiny/{version}")
+        code, out, err = await cli(nats.url, tmp_path, "mirror", "remove", f"tiny/{version}", token=token)
         assert code == 0, err
         assert f"removed tiny/{version}" in out
         assert files_under(tmp_path / "mirror") == []
         code, out, _ = await cli(nats.url, tmp_path, "mirror", "list")
         assert "holds nothing" in out
-        code, _, err = await cli(nats.url, tmp_path, "mirror", "remove", "tiny")
+        code, _, err = await cli(nats.url, tmp_path, "mirror", "remove", "tiny", token=token)
         assert code == 2 and "holds no model 'tiny'" in err
-        code, _, err = await cli(nats.url, tmp_path, "mirror", "fetch", "tiny", "../etc")
+        code, _, err = await cli(nats.url, tmp_path, "mirror", "fetch", "tiny", "../etc", token=token)
         assert code == 2 and "looks like owner/name" in err
     finally:
         stop.set()
