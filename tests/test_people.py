@@ -13,10 +13,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 
 from llmgw.events import people as P
-from llmgw.events.commands import Rejected
+from llmgw.events.command_auth import TokenSigner
+from llmgw.events.commands import CommandClient, CommandRejectedError, Rejected
 from llmgw.events.envelope import Envelope, RecordedEvent
 from llmgw.events.people_fold import People
 from llmgw.events.store import EventStore
@@ -453,3 +455,32 @@ async def test_a_project_member_sees_their_projects_keys_and_nothing_wider(tenan
     team = await person_with(tenants, "tess", ("viewer", "team:acme/ml"))
     for project in ("acme/ml/chat", "acme/ml/rag"):
         assert (await call(tenants, "GET", f"/api/v1/keys?project={project}", team))[0] == 200
+
+
+async def test_an_admin_token_from_before_signed_commands_is_renewed_at_start_and_then_signs(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    old, issue = P.issue("admin", "personal", label="this machine's CLI")
+    unsigned = msgspec.structs.replace(issue, signing_key="")  # as issued before commands were signed
+    await fleet.client.send(P.SERVICE, "user.add", P.AddUser(name="admin", password_hash=HASH), actor="system:tests")
+    await fleet.client.send(
+        P.SERVICE, "role.grant", P.GrantRole(name="admin", role="cluster-admin", scope="cluster"), actor="system:tests"
+    )
+    await fleet.client.send(P.SERVICE, "token.issue", unsigned, actor="system:tests")
+    (data / TOKEN_FILE).write_text(old + "\n")
+    with pytest.raises(CommandRejectedError) as caught:
+        await CommandClient(fleet.store, TokenSigner(old)).send(
+            P.SERVICE, "user.add", P.AddUser(name="x", password_hash=HASH), actor=""
+        )
+    assert "issued before commands were signed" in caught.value.reason
+
+    assert not await ensure_admin(fleet.store, data)
+    renewed = (data / TOKEN_FILE).read_text().strip()
+    assert renewed != old and stat.S_IMODE(os.stat(data / TOKEN_FILE).st_mode) == 0o600
+    out = await CommandClient(fleet.store, TokenSigner(renewed)).send(
+        P.SERVICE, "user.add", P.AddUser(name="x", password_hash=HASH), actor=""
+    )
+    assert out.requested_by == "user:admin"
+    assert (await call(fleet, "GET", "/api/v1/whoami", old))[0] == 401, "the old token is revoked"

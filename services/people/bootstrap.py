@@ -17,7 +17,9 @@ import structlog
 
 from llmgw.events import people as P
 from llmgw.events.commands import CommandClient, CommandRejectedError
+from llmgw.events.people_fold import People
 from llmgw.events.store import EventStore
+from llmgw.events.subjects import event_subject
 from llmgw.services.access.bootstrap import write_private
 from llmgw.services.people.passwords import hash_password
 
@@ -48,9 +50,10 @@ async def ensure_admin(store: EventStore, data_dir: Path, *, timeout: float = 15
     refuses or does not answer.
     """
     token_file, password_file = data_dir / TOKEN_FILE, data_dir / PASSWORD_FILE
-    if token_file.exists():
-        return False
     client = CommandClient.for_service(store, "bootstrap")
+    if token_file.exists():
+        await _renew_unsigned(store, client, token_file, timeout)
+        return False
     pending_password = data_dir / f"{PASSWORD_FILE}.pending"
     password, kept = _pending(pending_password, secrets.token_urlsafe(18))
     ours = True  # whether the admin's password is the one in this directory
@@ -79,3 +82,25 @@ async def ensure_admin(store: EventStore, data_dir: Path, *, timeout: float = 15
     (data_dir / f"{TOKEN_FILE}.pending").replace(token_file)
     log.info("first administrator made", user=ADMIN, password_file=str(password_file), token_file=str(token_file))
     return True
+
+
+async def _renew_unsigned(store: EventStore, client: CommandClient, token_file: Path, timeout: float) -> None:
+    """Replace this machine's admin token when it was issued before commands were signed (it has no signing
+    key, so the CLI's commands would be refused): a new token in the file, the old one revoked."""
+    old = token_file.read_text().strip()
+    prefix = P.token_prefix(old)
+    people = People()
+    for event in await store.read(event_subject(P.AGGREGATE, ADMIN)):
+        people.apply(event)
+    found = people.by_prefix.get(prefix or "")
+    admin = people.by_name.get(ADMIN)
+    held = admin.tokens.get(found[1]) if admin and found else None
+    if held is None or held.signing_key:
+        return  # current, or not the admin's any more (revoked: a person decided that)
+    token, issue = P.issue(ADMIN, "personal", label="this machine's CLI")
+    write_private(token_file.with_suffix(".pending"), token + "\n")
+    await client.send(P.SERVICE, "token.issue", issue, actor=ACTOR, timeout=timeout)
+    token_file.with_suffix(".pending").replace(token_file)
+    revoke = P.RevokeToken(name=ADMIN, token=held.token_id, reason="replaced by a token that signs commands")
+    await client.send(P.SERVICE, "token.revoke", revoke, actor=ACTOR, timeout=timeout)
+    log.info("this machine's admin token was renewed to sign commands", token_file=str(token_file))
