@@ -22,7 +22,7 @@ from llmgw.agent.service import Agent, AgentConfig, LogRing
 from llmgw.agent.supervisor import stop_recorded_engines
 from llmgw.agent.weights.cache import mirror_list
 from llmgw.cli import logs
-from llmgw.cli.client import nats_tls, nats_tls_options
+from llmgw.cli.client import load_creds, nats_creds_option, nats_tls, nats_tls_options
 from llmgw.events import models as M
 from llmgw.events import pki
 from llmgw.events.catalog import default_registry
@@ -102,6 +102,7 @@ def load_agent_config(path: str | None) -> dict[str, Any]:
 )
 @click.option("--log-level", default="info", show_default=True)
 @nats_tls_options
+@nats_creds_option
 def agent(
     nats_url: str,
     node_id: str | None,
@@ -117,6 +118,7 @@ def agent(
     nats_ca: str | None,
     nats_cert: str | None,
     nats_key: str | None,
+    nats_creds: str | None,
 ) -> None:
     """Run the node agent: report this machine, run the engines placed on it.
 
@@ -150,11 +152,12 @@ def agent(
         tls = nats_tls(nats_ca, nats_cert, nats_key)
     except pki.PkiError as exc:
         raise click.ClickException(str(exc)) from exc
+    creds = load_creds(nats_creds)
     ddir.mkdir(parents=True, exist_ok=True)
 
     async def go() -> None:
         try:
-            store = await EventStore.connect(nats_url, default_registry(), tls=tls)
+            store = await EventStore.connect(nats_url, default_registry(), tls=tls, creds=creds)
         except StoreError as exc:
             raise click.ClickException(str(exc)) from exc
         # Only what is missing, at the cluster's size: an agent never changes a server's streams.
@@ -183,8 +186,16 @@ def die_with_parent() -> None:
 class LocalAgent:
     """`llmgw up`'s agent, a child process started again if it dies; its engines keep serving meanwhile."""
 
-    def __init__(self, nats_url: str, data_dir: Path, node_id: str, mirror_url: str | None = None) -> None:
+    def __init__(
+        self,
+        nats_url: str,
+        data_dir: Path,
+        node_id: str,
+        mirror_url: str | None = None,
+        nats_creds: Path | None = None,
+    ) -> None:
         self.nats_url = nats_url
+        self.nats_creds = nats_creds  # its own node's credential file (a path: never a password in argv)
         self.mirror_url = mirror_url
         self.dir = data_dir / "agent"
         self.node_id = node_id
@@ -205,9 +216,11 @@ class LocalAgent:
             "--data-dir",
             str(self.dir),
             *(["--mirror", self.mirror_url] if self.mirror_url else []),
+            *(["--nats-creds", str(self.nats_creds)] if self.nats_creds else []),
         ]
         # Its NATS is `up`'s own, on loopback without TLS: settings meant for a cluster's NATS stay out.
-        env = {k: v for k, v in os.environ.items() if k not in ("LLMGW_NATS_CA", "LLMGW_NATS_CERT", "LLMGW_NATS_KEY")}
+        cluster_only = ("LLMGW_NATS_CA", "LLMGW_NATS_CERT", "LLMGW_NATS_KEY", "LLMGW_NATS_CREDS")
+        env = {k: v for k, v in os.environ.items() if k not in cluster_only}
         with open(self.dir / "agent.log", "ab") as out:
             self.proc = subprocess.Popen(
                 argv,

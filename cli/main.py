@@ -24,11 +24,12 @@ from llmgw.cli import (
     fleet_cmd,  # noqa: F401 - registers `ctl model|nodes|…`
     jobs_cmd,  # noqa: F401 - registers `ctl model serve` and `ctl job`
     logs,
+    nats_cmd,  # noqa: F401 - registers `ctl nats`
     usage_cmd,  # noqa: F401 - registers `ctl usage|request`
 )
 from llmgw.cli.agent_cmd import LocalAgent, agent, demo_model
 from llmgw.cli.bench import bench
-from llmgw.cli.client import Session, nats_tls_options, run
+from llmgw.cli.client import Session, nats_creds_option, nats_tls_options, run
 from llmgw.cli.context import RUN_FILE, RunInfo, data_dir_problem, default_data_dir, write_run_info
 from llmgw.cli.ctl import ctl
 from llmgw.cli.events_cmd import events
@@ -37,6 +38,7 @@ from llmgw.cli.mirror_cmd import mirror
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError
 from llmgw.cli.people_cmd import login, logout  # also registers `ctl user|token`
 from llmgw.cli.runtime import ALL_SERVICES, DEMO_KEY_FILE, ServerConfig, serve
+from llmgw.events import nats_permissions as NP
 from llmgw.events import pki
 from llmgw.events.commands import CommandError
 from llmgw.events.store import StoreError
@@ -56,10 +58,18 @@ from llmgw.services.router.app import RouterConfig
     envvar="LLMGW_CA",
     help="The CA certificate an https admin API is checked against (default: DATA_DIR/pki/ca.crt if any).",
 )
+@click.option(
+    "--nats-creds",
+    envvar="LLMGW_NATS_CREDS",
+    help="The NATS credential file to connect with ($LLMGW_NATS_CREDS; default on the `llmgw up` machine: "
+    "DATA_DIR/nats/users/operator.json).",
+)
 @click.pass_context
-def main(ctx: click.Context, nats: str | None, api: str | None, data_dir: str | None, ca: str | None) -> None:
+def main(
+    ctx: click.Context, nats: str | None, api: str | None, data_dir: str | None, ca: str | None, nats_creds: str | None
+) -> None:
     """llmgw: one OpenAI-compatible gateway in front of a fleet of inference engines."""
-    ctx.obj = {"nats": nats, "api": api, "data_dir": data_dir, "ca": ca}
+    ctx.obj = {"nats": nats, "api": api, "data_dir": data_dir, "ca": ca, "nats_creds": nats_creds}
 
 
 main.add_command(bench)
@@ -278,7 +288,9 @@ def up(
             click.echo(
                 f"stopped engine {rec.replica_id} ({rec.model}, pid {rec.pid}): no local agent adopts it", err=True
             )
-    natsd = EmbeddedNats(data_dir, port=nats_port, durable=not unsafe_no_fsync)
+    node = socket.gethostname()
+    # Every role gets a NATS user at the first start (DATA_DIR/nats/users/), the local agent its node's.
+    natsd = EmbeddedNats(data_dir, port=nats_port, durable=not unsafe_no_fsync, local_node=None if no_agent else node)
     try:
         natsd.start()
     except NatsStartError as exc:
@@ -308,6 +320,7 @@ def up(
         hub_allow_private=hub_allow_private,
         tls_cert=tls_cert,
         tls_key=tls_key,
+        nats_creds=str(natsd.creds(NP.CONTROL)),
     )
     scheme = "https" if tls_cert else "http"  # the mirror's file server stays http (agents fetch from it)
 
@@ -388,7 +401,11 @@ def up(
         None
         if no_agent
         else LocalAgent(
-            natsd.url, data_dir, socket.gethostname(), mirror_url=f"http://{mirror_host}:{config.mirror_port}"
+            natsd.url,
+            data_dir,
+            node,
+            mirror_url=f"http://{mirror_host}:{config.mirror_port}",
+            nats_creds=natsd.creds(NP.agent_user(node)),
         )
     )
     try:
@@ -445,6 +462,7 @@ def up(
 @_admin_options
 @_tls_options
 @nats_tls_options
+@nats_creds_option
 def server(
     nats_url: str,
     db_dsn: str,
@@ -471,6 +489,7 @@ def server(
     nats_ca: str | None,
     nats_cert: str | None,
     nats_key: str | None,
+    nats_creds: str | None,
 ) -> None:
     """Run services against an external NATS and PostgreSQL (the cluster shape)."""
     logs.configure(log_level)
@@ -503,6 +522,7 @@ def server(
         nats_ca=nats_ca,
         nats_cert=nats_cert,
         nats_key=nats_key,
+        nats_creds=nats_creds,
     )
 
     async def go() -> None:

@@ -17,6 +17,12 @@ lose each other's, so:
   time and command line) and waits for the lock before starting its own;
 - the port is kept across restarts: the recorded one is tried first, probed with SO_REUSEADDR
   as nats-server binds, so connections of the dead server in TIME_WAIT do not count as taken.
+
+Nobody connects without a user (issue "Trust", item 4): at the first start one credential per role
+(``events/nats_permissions.py``) is made in ``nats/users/<user>.json`` (0600, the folder 0700) with a
+random password, kept across restarts; the server's users and permissions are rendered into
+``nats/users.conf``, which its configuration includes, so `llmgw ctl nats rotate` and `add-agent`
+rewrite that file alone and reload the server (SIGHUP).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -36,13 +43,17 @@ import msgspec
 import structlog
 
 from llmgw.agent.supervisor import pid_alive, proc_start_time
-from llmgw.events.natsd import NatsConfig, NatsProcess, NatsStartError
+from llmgw.events import nats_permissions as NP
+from llmgw.events.nats_permissions import NatsCredential
+from llmgw.events.natsd import NatsConfig, NatsProcess, NatsStartError, render_authorization, write_private
 
 log = structlog.get_logger("llmgw.cli.natsd")
 
 DEFAULT_PORT = 4222
 LOCK_FILE = "store.lock"
 RECORD_FILE = "server.json"
+USERS_DIR = "users"
+AUTH_FILE = "users.conf"
 PR_SET_PDEATHSIG = 1
 
 
@@ -88,8 +99,114 @@ def pick_port(requested: int | None, recorded: int | None, host: str = "127.0.0.
         return s.getsockname()[1]
 
 
-def embedded_config(*, host: str, port: int, store_dir: Path, durable: bool) -> NatsConfig:
-    """The configuration of `up`'s server; pure."""
+# -- credentials ---------------------------------------------------------------------------------
+
+
+class CredentialError(RuntimeError):
+    """A credential file that cannot be read or is not one; the message says what to do."""
+
+
+def users_dir(data_dir: Path) -> Path:
+    """Where `up` keeps one credential file per NATS user."""
+    return data_dir / "nats" / USERS_DIR
+
+
+def credential_path(folder: Path, user: str) -> Path:
+    return folder / f"{user}.json"
+
+
+def read_credential(path: str | Path) -> NatsCredential:
+    """The credential in ``path`` (``--nats-creds FILE``)."""
+    try:
+        return msgspec.json.decode(Path(path).expanduser().read_bytes(), type=NatsCredential)
+    except OSError as exc:
+        raise CredentialError(
+            f"cannot read the NATS credential file {path} ({exc.strerror}): give the file `llmgw up` made in "
+            "DATA_DIR/nats/users/ (or `llmgw ctl nats add-agent NODE` printed), readable by this user"
+        ) from exc
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CredentialError(
+            f'{path} is not a NATS credential file ({exc}): it holds {{"user": …, "password": …}} '
+            "as `llmgw up` writes it in DATA_DIR/nats/users/"
+        ) from exc
+
+
+def _new_credential(user: str) -> NatsCredential:
+    return NatsCredential(user=user, password=secrets.token_urlsafe(32))
+
+
+def _write_credential(folder: Path, cred: NatsCredential) -> Path:
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(folder, 0o700)
+    path = credential_path(folder, cred.user)
+    write_private(path, msgspec.json.encode(cred).decode() + "\n")
+    return path
+
+
+def load_credentials(folder: Path) -> list[NatsCredential]:
+    """Every role's credential in ``folder`` (files not named after a role are left alone)."""
+    out = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if NP.is_role(path.stem):
+            cred = read_credential(path)
+            if cred.user == path.stem:
+                out.append(cred)
+    return out
+
+
+def ensure_credentials(folder: Path, users: list[str]) -> list[NatsCredential]:
+    """Each of ``users`` gets a credential file in ``folder`` if it has none (0600, a random password); the
+    ones there are kept. Returns every credential in ``folder`` (other nodes' agents included)."""
+    for user in users:
+        NP.permissions_of(user)  # a name that is no role is refused here, before a file is made
+        if not credential_path(folder, user).exists():
+            _write_credential(folder, _new_credential(user))
+    return load_credentials(folder)
+
+
+def rotate_credentials(folder: Path, user: str | None) -> list[str]:
+    """A new random password for ``user`` (None: every user in ``folder``); the users rotated."""
+    existing = {c.user for c in load_credentials(folder)}
+    if user is not None and user not in existing:
+        NP.permissions_of(user)  # an unknown role is refused with the list of roles
+        raise CredentialError(f"there is no credential for {user} in {folder}: make it with `llmgw ctl nats add-agent`")
+    chosen = sorted(existing) if user is None else [user]
+    for name in chosen:
+        _write_credential(folder, _new_credential(name))
+    return chosen
+
+
+def default_users(local_node: str | None) -> list[str]:
+    """The users `up` makes at its first start: every fixed role, and its local agent's."""
+    return [*NP.ROLES, *([NP.agent_user(local_node)] if local_node is not None else [])]
+
+
+def authorization_text(folder: Path) -> str:
+    """The server's ``authorization`` block for the credentials in ``folder``."""
+    return render_authorization(NP.users(load_credentials(folder)))
+
+
+def reload_server(data_dir: Path) -> int | None:
+    """Rewrite the running `up` server's users file from the credentials and make it reload (SIGHUP);
+    the server's pid, or None when none runs on ``data_dir`` (the next start reads the files)."""
+    nats_dir = data_dir / "nats"
+    write_private(nats_dir / AUTH_FILE, authorization_text(users_dir(data_dir)))
+    record = read_record(nats_dir / RECORD_FILE)
+    if record is None or not is_recorded_server(record):
+        return None
+    os.kill(record.pid, signal.SIGHUP)
+    return record.pid
+
+
+def embedded_config(
+    *,
+    host: str,
+    port: int,
+    store_dir: Path,
+    durable: bool,
+    credentials: list[NatsCredential] | None = None,
+) -> NatsConfig:
+    """The configuration of `up`'s server; pure. ``credentials``: its users (None: no authorization)."""
     return NatsConfig(
         header="Written by `llmgw up` at every start; edit the flags, not this file.",
         server_name="llmgw-embedded",
@@ -98,6 +215,8 @@ def embedded_config(*, host: str, port: int, store_dir: Path, durable: bool) -> 
         max_payload="8MB",
         store_dir=str(store_dir),
         durable=durable,
+        authorization=NP.users(credentials) if credentials is not None else None,
+        authorization_file=AUTH_FILE if credentials is not None else None,
     )
 
 
@@ -161,9 +280,17 @@ class EmbeddedNats:
     """`up`'s server: the shared launcher, plus the store lock, the parent-death signal and the record."""
 
     def __init__(
-        self, data_dir: Path, *, port: int | None = None, host: str = "127.0.0.1", durable: bool = True
+        self,
+        data_dir: Path,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        durable: bool = True,
+        local_node: str | None = None,
     ) -> None:
         self.dir = data_dir / "nats"
+        self.users_dir = users_dir(data_dir)
+        self.local_node = local_node  # its agent gets a user at the first start
         self.host = host
         self.requested_port = port
         self.port = 0
@@ -182,6 +309,10 @@ class EmbeddedNats:
     def conf(self) -> Path:
         return self.dir / "nats.conf"
 
+    def creds(self, user: str) -> Path:
+        """The credential file of ``user`` (made at start)."""
+        return credential_path(self.users_dir, user)
+
     @property
     def record_path(self) -> Path:
         return self.dir / RECORD_FILE
@@ -194,8 +325,13 @@ class EmbeddedNats:
             self.port = pick_port(self.requested_port, recorded.port if recorded else None, self.host)
             if self.requested_port and self.port != self.requested_port:
                 log.info("nats port taken, using another", wanted=self.requested_port, port=self.port)
+            credentials = ensure_credentials(self.users_dir, default_users(self.local_node))
             config = embedded_config(
-                host=self.host, port=self.port, store_dir=self.dir / "jetstream", durable=self.durable
+                host=self.host,
+                port=self.port,
+                store_dir=self.dir / "jetstream",
+                durable=self.durable,
+                credentials=credentials,
             )
             self.server = NatsProcess(config, self.conf, self.dir / "nats-server.log")
             parent = os.getpid()

@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from llmgw.cli.natsd import CredentialError, read_credential
 from llmgw.events.catalog import default_registry
 from llmgw.events.commands import CommandError, Rejected
 from llmgw.events.live_fold import FoldRegistry
@@ -110,6 +111,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats_ca: str | None = None
     nats_cert: str | None = None
     nats_key: str | None = None
+    nats_creds: str | None = None  # the NATS credential file this process connects with (None: no user)
 
 
 class TlsSetup(msgspec.Struct, frozen=True, kw_only=True):
@@ -213,14 +215,20 @@ async def serve(
     expiry = CertificateExpiry(registry)
     for name, path in tls.certificates:
         expiry.observe(name, path, load_cert(path))
+    try:
+        creds = read_credential(config.nats_creds) if config.nats_creds else None
+    except CredentialError as exc:
+        raise SystemExit(f"error: {exc}") from exc
     store = await EventStore.connect(
         config.nats_url,
         default_registry(),
         replicas=config.stream_replicas,
         metrics=StoreMetrics(registry),
         tls=tls.nats,
+        creds=creds,
     )
-    await store.ensure_streams()
+    # A router alone leaves existing streams as they are: its NATS user may create a missing one, never change one.
+    await store.ensure_streams(update=set(config.services) != {"router"})
     backend = await open_backend(config.db_dsn)
     # Every 10,000 events the replayed projections' tables are saved, so `events replay` folds only a tail.
     replay_saver = ReplaySnapshotter(store, backend)

@@ -10,6 +10,7 @@ What only `up` needs — the store lock, the parent-death signal, the recorded p
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from llmgw.events.nats_permissions import NatsUser, Permissions, SubjectRules
 
 
 class NatsStartError(RuntimeError):
@@ -49,6 +52,44 @@ class NatsConfig(msgspec.Struct, frozen=True, kw_only=True):
     cluster: ClusterConfig | None = None
     header: str | None = None  # a comment line at the top of the file
     ports_file_dir: str | None = None  # the server writes <binary>_<pid>.ports here once it listens
+    # Users and their permissions (None: no authorization, anyone may connect and do anything). Inline,
+    # or, with ``authorization_file``, written to that file beside the configuration and included, so a
+    # rotation rewrites it alone and reloads the server (SIGHUP).
+    authorization: tuple[NatsUser, ...] | None = None
+    authorization_file: str | None = None
+
+
+def _quoted(value: str) -> str:
+    # JSON's string syntax is the config's quoted string; quoted, "$JS.API.>" is not a variable.
+    return msgspec.json.encode(value).decode()
+
+
+def _rules(rules: SubjectRules) -> str:
+    parts = [
+        f"{key}: [{', '.join(_quoted(s) for s in subjects)}]"
+        for key, subjects in (("allow", rules.allow), ("deny", rules.deny))
+        if subjects or key == "allow"
+    ]
+    return "{" + ", ".join(parts) + "}"
+
+
+def _permissions(p: Permissions) -> str:
+    parts = [f"publish: {_rules(p.publish)}", f"subscribe: {_rules(p.subscribe)}"]
+    if p.allow_responses:
+        parts.append("allow_responses: true")
+    return "{" + ", ".join(parts) + "}"
+
+
+def render_authorization(users: tuple[NatsUser, ...]) -> str:
+    """The ``authorization { users: [...] }`` block for ``users``; pure."""
+    lines = ["authorization {", "  users: ["]
+    for u in users:
+        fields = [f"user: {_quoted(u.user)}", f"password: {_quoted(u.password)}"]
+        if u.permissions is not None:
+            fields.append(f"permissions: {_permissions(u.permissions)}")
+        lines.append("    {" + ", ".join(fields) + "}")
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
 
 
 def render_config(config: NatsConfig) -> str:
@@ -83,7 +124,34 @@ def render_config(config: NatsConfig) -> str:
             "  ]",
             "}",
         ]
+    if config.authorization is not None:
+        if config.authorization_file:
+            lines.append(f"include {_quoted(Path(config.authorization_file).name)}")
+        else:
+            lines.append(render_authorization(config.authorization).rstrip("\n"))
     return "\n".join(lines) + "\n"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600), atomically: a temp file, then rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask or an older file said
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def write_authorization(config: NatsConfig, conf_dir: Path) -> Path | None:
+    """Write ``config``'s authorization file (0600) into ``conf_dir``, where its configuration includes it."""
+    if config.authorization is None or not config.authorization_file:
+        return None
+    path = conf_dir / Path(config.authorization_file).name
+    write_private(path, render_authorization(config.authorization))
+    return path
 
 
 def nats_server_binary() -> str:
@@ -153,7 +221,12 @@ class NatsProcess:
         # Readiness is the server's own word, its ports file, not a connection to the port: another
         # process listening there (a race for a free port) would otherwise pass for this server.
         ports_dir = self.conf_path.parent
-        self.conf_path.write_text(render_config(msgspec.structs.replace(self.config, ports_file_dir=str(ports_dir))))
+        write_authorization(self.config, self.conf_path.parent)
+        text = render_config(msgspec.structs.replace(self.config, ports_file_dir=str(ports_dir)))
+        if self.config.authorization is not None:
+            write_private(self.conf_path, text)  # it may hold passwords
+        else:
+            self.conf_path.write_text(text)
         binary = nats_server_binary()
         with open(self.log_path, "ab") as logfile:
             self.proc = subprocess.Popen(

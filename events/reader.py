@@ -35,6 +35,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from llmgw.events.codec import EventDecodeError, decode_event
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.ids import new_id
 from llmgw.events.registry import EventRegistry
 from llmgw.events.retry import backoff_delay, is_transient
 from llmgw.events.store import EventStore, Quarantined, StoreError, _connect_urls
@@ -312,6 +313,9 @@ async def _leader_head(store: EventStore, subject: str) -> int:
 
 async def _consumer(store: EventStore, subject: str, after: int) -> Any:
     config = ConsumerConfig(
+        # Named, so the filter is in the API subject ($JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>) and a
+        # NATS user's permissions can hold it to the subjects it may read (events/nats_permissions.py).
+        name=new_id(),
         deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
         opt_start_seq=after + 1,
         ack_policy=AckPolicy.NONE,

@@ -38,6 +38,7 @@ from llmgw.events.codec import EventDecodeError, decode_event, encode_envelope
 from llmgw.events.envelope import Envelope, RecordedEvent, utc_now
 from llmgw.events.ids import new_id
 from llmgw.events.metrics import StoreMetrics
+from llmgw.events.nats_permissions import NatsCredential
 from llmgw.events.registry import EventRegistry
 from llmgw.events.retry import is_transient, retrying
 
@@ -188,6 +189,8 @@ class _ConnectionLog:
         self.nc: NATS | None = None
         # A TLS handshake refused before the first connection: a certificate retries cannot fix.
         self.tls_refused: asyncio.Future[ssl.SSLError] = asyncio.get_running_loop().create_future()
+        # Likewise a user or password the server refuses: the client would try it again for ever.
+        self.auth_refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
 
     def closing(self) -> bool:
         return self.nc is not None and (self.nc.is_closed or self.nc.is_draining)
@@ -195,6 +198,9 @@ class _ConnectionLog:
     async def error(self, exc: Exception) -> None:
         if self.nc is None and isinstance(exc, ssl.SSLError) and not self.tls_refused.done():
             self.tls_refused.set_result(exc)
+            return
+        if self.nc is None and _is_auth_refusal(exc) and not self.auth_refused.done():
+            self.auth_refused.set_result(exc)
             return
         if not self.closing():
             log.warning("NATS connection trouble", error=f"{type(exc).__name__}: {exc}")
@@ -220,6 +226,26 @@ def _tls_refusal(servers: Sequence[str], exc: ssl.SSLError, configured: bool) ->
     return (
         f"NATS at {where} refused this client's TLS certificate ({why}): give a valid certificate issued by the "
         "servers' CA with --nats-cert FILE --nats-key FILE (`llmgw ctl cert issue NAME --client`)"
+    )
+
+
+def _is_auth_refusal(exc: BaseException) -> bool:
+    """Whether the server refused the connection's user or password (or asked for one not given)."""
+    return isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower()
+
+
+def _auth_refusal(servers: Sequence[str], creds: NatsCredential | None) -> str:
+    """One line for a NATS server that refused who this client said it was."""
+    where = ", ".join(servers)
+    if creds is None:
+        return (
+            f"NATS at {where} asks for a user and password: give a credential file with --nats-creds FILE "
+            "(or LLMGW_NATS_CREDS); on the `llmgw up` machine: DATA_DIR/nats/users/<role>.json"
+        )
+    return (
+        f"NATS at {where} refused the user {creds.user!r}: its password was rotated or the user is unknown there; "
+        "use the current credential file (`llmgw ctl nats rotate` rewrites them, `llmgw ctl nats add-agent NODE` "
+        "makes one for a node)"
     )
 
 
@@ -270,13 +296,15 @@ class EventStore:
         *,
         tls: ssl.SSLContext | None = None,
         tls_hostname: str | None = None,
+        creds: NatsCredential | None = None,
         **kwargs: Any,
     ) -> EventStore:
         """Connect to NATS at ``url``: one URL or several (comma-separated), any of which will do.
 
         With several, the client moves to another listed (or gossiped) node when its node goes away.
         ``tls``: connect over TLS with this context (its CA, and a client certificate for servers that
-        verify one); ``tls_hostname``: the name the servers' certificates must carry when the URLs do not.
+        verify one); ``tls_hostname``: the name the servers' certificates must carry when the URLs do not;
+        ``creds``: the NATS user to connect as (its replies come to that user's own inbox prefix).
         """
         servers = server_list(url)
         if not servers:
@@ -298,23 +326,39 @@ class EventStore:
                 disconnected_cb=events.disconnected,
                 reconnected_cb=events.reconnected,
                 **({"tls": tls, "tls_hostname": tls_hostname} if tls is not None else {}),
+                **(
+                    {"user": creds.user, "password": creds.password, "inbox_prefix": creds.inbox_prefix}
+                    if creds is not None
+                    else {}
+                ),
             )
         )
         try:
-            # The client retries a refused TLS handshake for ever: the first one ends the attempt, with why.
-            await asyncio.wait([connecting, events.tls_refused], return_when=asyncio.FIRST_COMPLETED)
+            # The client retries a refused TLS handshake or user for ever: the first refusal ends the attempt, with why.
+            await asyncio.wait(
+                [connecting, events.tls_refused, events.auth_refused], return_when=asyncio.FIRST_COMPLETED
+            )
             if not connecting.done():
                 connecting.cancel()
                 with contextlib.suppress(BaseException):
                     await connecting
                 with contextlib.suppress(Exception):
                     await nc.close()
+                if events.auth_refused.done():
+                    raise StoreError(_auth_refusal(servers, creds))
                 raise StoreError(_tls_refusal(servers, events.tls_refused.result(), tls is not None))
             connecting.result()
-        except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
-            raise StoreError(f"cannot reach NATS at {', '.join(servers)}: {exc}; is `llmgw up` running?") from exc
+        except Exception as exc:
+            if isinstance(exc, StoreError):
+                raise
+            if _is_auth_refusal(exc):
+                raise StoreError(_auth_refusal(servers, creds)) from exc
+            if isinstance(exc, OSError | nats.errors.NoServersError | TimeoutError):
+                raise StoreError(f"cannot reach NATS at {', '.join(servers)}: {exc}; is `llmgw up` running?") from exc
+            raise
         finally:
             events.tls_refused.cancel()
+            events.auth_refused.cancel()
         if tls is not None and not (getattr(nc, "_server_info", None) or {}).get("tls_required"):
             # The client falls back to plain text with a server that does not ask for TLS: refused instead.
             with contextlib.suppress(Exception):

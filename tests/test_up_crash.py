@@ -20,6 +20,7 @@ from llmgw.agent.supervisor import pid_alive
 from llmgw.cli.natsd import port_candidates
 from llmgw.events import models as M
 from llmgw.events.catalog import default_registry
+from llmgw.events.nats_permissions import NatsCredential
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import event_subject
 from llmgw.events.tenancy import OrgCreated
@@ -42,11 +43,11 @@ def ups(tmp_path: Path) -> Iterator[list[Up]]:
             os.kill(pid, signal.SIGKILL)
 
 
-def append_orgs(nats_url: str, n: int) -> list[str]:
+def append_orgs(nats_url: str, creds: NatsCredential, n: int) -> list[str]:
     """Append ``n`` events through the event store; the ids of those the server acknowledged."""
 
     async def go() -> list[str]:
-        store = await EventStore.connect(nats_url, default_registry())
+        store = await EventStore.connect(nats_url, default_registry(), creds=creds)
         try:
             ids = []
             for i in range(n):
@@ -60,9 +61,9 @@ def append_orgs(nats_url: str, n: int) -> list[str]:
     return asyncio.run(go())
 
 
-def stored_ids(nats_url: str, n: int) -> list[str]:
+def stored_ids(nats_url: str, creds: NatsCredential, n: int) -> list[str]:
     async def go() -> list[str]:
-        store = await EventStore.connect(nats_url, default_registry())
+        store = await EventStore.connect(nats_url, default_registry(), creds=creds)
         try:
             return [e.id for i in range(n) for e in await store.read(event_subject("tenancy", f"crash-{i}"))]
         finally:
@@ -78,7 +79,7 @@ def test_a_killed_up_leaves_one_nats_server_on_its_store_on_the_same_port_with_e
     first = Up(data)
     ups.append(first.start())
     port = first.nats_port()
-    acknowledged = append_orgs(first.nats_url(), 50)
+    acknowledged = append_orgs(first.nats_url(), first.nats_creds(), 50)
 
     first.kill9()
     second = Up(data)
@@ -86,7 +87,7 @@ def test_a_killed_up_leaves_one_nats_server_on_its_store_on_the_same_port_with_e
 
     assert len(nats_servers(data)) == 1, "one nats-server per store: the killed up's server did not outlive it"
     assert second.nats_port() == port
-    assert stored_ids(second.nats_url(), 50) == acknowledged
+    assert stored_ids(second.nats_url(), second.nats_creds(), 50) == acknowledged
 
 
 def test_a_nats_server_still_running_from_a_killed_up_is_stopped_by_the_next_up(tmp_path: Path, ups: list[Up]) -> None:
@@ -94,7 +95,7 @@ def test_a_nats_server_still_running_from_a_killed_up_is_stopped_by_the_next_up(
     first = Up(data)
     ups.append(first.start())
     port = first.nats_port()
-    acknowledged = append_orgs(first.nats_url(), 10)
+    acknowledged = append_orgs(first.nats_url(), first.nats_creds(), 10)
     [old] = nats_servers(data)
     os.kill(old, signal.SIGSTOP)  # frozen: it cannot act on its parent's death by itself
     first.kill9()
@@ -105,7 +106,7 @@ def test_a_nats_server_still_running_from_a_killed_up_is_stopped_by_the_next_up(
     [new] = nats_servers(data)
     assert new != old
     assert second.nats_port() == port
-    assert stored_ids(second.nats_url(), 10) == acknowledged
+    assert stored_ids(second.nats_url(), second.nats_creds(), 10) == acknowledged
 
 
 def test_up_stops_with_the_reason_when_its_nats_server_is_killed_and_the_next_up_keeps_the_port(
@@ -115,7 +116,7 @@ def test_up_stops_with_the_reason_when_its_nats_server_is_killed_and_the_next_up
     first = Up(data)
     ups.append(first.start())
     port = first.nats_port()
-    acknowledged = append_orgs(first.nats_url(), 10)
+    acknowledged = append_orgs(first.nats_url(), first.nats_creds(), 10)
     [server] = nats_servers(data)
 
     os.kill(server, signal.SIGKILL)
@@ -129,7 +130,7 @@ def test_up_stops_with_the_reason_when_its_nats_server_is_killed_and_the_next_up
     second = Up(data)
     ups.append(second.start())
     assert second.nats_port() == port, "the port everything was configured with still reaches the system"
-    assert stored_ids(second.nats_url(), 10) == acknowledged
+    assert stored_ids(second.nats_url(), second.nats_creds(), 10) == acknowledged
 
 
 def _read_only(data: Path, argv: list[str]) -> list[str]:

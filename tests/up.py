@@ -14,6 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llmgw.cli.natsd import read_credential, users_dir
+from llmgw.events import nats_permissions as NP
+from llmgw.events.nats_permissions import NatsCredential
 from tests.support import free_port
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
@@ -99,6 +102,10 @@ class Up:
         info = self.run_info()
         assert info is not None
         return info["nats_url"]
+
+    def nats_creds(self) -> NatsCredential:
+        """The operator's NATS credential `up` made at its first start (its server lets no one in without one)."""
+        return read_credential(users_dir(self.data_dir) / f"{NP.OPERATOR}.json")
 
     def nats_port(self) -> int:
         return int(self.nats_url().rsplit(":", 1)[1])
