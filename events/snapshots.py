@@ -88,15 +88,15 @@ def encode_state(state: msgspec.Struct) -> bytes:
     return _encoder.encode(state)
 
 
-def encode_snapshot(name: str, schema_version: int, position: int, state_bytes: bytes) -> bytes:
-    """A snapshot's bytes, its state compressed (CPU-bound: call it off the event loop)."""
+def encode_snapshot(name: str, schema_version: int, position: int, state_bytes: bytes, level: int = LEVEL) -> bytes:
+    """A snapshot's bytes, its state compressed at zlib ``level`` (CPU-bound: call it off the event loop)."""
     snap = Snapshot(
         name=name,
         schema_version=schema_version,
         position=position,
         taken_at=time.time(),
         codec=CODEC,
-        state=zlib.compress(state_bytes, LEVEL),
+        state=zlib.compress(state_bytes, level),
     )
     return _encoder.encode(snap)
 
@@ -149,9 +149,10 @@ class SnapshotStore:
         )
         return cls(await open_object_store(js, config, replicas))
 
-    async def save(self, name: str, schema_version: int, position: int, state_bytes: bytes) -> int:
-        """Write ``name``'s snapshot (replacing the one before); returns its size in bytes, compressed."""
-        data = await asyncio.to_thread(encode_snapshot, name, schema_version, position, state_bytes)
+    async def save(self, name: str, schema_version: int, position: int, state_bytes: bytes, level: int = LEVEL) -> int:
+        """Write ``name``'s snapshot (replacing the one before); returns its size in bytes, compressed.
+        ``level`` 0 stores the state as it is, for one its service compressed already."""
+        data = await asyncio.to_thread(encode_snapshot, name, schema_version, position, state_bytes, level)
         # Chunks as large as the server takes (up to CHUNK_BYTES), not nats-py's 128 KiB: a load
         # reads one chunk per request (see read).
         chunk = max(OBJ_DEFAULT_CHUNK_SIZE, min(CHUNK_BYTES, self.objects._js._nc.max_payload // 2))

@@ -326,8 +326,10 @@ class ReplaySnapshotter:
         self.last_copy_s = loop.time() - started
         if state is None or state.position <= (self.saved_at or 0):
             return
+        # Level 0: the database in the state is deflated already; a second deflate gained 15% and cost a
+        # replay 0.1 s of inflating (16 MB at a million events), and each save 0.3 s more.
         self.last_bytes = await snapshots.save(
-            snapshot_name(state.position), FORMAT, state.position, encode_state(state)
+            snapshot_name(state.position), FORMAT, state.position, encode_state(state), level=0
         )
         self.last_save_s = loop.time() - started
         self.saved_at = state.position

@@ -373,6 +373,18 @@ async def test_a_replay_snapshot_records_the_time_the_log_stamped_at_its_positio
     assert state.recorded == await stamp_of(store, saved[-1])
 
 
+async def test_a_replay_snapshots_database_is_deflated_once_not_again_by_the_store(
+    logged: tuple[EventStore, list[int]],
+) -> None:
+    store, saved = logged
+    snapshots = await SnapshotStore.open(store.js)
+    stored = await snapshots.read(snapshot_name(saved[-1]))
+    found = await snapshots.load(snapshot_name(saved[-1]), FORMAT)
+    assert found is not None
+    # Stored as it is: the object holds the whole deflated database (a second deflate would shrink it).
+    assert len(stored) > len(decode_state(found[1]).database) > 0
+
+
 # -- the benchmark --------------------------------------------------------------------------------
 
 
