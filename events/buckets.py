@@ -19,7 +19,7 @@ from nats.js.api import KeyValueConfig, ObjectStoreConfig
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from llmgw.events.retry import retrying
+from llmgw.events.retry import is_transient, retrying
 from llmgw.events.store import _connect_urls, cluster_replicas
 
 T = TypeVar("T")
@@ -58,13 +58,22 @@ async def _open_or_create(
     create: Callable[[int], Awaitable[T]],
     replicas: int | None,
 ) -> T:
-    """``open_existing()``, else ``create`` at ``replicas`` (None: the cluster's size) if it is missing."""
-    try:
-        return await retrying(what, open_existing)
-    except nats.js.errors.BucketNotFoundError:
-        pass
+    """``open_existing()``, else ``create`` at ``replicas`` (None: the cluster's size) if it is missing.
+
+    Each try opens first: a process whose NATS user may not create it (a router, an agent: the server
+    never answers a refused request) finds it once a process that may has made it."""
     n = replicas if replicas is not None else cluster_replicas(_connect_urls(js._nc))
-    try:
-        return await retrying(f"create {what}", lambda: create(n))
-    except nats.js.errors.APIError:
-        return await retrying(what, open_existing)  # created by another process meanwhile
+
+    async def once() -> T:
+        try:
+            return await open_existing()
+        except nats.js.errors.BucketNotFoundError:
+            pass
+        try:
+            return await create(n)
+        except nats.js.errors.APIError as exc:
+            if is_transient(exc):
+                raise
+            return await open_existing()  # created by another process meanwhile
+
+    return await retrying(what, once)

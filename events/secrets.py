@@ -19,6 +19,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from llmgw.events.buckets import open_bucket
+from llmgw.events.retry import is_transient, retrying
 
 BUCKET = "llmgw_secrets"
 ENGINE_KEY_SECRET = "engine-key-secret"
@@ -29,21 +30,30 @@ async def _bucket(js: JetStreamContext) -> KeyValue:
 
 
 async def engine_key_secret(js: JetStreamContext) -> bytes:
-    """The cluster's engine-key secret, made once by whichever process first needs it."""
+    """The cluster's engine-key secret, made once by whichever process first needs it.
+
+    A process whose NATS user may only read it (a router, an agent) waits until one that may write it
+    (the control plane) has made it: its own attempt is refused, which it hears as no answer."""
     kv = await _bucket(js)
-    try:
-        entry = await kv.get(ENGINE_KEY_SECRET)
-        if entry.value:
-            return base64.b64decode(entry.value)
-    except nats.js.errors.KeyNotFoundError:
-        pass
-    secret = os.urandom(32)
-    try:
-        await kv.create(ENGINE_KEY_SECRET, base64.b64encode(secret))
-        return secret
-    except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
-        entry = await kv.get(ENGINE_KEY_SECRET)  # another process won the race: use theirs
-        return base64.b64decode(entry.value or b"")
+
+    async def once() -> bytes:
+        try:
+            entry = await kv.get(ENGINE_KEY_SECRET)
+            if entry.value:
+                return base64.b64decode(entry.value)
+        except nats.js.errors.KeyNotFoundError:
+            pass
+        secret = os.urandom(32)
+        try:
+            await kv.create(ENGINE_KEY_SECRET, base64.b64encode(secret))
+            return secret
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError) as exc:
+            if is_transient(exc):
+                raise
+            entry = await kv.get(ENGINE_KEY_SECRET)  # another process won the race: use theirs
+            return base64.b64decode(entry.value or b"")
+
+    return await retrying("the cluster secret", once)
 
 
 def engine_key(secret: bytes, replica_id: str) -> str:

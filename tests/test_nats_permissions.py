@@ -4,12 +4,14 @@ refused by the server (nats-py hears "permissions violation" through its error c
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
 import stat
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import nats
@@ -28,6 +30,7 @@ from llmgw.cli.natsd import (
     rotate_credentials,
     users_dir,
 )
+from llmgw.cli.runtime import ALL_SERVICES, ServerConfig, serve
 from llmgw.events import access as A
 from llmgw.events import models as M
 from llmgw.events import nats_permissions as NP
@@ -40,6 +43,7 @@ from llmgw.events.nats_permissions import NatsCredential
 from llmgw.events.natsd import NatsConfig, NatsProcess, free_port, render_authorization, render_config
 from llmgw.events.secrets import engine_key_secret
 from llmgw.events.store import EventStore, NewEvent, StoreError
+from llmgw.services.router.app import RouterConfig
 from tests.support import wait_until
 from tests.up import Up, wait_for
 
@@ -371,3 +375,50 @@ async def test_up_runs_every_role_as_its_own_user_and_its_cli_works_with_no_flag
     wait_for(refused_then_accepted, "the server to refuse the rotated password")
     after = up.cli("--nats-creds", str(folder / "cli.json"), "ctl", "org", "create", "gamma")
     assert after.returncode == 0, after.stderr
+
+
+async def test_a_control_plane_and_a_router_only_server_run_as_their_users_and_are_refused_nothing(
+    secured, tmp_path: Path
+) -> None:
+    """The cluster shape: `llmgw server` without the router as `control`, `llmgw server --services router`
+    as `router`; both start, the router folds the log, and the server's log holds no refusal."""
+    server, creds = secured
+    folder = tmp_path / "users"
+    stop = asyncio.Event()
+    ready = {"control": asyncio.Event(), "router": asyncio.Event()}
+    common = {"nats_url": server.url, "db_dsn": f"sqlite:///{tmp_path / 'projections.db'}"}
+    control = ServerConfig(
+        **common,
+        services=tuple(s for s in ALL_SERVICES if s not in ("router", "mirror", "jobs")),
+        port=free_port(),
+        admin_port=free_port(),
+        nats_creds=str(folder / "control.json"),
+    )
+    router = ServerConfig(
+        **common,
+        services=("router",),
+        port=free_port(),
+        admin_port=free_port(),
+        nats_creds=str(folder / "router.json"),
+        router=RouterConfig(usage_journal=str(tmp_path / "journal")),
+    )
+    handles: dict[str, Any] = {}
+    tasks = [
+        asyncio.create_task(serve(control, stop, on_ready=ready["control"].set)),
+        asyncio.create_task(serve(router, stop, on_ready=ready["router"].set, handles=handles)),
+    ]
+    try:
+        for event in ready.values():
+            await asyncio.wait_for(event.wait(), 60)
+        org = NewEvent(payload=T.OrgCreated(org_id="o1", name="acme"), actor="user:test")
+        operator = await EventStore.connect(server.url, default_registry(), creds=creds[NP.OPERATOR])
+        try:
+            seq = (await operator.append(S.event_subject(T.AGGREGATE, T.TREE_ID), [org])).last_seq
+        finally:
+            await operator.close()
+        await wait_until(lambda: handles["router"].fold.position >= seq, what="the router to fold the new event")
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+    log = server.log_path.read_text()
+    assert "Violation" not in log, [line for line in log.splitlines() if "Violation" in line]
