@@ -7,6 +7,7 @@ SIGHUP to the running `up` server so it reloads them. docs/security.md has the r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
@@ -38,15 +39,18 @@ def _folder(ctx: click.Context, folder: str | None) -> tuple[Path, Path | None]:
     return users_dir(data_dir), data_dir
 
 
-def _reload(data_dir: Path | None) -> None:
+def _reload(data_dir: Path | None, rotated: Sequence[str] = ()) -> None:
     if data_dir is None:
         click.echo("give your NATS servers the new block (`llmgw ctl nats config --dir …`) and reload them", err=True)
         return
     pid = reload_server(data_dir)
     if pid is None:
         click.echo("no `llmgw up` NATS server runs on this data directory: its next start reads the files", err=True)
-    else:
-        click.echo(f"the NATS server (pid {pid}) reloaded its users", err=True)
+        return
+    click.echo(f"the NATS server (pid {pid}) reloaded its users", err=True)
+    if any(u == NP.CONTROL or u.startswith(NP.AGENT_PREFIX) for u in rotated):
+        # The server has disconnected them, for good: only a restart gives them the new password.
+        click.echo("warning: `llmgw up`'s services or agent were disconnected: restart `llmgw up`", err=True)
 
 
 _DIR = click.option(
@@ -77,7 +81,7 @@ def rotate(ctx: click.Context, role: str | None, folder: str | None) -> None:
         raise click.ClickException(str(exc)) from exc
     for user in rotated:
         click.echo(f"{user}: new password in {credential_path(where, user)}")
-    _reload(data_dir)
+    _reload(data_dir, rotated)
 
 
 @nats_group.command("add-agent")

@@ -99,8 +99,8 @@ def _stream_reader(stream: str, filters: tuple[str, ...] = (">",), *, direct_by_
     for f in filters:
         out += [f"{JS}.CONSUMER.CREATE.{stream}.*.{f}", f"{JS}.DIRECT.GET.{stream}.{f}"]
     if filters == (">",):
-        # Unnamed consumers and gets by sequence: the subject is in the body only.
-        out += [f"{JS}.CONSUMER.CREATE.{stream}", f"{JS}.STREAM.MSG.GET.{stream}"]
+        # Unnamed consumers, named ones of the whole stream, gets by sequence: the subject is in the body only.
+        out += [f"{JS}.CONSUMER.CREATE.{stream}", f"{JS}.CONSUMER.CREATE.{stream}.*", f"{JS}.STREAM.MSG.GET.{stream}"]
     if direct_by_seq:
         out.append(f"{JS}.DIRECT.GET.{stream}")
     out += [
