@@ -86,8 +86,16 @@ def agent_user(node_id: str) -> str:
 
 
 def is_role(name: str) -> bool:
-    """Whether ``name`` is a role's user name (an ``agent-<node>`` included)."""
-    return name in ROLES or (name.startswith(AGENT_PREFIX) and len(name) > len(AGENT_PREFIX))
+    """Whether ``name`` is a role's user name (an ``agent-<node>`` included, its node a valid subject token)."""
+    if name in ROLES:
+        return True
+    if not name.startswith(AGENT_PREFIX) or len(name) == len(AGENT_PREFIX):
+        return False
+    try:
+        S.decode_token(name[len(AGENT_PREFIX) :])
+    except ValueError:
+        return False
+    return True
 
 
 def _stream_reader(stream: str, filters: tuple[str, ...] = (">",), *, direct_by_seq: bool = True) -> tuple[str, ...]:

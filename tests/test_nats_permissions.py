@@ -87,6 +87,10 @@ def test_credentials_are_made_once_private_and_kept_until_rotated(tmp_path: Path
     assert rotate_credentials(folder, NP.CLI) == [NP.CLI]
     after = {c.user: c.password for c in load_credentials(folder)}
     assert after[NP.OPERATOR] == first[NP.OPERATOR] and after[NP.CLI] != first[NP.CLI]
+    # Files not named after a role (a copy, a note, a node name that is no subject token) are left alone.
+    (folder / "agent-a.b.json").write_text("{}")
+    (folder / "notes.json").write_text("[]")
+    assert sorted(c.user for c in load_credentials(folder)) == [NP.CLI, NP.OPERATOR]
 
 
 # -- against a real server -------------------------------------------------------------------------
