@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from llmgw.events import access, jobs, mirror, models, nodes, outcomes, people, replicas, scheduler, tenancy
 from llmgw.events.registry import EventRegistry, EventType
 
@@ -28,7 +30,6 @@ def _type_name(t: object) -> str:
 
 def render_markdown() -> str:
     """`docs/events.md`: every event type with its version, meaning and fields (checked by a test)."""
-    import msgspec
 
     lines = [
         "# Event catalogue",
@@ -45,10 +46,15 @@ def render_markdown() -> str:
         for t in module.EVENTS:
             lines += [f"### `{t.name}` (v{t.v})", "", t.doc, "", "| field | type | default |", "|---|---|---|"]
             for f in msgspec.structs.fields(t.struct):
-                default = "" if f.default is msgspec.NODEFAULT else repr(f.default)
+                default = "" if f.default is msgspec.NODEFAULT else _shown(f.default)
                 if f.default_factory is not msgspec.NODEFAULT:
                     default = repr(f.default_factory())
                 kind = _type_name(f.type).replace("|", "\\|")  # a bare | would end the table cell
                 lines.append(f"| `{f.name}` | `{kind}` | {default} |")
             lines.append("")
     return "\n".join(lines)
+
+
+def _shown(default: object) -> str:
+    """A field's default as the catalogue prints it (raw JSON as its text, not an object's address)."""
+    return bytes(default).decode() if isinstance(default, msgspec.Raw) else repr(default)

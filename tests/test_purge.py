@@ -9,6 +9,7 @@ the test puts there, as a fetch would have.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from llmgw.services.mirror.purge import CatalogView, fold_catalog, plan_purge
 from tests.fakehub import FakeHub
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
+from tests.signin import person_on_log
 from tests.support import NatsServer, wait_until
 from tests.test_fleet import _last_heartbeat
 from tests.test_mirror import Rig as MirrorRig
@@ -143,9 +145,15 @@ async def purge_end(store: EventStore, model: str = "tiny") -> RecordedEvent:
     return await wait_until(ended, deadline_s=60, what=f"the purge of {model} to end")
 
 
-async def cli(nats_url: str, *args: str) -> asyncio.subprocess.Process:
+async def cli(nats_url: str, token: str, *args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        LLMGW, "--nats", nats_url, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        LLMGW,
+        "--nats",
+        nats_url,
+        *args,
+        env={**os.environ, "LLMGW_TOKEN": token},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
 
 
@@ -186,7 +194,7 @@ async def test_a_purge_removes_each_file_with_one_event_and_the_cli_prints_each_
         await wait_until(n1_registered, deadline_s=30, what="n1 to be registered")
         await add_on_demand(fleet, "tiny", TINY)
 
-        proc = await cli(nats.url, "ctl", "model", "remove", "tiny", "--purge")
+        proc = await cli(nats.url, await person_on_log(store), "ctl", "model", "remove", "tiny", "--purge")
         out_b, err_b = await asyncio.wait_for(proc.communicate(), 90)
         out, err = out_b.decode(), err_b.decode()
         assert proc.returncode == 0, err
@@ -262,7 +270,7 @@ async def test_a_purge_finishes_though_the_cli_that_asked_for_it_was_killed(
     await add_on_demand(catalog, "tiny", TINY)
     await mirror.stop()  # the purge cannot finish before the CLI is killed
 
-    proc = await cli(nats.url, "ctl", "model", "remove", "tiny", "--purge")
+    proc = await cli(nats.url, await person_on_log(store), "ctl", "model", "remove", "tiny", "--purge")
     assert proc.stdout is not None
     line = await asyncio.wait_for(proc.stdout.readline(), 60)
     assert line.decode().strip() == "model tiny removed"
