@@ -457,6 +457,12 @@ def up(
     help="Where the router keeps usage records the bus has not acknowledged yet, on this machine's own disk "
     "(default: DATA_DIR/usage-journal).",
 )
+@click.option(
+    "--first-admin-dir",
+    help="Make the cluster's first administrator here the first time (user admin, with DIR/admin-password and "
+    "DIR/admin-token, 0600): commands are signed, so a cluster needs one person to start with. Needs the people "
+    "service in this process.",
+)
 @click.option("--log-level", default="info", show_default=True)
 @_mirror_options
 @_admin_options
@@ -477,6 +483,7 @@ def server(
     mirror_peer_name: str,
     mirror_urls: tuple[str, ...],
     usage_journal: str | None,
+    first_admin_dir: str | None,
     log_level: str,
     mirror_port: int | None,
     mirror_max_gb: float | None,
@@ -523,6 +530,7 @@ def server(
         nats_cert=nats_cert,
         nats_key=nats_key,
         nats_creds=nats_creds,
+        first_admin_dir=first_admin_dir,
     )
 
     async def go() -> None:

@@ -87,6 +87,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     demo_model: ModelSpec | None = None
     demo_marker: str | None = None
     bootstrap_dir: str | None = None  # `llmgw up`: the first time, a default org/team/project and DIR/demo-key
+    first_admin_dir: str | None = None  # the first time, user admin with DIR/admin-password and DIR/admin-token
     scheduler: SchedulerConfig = SchedulerConfig()
     usage_retention_days: float = RETENTION_DAYS  # requests and rollups older than this are deleted
     router: RouterConfig = RouterConfig()
@@ -287,8 +288,9 @@ async def serve(
         if "scheduler" in config.services:
             scheduler = SchedulerService(store, config=config.scheduler, registry=registry, folds=folds)
             handles["scheduler"] = background("scheduler", scheduler)
+        if config.bootstrap_dir is not None or config.first_admin_dir is not None:
+            await _bootstrap_admin(store, Path(config.first_admin_dir or config.bootstrap_dir or ""), config.services)
         if config.bootstrap_dir is not None:
-            await _bootstrap_admin(store, Path(config.bootstrap_dir), config.services)
             await _bootstrap_access(store, Path(config.bootstrap_dir), config.services)
         if "accountant" in config.services:
             accountant = AccountantService(backend, retention_days=config.usage_retention_days)

@@ -29,7 +29,7 @@ from llmgw.services.people.bootstrap import PASSWORD_FILE, TOKEN_FILE, ensure_ad
 from llmgw.services.people.passwords import PasswordChecker, hash_password, password_problem, verify_now
 from llmgw.services.people.throttle import LoginThrottle
 from tests.fleet import Fleet
-from tests.support import NatsServer, wait_until
+from tests.support import NatsServer, free_port, wait_until
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
 NOW = datetime(2026, 12, 1, 12, tzinfo=UTC)
@@ -484,3 +484,36 @@ async def test_an_admin_token_from_before_signed_commands_is_renewed_at_start_an
     )
     assert out.requested_by == "user:admin"
     assert (await call(fleet, "GET", "/api/v1/whoami", old))[0] == 401, "the old token is revoked"
+
+
+async def test_a_cluster_server_makes_its_first_administrator_where_it_is_told(
+    store: EventStore, nats: NatsServer, tmp_path: Path
+) -> None:
+    from llmgw.cli.runtime import ServerConfig, serve
+
+    admin_dir = tmp_path / "first-admin"
+    admin_dir.mkdir()
+    config = ServerConfig(
+        nats_url=nats.url,
+        db_dsn=f"sqlite:///{tmp_path / 'projections.db'}",
+        services=("people",),
+        admin_port=free_port(),
+        first_admin_dir=str(admin_dir),
+    )
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(serve(config, stop, on_ready=ready.set))
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        token = (await wait_until(lambda: _read(admin_dir / TOKEN_FILE), what="the admin token")).strip()
+        assert stat.S_IMODE(os.stat(admin_dir / PASSWORD_FILE).st_mode) == 0o600
+        out = await CommandClient(store, TokenSigner(token)).send(
+            P.SERVICE, "user.add", P.AddUser(name="ops", password_hash=HASH), actor=""
+        )
+        assert out.requested_by == "user:admin"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def _read(path: Path) -> str | None:
+    return path.read_text() if path.exists() else None
