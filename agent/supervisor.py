@@ -228,7 +228,8 @@ class Supervisor:
                 extra_args=p.args,
                 vllm_binary=self.cfg.vllm_binary,
             )
-        threads = choose_threads(p.cpu_cores, self.cfg.llamacpp_threads, self.cpus)
+        # The cores placement reserved for it on this node (the profile's, or the threads rule's share).
+        threads = choose_threads(placed.cores or p.cpu_cores, self.cfg.llamacpp_threads, self.cpus)
         binary = self.cfg.llama_server_binary or shutil.which("llama-server")
         # `--embeddings` in a profile's args turns the engine's embeddings endpoint on.
         embeddings = "--embeddings" in p.args or "--embedding" in p.args

@@ -142,9 +142,18 @@ PASSES: list[tuple[str, list[Fact], list[str]]] = [
     ),
     (
         "a pass never over-commits a node's memory when placing several replicas",
-        [node("a", cpus=16, mem_gb=16), model("m", 3, mem=6)],
+        [node("a", cpus=16, mem_gb=16), model("m", 3, mem=6, cores=2)],
         [
             "blocked m (1 wanted): no node fits — a: has 16.0 GB memory with 4.0 GB free, needs 6.0 GB",
+            "place m on a",
+            "place m on a",
+        ],
+    ),
+    (
+        "a llama.cpp replica with no cores given reserves the half of the node its threads will use",
+        [node("a", cpus=4, mem_gb=64), model("m", 3, mem=1)],
+        [
+            "blocked m (1 wanted): no node fits — a: has 4 CPUs with 0 free, needs 2",
             "place m on a",
             "place m on a",
         ],
@@ -549,3 +558,14 @@ def test_the_lost_limit_is_configurable() -> None:
     w = World().add(node("a"), later(10))
     assert w.run(Config(lost_after_s=60)) == []
     assert [said(d) for d in w.run(Config(lost_after_s=5))] == ["lost a"]
+
+
+def test_a_replica_placed_without_cores_records_the_share_it_reserved_which_its_agent_runs_with() -> None:
+    from llmgw.agent.engines.commands import choose_threads
+    from llmgw.services.scheduler.reconcile import Place
+
+    w = World().add(node("a", cpus=8, mem_gb=64), node("b", cpus=2, mem_gb=64), model("m", 2, mem=1))
+    placed = {d.node_id: d.need.cores for d in w.run() if isinstance(d, Place)}
+    assert placed == {"a": 4, "b": 1}
+    # The agent's --threads is the reservation, whatever its own default would be.
+    assert choose_threads(placed["a"], configured=6, cpus=8) == 4

@@ -37,7 +37,7 @@ def explain(state: ClusterState, model: str, cfg: Config, leader: str | None = N
     need = need_of(m.spec.profiles[0])
     body["needs"] = {
         "engine": need.engine,
-        "cores": need.cores,
+        "cores": need.cores or ("half a node's CPUs (the threads rule)" if need.engine == "llamacpp" else 0),
         "memory_gb": round(need.memory_bytes / 1024**3, 2),
         "gpus": need.gpus,
         "node_selector": need.node_selector,

@@ -32,7 +32,8 @@ W_FIT = 1.0
 
 
 class Need(msgspec.Struct, frozen=True, kw_only=True):
-    """What one replica of a profile reserves."""
+    """What one replica of a profile reserves. ``cores`` 0 on a llama.cpp profile: the threads rule's
+    share of the node it lands on (:func:`cores_on`)."""
 
     engine: str
     cores: int = 0
@@ -95,6 +96,17 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     verdicts: list[Verdict]
 
 
+def cores_on(need: Need, cpus: int | None) -> int:
+    """The cores a replica reserves on a node with ``cpus``: the profile's own; else, for llama.cpp, what
+    its engine will use there — the agent's threads rule, half the node's CPUs, at least 1 — so that a
+    replica never uses cores nobody reserved (0 while the node has not said how many it has)."""
+    if need.cores:
+        return need.cores
+    if need.engine == "llamacpp" and cpus:
+        return max(1, cpus // 2)
+    return 0
+
+
 def need_of(profile: Profile) -> Need:
     gpus = profile.gpus.count if profile.gpus else 0
     return Need(
@@ -151,12 +163,12 @@ def _check(c: Candidate, need: Need, said: dict[tuple[object, ...], str]) -> lis
                     text = said[key] = f"label {k}={value} missing" + (f" (has {k}={has})" if k in labels else "")
                 reasons.append(text)
     cpus = c.cpus
-    if need.cores and cpus is not None:
+    if cpus is not None and (cores := cores_on(need, cpus)):
         free = cpus - c.reserved_cores
-        if free < need.cores:
-            key = ("cpu", cpus, free)
+        if free < cores:
+            key = ("cpu", cpus, free, cores)
             if (text := said.get(key)) is None:
-                text = said[key] = f"has {_count(cpus, 'CPU')} with {max(free, 0)} free, needs {need.cores}"
+                text = said[key] = f"has {_count(cpus, 'CPU')} with {max(free, 0)} free, needs {cores}"
             reasons.append(text)
     total = c.memory_total_bytes
     if need.memory_bytes and total is not None:
@@ -261,7 +273,7 @@ def reserve(c: Candidate, need: Need, gpus: list[int], model_replica: bool = Tru
     """``c`` with one more replica's reservation: so several placements in one pass never over-commit."""
     return msgspec.structs.replace(
         c,
-        reserved_cores=c.reserved_cores + need.cores,
+        reserved_cores=c.reserved_cores + cores_on(need, c.cpus),
         reserved_memory_bytes=c.reserved_memory_bytes + need.memory_bytes,
         reserved_gpus=[*c.reserved_gpus, *gpus],
         model_replicas=c.model_replicas + (1 if model_replica else 0),

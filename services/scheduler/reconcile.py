@@ -22,7 +22,16 @@ from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events import replicas as R
 from llmgw.events.models import mirror_ref
-from llmgw.services.scheduler.placement import Candidate, Need, Verdict, need_of, place, reserve, summarise
+from llmgw.services.scheduler.placement import (
+    Candidate,
+    Need,
+    Verdict,
+    cores_on,
+    need_of,
+    place,
+    reserve,
+    summarise,
+)
 from llmgw.services.scheduler.state import ClusterState, ModelState, ReplicaState, capacity_of
 
 
@@ -391,9 +400,11 @@ def _model(
         if choice is None:
             out.append(Blocked(model=m.name, reason=summarise(verdicts), wanted=missing - i, verdicts=verdicts))
             break
-        p.reserve(choice.node_id, need, choice.gpus)
+        # The cores as they are on the chosen node (the threads rule's share when the profile names none).
+        placed = msgspec.structs.replace(need, cores=cores_on(need, cs[choice.node_id].cpus))
+        p.reserve(choice.node_id, placed, choice.gpus)
         why = f"{len(staying) + i} of {lower} wanted; best of {sum(1 for v in verdicts if v.fits)} fitting nodes"
-        out.append(Place(model=m.name, node_id=choice.node_id, gpus=choice.gpus, need=need, why=why))
+        out.append(Place(model=m.name, node_id=choice.node_id, gpus=choice.gpus, need=placed, why=why))
     return out
 
 
