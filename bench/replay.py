@@ -86,9 +86,11 @@ class Moment(msgspec.Struct, kw_only=True):
     from_snapshot_s: float  # the median of REPEAT
     from_snapshot_worst_s: float  # the slowest of them
     snapshot: int | None  # the snapshot it started from
-    load_s: float  # of from_snapshot_s: reading the snapshot and writing its database out (timed on its own)
-    views_s: float  # of from_snapshot_s: the views that shape the answer (one page of keys)
-    json_s: float  # not in from_snapshot_s: the answer encoded as the API sends it and decoded as the CLI reads it
+    load_s: float  # of from_snapshot_s: reading the snapshot and writing its database out (timed on its own; median)
+    views_s: float  # of from_snapshot_s: the views that shape the answer (one page of keys; median)
+    json_s: (
+        float  # not in from_snapshot_s: the answer encoded as the API sends it and decoded as the CLI reads it (median)
+    )
     answer_bytes: int  # … its size
     keys: int  # keys at the moment (all counted, one page listed)
     tail: int  # events on the log after the snapshot it started from (all of them from 0)
@@ -165,6 +167,13 @@ async def _replay(store: EventStore, when: datetime, *, from_snapshots: bool) ->
     return time.perf_counter() - started - untimed, views_s, page, full
 
 
+def _json_s(answer: dict) -> float:
+    """The answer encoded as the API's ``json_response`` encodes it and decoded as the CLI reads it."""
+    started = time.perf_counter()
+    json.loads(json.dumps(answer))
+    return time.perf_counter() - started
+
+
 async def _moment(store: EventStore, tmp: Path, where: str, seq: int, saved: list[int]) -> Moment:
     when = await stamp_of(store, seq)
     if when is None:
@@ -176,10 +185,8 @@ async def _moment(store: EventStore, tmp: Path, where: str, seq: int, saved: lis
     _, _, snap, full = runs[0]
     from_snapshot_s = statistics.median(r[0] for r in runs)
     views_s = statistics.median(r[1] for r in runs)
-    started = time.perf_counter()
-    encoded = json.dumps(snap)  # as the API's json_response encodes it
-    json.loads(encoded)  # as the CLI reads it
-    json_s = time.perf_counter() - started
+    encoded = json.dumps(snap)
+    json_s = statistics.median(_json_s(r[2]) for r in runs)
     how = ("from_snapshot", "events_folded")
     if {k: v for k, v in zero.items() if k not in how} != {k: v for k, v in full.items() if k not in how}:
         raise BenchError(f"the replay to #{seq} from a snapshot differs from the replay from 0")
@@ -194,7 +201,7 @@ async def _moment(store: EventStore, tmp: Path, where: str, seq: int, saved: lis
         from_snapshot_s=from_snapshot_s,
         from_snapshot_worst_s=max(r[0] for r in runs),
         snapshot=snap["from_snapshot"],
-        load_s=await _load_s(store, tmp, snap["position"]),
+        load_s=statistics.median([await _load_s(store, tmp, snap["position"]) for _ in range(REPEAT)]),
         views_s=views_s,
         json_s=json_s,
         answer_bytes=len(encoded),
