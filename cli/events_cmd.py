@@ -13,7 +13,7 @@ from llmgw.cli.client import Session, run
 from llmgw.events.command_audit import CommandAudit
 from llmgw.events.commands import CommandError
 from llmgw.events.envelope import RecordedEvent
-from llmgw.events.secrets import engine_key_secret
+from llmgw.events.secrets import signing_secret
 from llmgw.events.store import Quarantined
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of
 from llmgw.services.api.views import KEYS_LIMIT, KEYS_LIMIT_MAX
@@ -244,7 +244,7 @@ def verify(ctx: click.Context, as_json: bool) -> None:
 
     async def go(s: Session) -> int:
         store = await s.store()
-        audit = CommandAudit(secret=await engine_key_secret(store.js))
+        audit = CommandAudit(secret=await signing_secret(store.js))
         async for batch in store.subscribe(f"{EVENTS_ROOT}.>", follow=False):
             for event in batch:
                 if isinstance(event, RecordedEvent):

@@ -25,7 +25,7 @@ from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.metrics import StoreMetrics
 from llmgw.events.models import ModelSpec
 from llmgw.events.pki import CertificateExpiry, PkiError, client_context, load_cert, server_context
-from llmgw.events.secrets import engine_key_secret
+from llmgw.events.secrets import engine_key_secret, signing_secret
 from llmgw.events.store import EventStore
 from llmgw.projections.access import AccessProjection
 from llmgw.projections.backends import open_backend
@@ -234,6 +234,7 @@ async def serve(
     if set(config.services) != {"router"}:
         # Made here, by a control plane: routers and agents may only read it, and wait until it is there.
         await engine_key_secret(store.js)
+        await signing_secret(store.js)  # what services sign commands with: the control plane's alone
     backend = await open_backend(config.db_dsn)
     # Every 10,000 events the replayed projections' tables are saved, so `events replay` folds only a tail.
     replay_saver = ReplaySnapshotter(store, backend)

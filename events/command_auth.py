@@ -36,7 +36,7 @@ from llmgw.events.envelope import RecordedEvent
 from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.log_fold import FoldNotCurrent, LogFold
 from llmgw.events.people_fold import People
-from llmgw.events.secrets import engine_key_secret
+from llmgw.events.secrets import signing_secret
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import EVENTS_ROOT, event_subject
 from llmgw.events.tenancy_fold import TenancyTree
@@ -68,7 +68,8 @@ class TokenSigner:
 
 
 class ServiceSigner:
-    """A part of the system (``api``, ``jobs``, ``bootstrap``…), its key derived from the cluster secret."""
+    """A part of the system (``api``, ``jobs``, ``bootstrap``…), its key derived from the command-signing
+    secret (events/secrets.py), which only the control plane may read."""
 
     def __init__(self, store: EventStore, service: str) -> None:
         self.store = store
@@ -78,7 +79,7 @@ class ServiceSigner:
 
     async def key(self) -> Ed25519PrivateKey:
         if self._key is None:
-            self._key = signing.service_key(await engine_key_secret(self.store.js), self.service)
+            self._key = signing.service_key(await signing_secret(self.store.js), self.service)
         return self._key
 
 
@@ -185,7 +186,7 @@ class CommandVerifier:
         key = self._keys.get(name)
         if key is None:
             if self._secret is None:
-                self._secret = await engine_key_secret(self.store.js)
+                self._secret = await signing_secret(self.store.js)
             key = self._keys[name] = signing.service_key(self._secret, service).public_key()
         return key
 

@@ -36,6 +36,7 @@ AGENT_PREFIX = "agent-"
 ROLES = (OPERATOR, CONTROL, ROUTER, CLI)  # and one agent-<node> per node
 
 SECRETS_BUCKET = "llmgw_secrets"  # events/secrets.py
+CONTROL_SECRETS_BUCKET = "llmgw_control_secrets"  # events/secrets.py: the command-signing secret, control only
 BUDGETS_BUCKET = "llmgw_budgets"  # services/router/budgets.py
 LEASES_BUCKET = "llmgw_leases"  # services/scheduler/service.py
 SNAPSHOTS_BUCKET = "llmgw_snapshots"  # events/snapshots.py (an object store)
@@ -165,7 +166,7 @@ def operator() -> Permissions | None:
 
 def control() -> Permissions:
     """The control plane: everything llmgw, but it never deletes or purges the log's streams or the secret."""
-    keep = (*LOG_STREAMS, f"KV_{SECRETS_BUCKET}")
+    keep = (*LOG_STREAMS, f"KV_{SECRETS_BUCKET}", f"KV_{CONTROL_SECRETS_BUCKET}")
     return Permissions(
         publish=SubjectRules(
             allow=(
@@ -173,7 +174,7 @@ def control() -> Permissions:
                 f"{JS}.>",
                 "$JS.ACK.>",
                 _FLOW_CONTROL,
-                *(f"$KV.{b}.>" for b in (SECRETS_BUCKET, BUDGETS_BUCKET, LEASES_BUCKET)),
+                *(f"$KV.{b}.>" for b in (SECRETS_BUCKET, CONTROL_SECRETS_BUCKET, BUDGETS_BUCKET, LEASES_BUCKET)),
                 f"$O.{SNAPSHOTS_BUCKET}.>",
             ),
             deny=tuple(f"{JS}.STREAM.{verb}.{s}" for s in keep for verb in ("DELETE", "PURGE", "MSG.DELETE")),

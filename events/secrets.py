@@ -16,17 +16,15 @@ import os
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.kv import KeyValue
 
 from llmgw.events.buckets import open_bucket
 from llmgw.events.retry import is_transient, retrying
 
 BUCKET = "llmgw_secrets"
 ENGINE_KEY_SECRET = "engine-key-secret"
-
-
-async def _bucket(js: JetStreamContext) -> KeyValue:
-    return await open_bucket(js, KeyValueConfig(bucket=BUCKET, history=1, storage=StorageType.FILE))
+# Read by the control plane only (routers and agents read BUCKET): what services sign commands with.
+CONTROL_BUCKET = "llmgw_control_secrets"
+SIGNING_SECRET = "command-signing-secret"
 
 
 async def engine_key_secret(js: JetStreamContext) -> bytes:
@@ -34,26 +32,36 @@ async def engine_key_secret(js: JetStreamContext) -> bytes:
 
     A process whose NATS user may only read it (a router, an agent) waits until one that may write it
     (the control plane) has made it: its own attempt is refused, which it hears as no answer."""
-    kv = await _bucket(js)
+    return await _secret(js, BUCKET, ENGINE_KEY_SECRET, "the cluster secret")
+
+
+async def signing_secret(js: JetStreamContext) -> bytes:
+    """The secret services derive their command-signing keys from (events/signing.py), in a bucket only
+    the control plane's NATS user may read: a router's or an agent's credential cannot sign commands."""
+    return await _secret(js, CONTROL_BUCKET, SIGNING_SECRET, "the command-signing secret")
+
+
+async def _secret(js: JetStreamContext, bucket: str, key: str, what: str) -> bytes:
+    kv = await open_bucket(js, KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE))
 
     async def once() -> bytes:
         try:
-            entry = await kv.get(ENGINE_KEY_SECRET)
+            entry = await kv.get(key)
             if entry.value:
                 return base64.b64decode(entry.value)
         except nats.js.errors.KeyNotFoundError:
             pass
         secret = os.urandom(32)
         try:
-            await kv.create(ENGINE_KEY_SECRET, base64.b64encode(secret))
+            await kv.create(key, base64.b64encode(secret))
             return secret
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError) as exc:
             if is_transient(exc):
                 raise
-            entry = await kv.get(ENGINE_KEY_SECRET)  # another process won the race: use theirs
+            entry = await kv.get(key)  # another process won the race: use theirs
             return base64.b64decode(entry.value or b"")
 
-    return await retrying("the cluster secret", once)
+    return await retrying(what, once)
 
 
 def engine_key(secret: bytes, replica_id: str) -> str:

@@ -8,8 +8,9 @@ actor, time, expectation, correlation, signer and data) and the name of the key 
   and records it with the token (``user.token_issued``); the token itself never leaves its holder,
   so the log holds the key to check with and nothing to sign with. A person's command may only
   say it is from that person.
-- ``svc:<name>`` — a service's key, derived from the cluster secret (``llmgw_secrets``) that only
-  the control plane and agents can read. A service acts for itself or, like the admin API, for a
+- ``svc:<name>`` — a service's key, derived from the command-signing secret
+  (``llmgw_control_secrets``), which only the control plane's NATS user can read (routers and
+  agents read the engine-key secret, never this one). A service acts for itself or, like the admin API, for a
   person it authenticated.
 
 Key derivation is HKDF-SHA256 with a label per use, so neither a token's signing key nor a
@@ -73,7 +74,7 @@ def token_key(token: str) -> Ed25519PrivateKey:
 
 
 def service_key(secret: bytes, service: str) -> Ed25519PrivateKey:
-    """The signing key of service ``service`` (``api``, ``jobs``…), from the cluster secret."""
+    """The signing key of service ``service`` (``api``, ``jobs``…), from the command-signing secret."""
     return _derive(secret, b"llmgw command signing: service " + service.encode())
 
 

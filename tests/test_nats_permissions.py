@@ -41,7 +41,7 @@ from llmgw.events.catalog import default_registry
 from llmgw.events.models import Profile
 from llmgw.events.nats_permissions import NatsCredential
 from llmgw.events.natsd import NatsConfig, NatsProcess, free_port, render_authorization, render_config
-from llmgw.events.secrets import engine_key_secret
+from llmgw.events.secrets import CONTROL_BUCKET, SIGNING_SECRET, engine_key_secret, signing_secret
 from llmgw.events.store import EventStore, NewEvent, StoreError
 from llmgw.services.router.app import RouterConfig
 from tests.support import wait_until
@@ -94,6 +94,9 @@ def test_credentials_are_made_once_private_and_kept_until_rotated(tmp_path: Path
 
 
 # -- against a real server -------------------------------------------------------------------------
+
+
+SIGNING_GET = f"$JS.API.DIRECT.GET.KV_{CONTROL_BUCKET}.$KV.{CONTROL_BUCKET}.{SIGNING_SECRET}"
 
 
 @pytest.fixture
@@ -161,6 +164,7 @@ async def roles(
             probes[user] = await Probe().connect(server.url, cred)
         await stores[NP.CONTROL].ensure_streams()
         await engine_key_secret(stores[NP.CONTROL].js)
+        await signing_secret(stores[NP.CONTROL].js)
         yield stores, probes
     finally:
         for store in stores.values():
@@ -238,6 +242,8 @@ async def test_a_router_folds_the_log_and_publishes_usage_gossip_and_demand_but_
     ):
         await probe.publish_refused(subject)
     await probe.subscribe_refused(f"{S.COMMANDS_ROOT}.>")
+    # The command-signing secret is the control plane's alone: a router's credential cannot sign as a service.
+    await probe.publish_refused(SIGNING_GET, b"")
     assert not router.nc.is_closed  # a refusal is reported, the connection stays
 
 
@@ -270,6 +276,7 @@ async def test_an_agent_uses_its_own_node_s_subjects_and_the_replica_events_only
     await probe.publish_refused("$KV.llmgw_secrets.engine-key-secret")
     await probe.publish_refused(f"$JS.API.CONSUMER.CREATE.{S.STREAM_EVENTS}.x.{S.EVENTS_ROOT}.tenancy.>", b"{}")
     await probe.publish_refused(f"$JS.API.DIRECT.GET.{S.STREAM_EVENTS}", b'{"seq": 1}')
+    await probe.publish_refused(SIGNING_GET, b"")
 
 
 async def test_a_consumer_whose_body_filters_other_subjects_than_its_api_subject_is_refused(roles) -> None:
