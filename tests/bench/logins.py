@@ -1,6 +1,7 @@
 """Logins beside the gateway: the gateway's latency while 100 concurrent logins run, against without.
 
-    .venv/bin/python -m tests.bench.logins [--quick] [--pairs N] [--json FILE] [--keep-logs DIR]
+    .venv/bin/python -m tests.bench.logins [--quick] [--pairs N] [--requests N] [--kinds K,...]
+                                           [--check-nice N] [--json FILE] [--keep-logs DIR]
 
 Starts, each as its own process: a durable nats-server, the paced simulated engine of
 :mod:`tests.bench.gateway` (5-15 ms to the first token, then 1,000 tokens/s: the gateway alone
@@ -80,12 +81,16 @@ CONCURRENCY = 16
 # -- the server process ----------------------------------------------------------------------------
 
 
-def server_process(nats_url: str, db: str, port: int, admin_port: int) -> None:
-    """The router, the admin API and the people service in one ``serve()``, as `llmgw up` runs them."""
+def server_process(nats_url: str, db: str, port: int, admin_port: int, check_nice: int | None) -> None:
+    """The router, the admin API and the people service in one ``serve()``, as `llmgw up` runs them;
+    ``check_nice``: the password checks' priority instead of the checker's own (this process only)."""
     from llmgw.cli import logs
     from llmgw.cli.runtime import ServerConfig, serve
+    from llmgw.services.people import passwords
 
     logs.configure("info")
+    if check_nice is not None:
+        passwords.CHECK_NICE = check_nice  # read by each PasswordChecker made without a nice of its own
     config = ServerConfig(
         nats_url=nats_url, db_dsn=db, services=("people", "api", "router"), port=port, admin_port=admin_port
     )
@@ -187,6 +192,8 @@ class LoginBench(Bench):
         argv = [sys.executable, "-m", "tests.bench.logins", "--server-process", "--nats", self.nats.url]
         argv += ["--db", f"sqlite:///{self.base / 'server.db'}", "--port", str(self.router_port)]
         argv += ["--admin-port", str(self.admin_port)]
+        if self.args.check_nice is not None:
+            argv += ["--check-nice", str(self.args.check_nice)]
         self.router = self.spawn(argv, "server.log")
         await self.wait_http(f"http://127.0.0.1:{self.router_port}/healthz")
         await self.wait_http(f"{self.admin_url}/healthz")
@@ -221,6 +228,7 @@ class LoginBench(Bench):
         c0, before = cpu_s(self.router.pid), len(logins.latency)
         gw_run = await load(session, gw, stream, CONCURRENCY, n)
         server_cpu = cpu_s(self.router.pid) - c0
+        nices = thread_nices(self.router.pid)  # with logins in flight: the checks' threads among them
         logins.in_window, logins.window_s = len(logins.latency) - before, gw_run.wall_s
         if task is not None:
             stop.set()
@@ -230,7 +238,17 @@ class LoginBench(Bench):
             logins.drain_s = time.perf_counter() - t0
         self.gateway_sent += n
         await self.usage_settled()
-        return {"gateway": gw_run, "logins": logins, "server_cpu_s": server_cpu}
+        return {"gateway": gw_run, "logins": logins, "server_cpu_s": server_cpu, "nices": nices}
+
+
+def thread_nices(pid: int) -> dict[int, int]:
+    """How many of the process's threads run at each nice value now."""
+    out: dict[int, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            nice = int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
+            out[nice] = out.get(nice, 0) + 1
+    return out
 
 
 def _gateway_row(r: Run) -> dict[str, float]:
@@ -290,6 +308,7 @@ def summarize(kind: str, stream: bool, pairs: list[tuple[dict, dict]]) -> dict[s
         "login_errors": sum(lg["errors"] for lg in logins),
         "login_first_error": next((lg["first_error"] for lg in logins if lg["first_error"]), ""),
         "drain_s": med(lg["drain_s"] for lg in logins),
+        "server_thread_nices": [p[1]["nices"] for p in pairs],  # nice: threads, at the end of each B round
     }
 
 
@@ -309,13 +328,14 @@ def _print_row(r: dict[str, Any]) -> None:
         f"{r['login_p50_ms']:9.0f} {r['login_p99_ms']:7.0f}  {r['login_statuses']}",
         flush=True,
     )
-    print(f"    p99 B/A per pair: {' '.join(f'{x:.2f}' for x in r['p99_ratios'])}", flush=True)
+    nices = " ".join(str(x) for x in r["server_thread_nices"])
+    print(f"    p99 B/A per pair: {' '.join(f'{x:.2f}' for x in r['p99_ratios'])}; server threads by nice: {nices}")
     if r["gateway_errors"] or r["login_errors"]:
         print(f"    errors: gateway {r['gateway_errors']}, logins {r['login_errors']} {r['login_first_error']}")
 
 
 async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
-    n = 400 if args.quick else 1500
+    n = args.requests or (400 if args.quick else 1500)
     pairs = args.pairs or (2 if args.quick else 4)
     kinds = args.kinds.split(",") if args.kinds else list(KINDS)
     out: list[dict[str, Any]] = []
@@ -329,7 +349,11 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             await b.gateway_serves(gw)
             await b.add_person()
             print(f"server pid {b.router.pid if b.router else '?'}, engine pid {engine.pid}; logs in {tmp}")
-            print(f"{_machine()}; {n} gateway requests a round at c={CONCURRENCY}, {LOGIN_CLIENTS} login clients")
+            nice = "the checker's own" if args.check_nice is None else args.check_nice
+            print(
+                f"{_machine()}; {n} gateway requests a round at c={CONCURRENCY}, {LOGIN_CLIENTS} login clients, "
+                f"password checks at nice {nice}"
+            )
             print(HEADER, flush=True)
             connector = aiohttp.TCPConnector(limit=0)
             timeout = aiohttp.ClientTimeout(total=120)
@@ -366,7 +390,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.bench.logins", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="400 gateway requests a round (not 1,500), 2 pairs")
     parser.add_argument("--pairs", type=int, help="pairs of rounds (A alone, B beside logins) per kind and mode")
+    parser.add_argument("--requests", type=int, help="gateway requests a round")
     parser.add_argument("--kinds", help=f"which login traffic, comma-separated (default: {','.join(KINDS)})")
+    parser.add_argument(
+        "--check-nice",
+        type=int,
+        help="run the server's password checks at this nice value, not the checker's own "
+        "(0: at the gateway's priority, as before they were lowered)",
+    )
     parser.add_argument("--json", help="write the figures here too")
     parser.add_argument("--keep-logs", help="copy the processes' logs here at the end")
     # The server process (started by the bench itself).
@@ -377,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--admin-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.server_process:
-        server_process(args.nats, args.db, args.port, args.admin_port)
+        server_process(args.nats, args.db, args.port, args.admin_port, args.check_nice)
         return
     rows = asyncio.run(bench(args))
     print(f"\nafter: {_machine()}")
