@@ -51,6 +51,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_s: float = 5.0
     port_range: tuple[int, int] = (20000, 20999)
     llamacpp_threads: int | None = None
+    cpus: int | None = None  # the CPUs this node offers to replicas (None: those the agent may run on)
     startup_timeout_s: float = 120.0
     host: str = "127.0.0.1"
     advertise_host: str = "127.0.0.1"
@@ -79,7 +80,7 @@ class Agent:
         self.cfg = cfg
         self.actor = sanitize_actor("node", cfg.node_id)
         self.ring = ring or LogRing()
-        self.cpus = discovery.cpu_count()
+        self.cpus = cfg.cpus or discovery.cpu_count()
         self.sensors = discovery.SensorReader()
         self.supervisor = Supervisor(
             SupervisorConfig(

@@ -58,6 +58,7 @@ def load_agent_config(path: str | None) -> dict[str, Any]:
         "llama_server",
         "mirror",
         "model_dirs",
+        "cpus",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -70,6 +71,9 @@ def load_agent_config(path: str | None) -> dict[str, Any]:
     dirs = data.get("model_dirs", [])
     if not isinstance(dirs, list) or not all(isinstance(d, str) and d for d in dirs):
         raise click.BadParameter(f"agent config {path}: model_dirs must be a list of directories, got {dirs!r}")
+    cpus = data.get("cpus")
+    if cpus is not None and (not isinstance(cpus, int) or cpus < 1):
+        raise click.BadParameter(f"agent config {path}: cpus must be a positive integer, got {cpus!r}")
     threads = (data.get("llamacpp") or {}).get("threads")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise click.BadParameter(f"agent config {path}: llamacpp.threads must be a positive integer, got {threads!r}")
@@ -83,7 +87,13 @@ def load_agent_config(path: str | None) -> dict[str, Any]:
 @click.option("--data-dir", help="Where engine logs and state files live.")
 @click.option("--label", "labels", multiple=True, help="A label, key=value (repeatable).")
 @click.option("--port-range", help="Engine ports, LOW-HIGH (default 20000-20999).")
-@click.option("--threads", type=int, help="llama.cpp threads when a profile reserves no cores.")
+@click.option("--threads", type=int, help="llama.cpp threads when placement reserved no cores.")
+@click.option(
+    "--cpus",
+    type=click.IntRange(min=1),
+    help="The CPUs this node offers to replicas, reported for placement (default: those the agent may run on). "
+    "Fewer keeps cores for the machine's own work; more overcommits it on purpose.",
+)
 @click.option("--heartbeat", "heartbeat_s", type=float, help="Seconds between heartbeats (default 5).")
 @click.option(
     "--mirror",
@@ -111,6 +121,7 @@ def agent(
     labels: tuple[str, ...],
     port_range: str | None,
     threads: int | None,
+    cpus: int | None,
     heartbeat_s: float | None,
     mirror_urls: tuple[str, ...],
     model_dirs: tuple[str, ...],
@@ -143,6 +154,7 @@ def agent(
         heartbeat_s=heartbeat_s or float(conf.get("heartbeat_s", 5.0)),
         port_range=_port_range(port_range or conf.get("port_range", "20000-20999")),
         llamacpp_threads=threads or (conf.get("llamacpp") or {}).get("threads"),
+        cpus=cpus or conf.get("cpus"),
         startup_timeout_s=float(conf.get("startup_timeout_s", 120.0)),
         llama_server_binary=conf.get("llama_server"),
         mirror_url=",".join(mirror_list(list(mirror_urls) or conf.get("mirror"))) or None,

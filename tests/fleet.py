@@ -54,6 +54,10 @@ class AgentProc:
             f"{port_lo}-{port_lo + 49}",
             "--heartbeat",
             "0.3",
+            # Several agents share this machine's two cores: each offers eight, and the tests' models
+            # reserve one each (``add_model``), so placement is about the story a test tells, not the CI box.
+            "--cpus",
+            "8",
             *(extra_args or []),
         ]
         self.proc: subprocess.Popen | None = None
@@ -176,14 +180,14 @@ class Fleet:
         *,
         min_: int = 1,
         max_: int | None = None,
-        cores: int = 0,
+        cores: int = 1,  # one llama.cpp thread: the tiny model needs no more, and the machine has two cores
         memory_gb: float = 0.05,
         args: list[str] | None = None,
         **spec_fields: Any,
     ) -> None:
         profile = M.Profile(
             engine="llamacpp",
-            cpu_cores=cores or None,
+            cpu_cores=cores,
             min_memory_gb=memory_gb,
             ctx_size=1024,
             parallel=2,
