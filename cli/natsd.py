@@ -45,7 +45,8 @@ import structlog
 from llmgw.agent.supervisor import pid_alive, proc_start_time
 from llmgw.events import nats_permissions as NP
 from llmgw.events.nats_permissions import NatsCredential
-from llmgw.events.natsd import NatsConfig, NatsProcess, NatsStartError, render_authorization, write_private
+from llmgw.events.natsd import NatsConfig, NatsProcess, NatsStartError, render_authorization
+from llmgw.events.private import write_private
 
 log = structlog.get_logger("llmgw.cli.natsd")
 

@@ -31,15 +31,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from llmgw.events import people as P
 from llmgw.events import roles as R
 from llmgw.events import signing
-from llmgw.events import tenancy as T
-from llmgw.events.envelope import RecordedEvent
 from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.log_fold import FoldNotCurrent, LogFold
-from llmgw.events.people_fold import People
+from llmgw.events.people_fold import People, PeopleAndTree
 from llmgw.events.secrets import signing_secret
 from llmgw.events.store import EventStore
-from llmgw.events.subjects import EVENTS_ROOT, event_subject
-from llmgw.events.tenancy_fold import TenancyTree
 
 if TYPE_CHECKING:
     from llmgw.events.commands import Command
@@ -151,23 +147,11 @@ class CommandVerifier:
     ) -> None:
         self.store = store
         self.clock = clock
-        self.people = People()
-        self.tree = TenancyTree()
-        tree_subject = event_subject(T.AGGREGATE, T.TREE_ID)
-        self.fold = LogFold(
-            store,
-            {f"{EVENTS_ROOT}.{P.AGGREGATE}.>": f"signers-{service}", tree_subject: f"signers-{service}-tenancy"},
-            self._apply,
-            registry=registry,
-        )
+        self.folded = PeopleAndTree()
+        self.people, self.tree = self.folded.people, self.folded.tree
+        self.fold = LogFold(store, PeopleAndTree.subjects(f"signers-{service}"), self.folded.apply, registry=registry)
         self._secret: bytes | None = None
         self._keys: dict[str, Ed25519PublicKey] = {}  # recorded public key (or svc:name) -> loaded key
-
-    def _apply(self, event: RecordedEvent) -> None:
-        if event.subject.startswith(f"{EVENTS_ROOT}.{P.AGGREGATE}."):
-            self.people.apply(event)
-        else:
-            self.tree.apply(event)
 
     def start(self) -> None:
         self.fold.start()

@@ -10,7 +10,6 @@ What only `up` needs — the store lock, the parent-death signal, the recorded p
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import socket
@@ -24,6 +23,7 @@ from typing import Any
 import msgspec
 
 from llmgw.events.nats_permissions import NatsUser, Permissions, SubjectRules
+from llmgw.events.private import write_private
 
 
 class NatsStartError(RuntimeError):
@@ -130,19 +130,6 @@ def render_config(config: NatsConfig) -> str:
         else:
             lines.append(render_authorization(config.authorization).rstrip("\n"))
     return "\n".join(lines) + "\n"
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by its owner only (0600), atomically: a temp file, then rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # whatever the umask or an older file said
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 def write_authorization(config: NatsConfig, conf_dir: Path) -> Path | None:

@@ -11,8 +11,10 @@ from datetime import datetime
 import msgspec
 
 from llmgw.events import people as P
+from llmgw.events import tenancy as T
 from llmgw.events.envelope import RecordedEvent
-from llmgw.events.subjects import aggregate_of
+from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
+from llmgw.events.tenancy_fold import TenancyTree
 
 
 class Token(msgspec.Struct, kw_only=True):
@@ -91,3 +93,23 @@ class People(msgspec.Struct, kw_only=True):
     def find_token(self, person: Person, token: str) -> Token | None:
         """One of ``person``'s tokens by id or prefix."""
         return person.tokens.get(token) or next((t for t in person.tokens.values() if t.prefix == token), None)
+
+
+class PeopleAndTree:
+    """The people and the tenancy tree their roles are bound over, folded together: what the people
+    service decides on and what a command verifier authorizes with."""
+
+    def __init__(self) -> None:
+        self.people = People()
+        self.tree = TenancyTree()
+
+    @staticmethod
+    def subjects(name: str) -> dict[str, str]:
+        """The subjects to follow, each with the name its live fold shows (``name``, ``name-tenancy``)."""
+        return {f"{EVENTS_ROOT}.{P.AGGREGATE}.>": name, event_subject(T.AGGREGATE, T.TREE_ID): f"{name}-tenancy"}
+
+    def apply(self, event: RecordedEvent) -> None:
+        if event.subject.startswith(f"{EVENTS_ROOT}.{P.AGGREGATE}."):
+            self.people.apply(event)
+        else:
+            self.tree.apply(event)

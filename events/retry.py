@@ -62,9 +62,10 @@ def is_transient(exc: BaseException) -> bool:
         if isinstance(e, _TRANSIENT_TYPES):
             return True
         if isinstance(e, nats.js.errors.APIError):
-            if e.code == 503:
+            # getattr: some subclasses (KeyWrongLastSequenceError) never set the API error's fields.
+            if getattr(e, "code", None) == 503:
                 return True
-            if any(t in (e.description or "").lower() for t in _TRANSIENT_TEXT):
+            if any(t in (getattr(e, "description", None) or "").lower() for t in _TRANSIENT_TEXT):
                 return True
         e = e.__cause__
     return False

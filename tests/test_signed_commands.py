@@ -19,6 +19,7 @@ from llmgw.events.commands import Command, CommandClient, CommandRejectedError, 
 from llmgw.events.envelope import utc_now
 from llmgw.events.ids import new_id
 from llmgw.events.outcomes import REFUSAL_AGGREGATE
+from llmgw.events.secrets import signing_secret
 from llmgw.events.signing import service_key, sign
 from llmgw.events.store import EventStore, NewEvent
 from llmgw.events.subjects import event_subject
@@ -259,3 +260,10 @@ async def test_events_verify_proves_every_command_from_the_log_and_finds_one_alt
     code, out = await llmgw(nats.url, "events", "verify")
     assert code == 1, out
     assert f"FAILED tenancy.create {rewritten.id}" in out and "the log was altered" in out
+
+
+async def test_processes_that_first_need_the_signing_secret_at_the_same_moment_all_get_the_same_one(
+    store: EventStore,
+) -> None:
+    got = await asyncio.gather(*(signing_secret(store.js) for _ in range(6)))
+    assert len(set(got)) == 1 and len(got[0]) == 32

@@ -17,6 +17,7 @@ import structlog
 from llmgw.events import access as A
 from llmgw.events import tenancy as T
 from llmgw.events.commands import CommandClient, CommandRejectedError
+from llmgw.events.private import write_private
 from llmgw.events.store import EventStore
 
 log = structlog.get_logger("llmgw.services.access.bootstrap")
@@ -26,19 +27,6 @@ DEMO_SCOPES = (("org", "default"), ("team", "default/default"), ("project", "def
 DEMO_PROJECT = DEMO_SCOPES[-1][1]
 DEMO_KEY_NAME = "demo"
 ACTOR = "system:bootstrap"
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by its owner only (0600), atomically: a temp file, then rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # whatever the umask or an older file said
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 def _pending_key(path: Path) -> str | None:

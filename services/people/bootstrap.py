@@ -18,9 +18,9 @@ import structlog
 from llmgw.events import people as P
 from llmgw.events.commands import CommandClient, CommandRejectedError
 from llmgw.events.people_fold import People
+from llmgw.events.private import write_private
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import event_subject
-from llmgw.services.access.bootstrap import write_private
 from llmgw.services.people.passwords import hash_password
 
 log = structlog.get_logger("llmgw.services.people.bootstrap")

@@ -9,16 +9,13 @@ from collections.abc import Callable
 from datetime import datetime
 
 from llmgw.events import people as P
-from llmgw.events import tenancy as T
 from llmgw.events.command_shell import CommandShell, Decision
 from llmgw.events.commands import Command, CommandProcessor
-from llmgw.events.envelope import RecordedEvent, utc_now
+from llmgw.events.envelope import utc_now
 from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.log_fold import LogFold
-from llmgw.events.people_fold import People
+from llmgw.events.people_fold import PeopleAndTree
 from llmgw.events.store import EventStore
-from llmgw.events.subjects import EVENTS_ROOT, event_subject
-from llmgw.events.tenancy_fold import TenancyTree
 from llmgw.services.people import rules
 
 
@@ -27,12 +24,10 @@ class PeopleService:
         self, store: EventStore, *, folds: FoldRegistry | None = None, clock: Callable[[], datetime] = utc_now
     ) -> None:
         self.store = store
-        self.people = People()
         self.clock = clock
-        self.tree = TenancyTree()  # to resolve the scope a role is granted over
-        tree_subject = event_subject(T.AGGREGATE, T.TREE_ID)
-        subjects = {f"{EVENTS_ROOT}.{P.AGGREGATE}.>": "people", tree_subject: "people-tenancy"}
-        self.fold = LogFold(store, subjects, self._apply, registry=folds)
+        self.folded = PeopleAndTree()  # the tree resolves the scope a role is granted over
+        self.people, self.tree = self.folded.people, self.folded.tree
+        self.fold = LogFold(store, PeopleAndTree.subjects("people"), self.folded.apply, registry=folds)
         self.shell = CommandShell(
             store,
             service=P.SERVICE,
@@ -42,12 +37,6 @@ class PeopleService:
             payload_type=P.PeopleCommand,
             authorize=lambda command, payload: rules.need(command.actor, payload),
         )
-
-    def _apply(self, event: RecordedEvent) -> None:
-        if event.subject.startswith(f"{EVENTS_ROOT}.{P.AGGREGATE}."):
-            self.people.apply(event)
-        else:
-            self.tree.apply(event)
 
     def start(self) -> None:
         """Follow the log from now on (the first command would start it otherwise)."""
