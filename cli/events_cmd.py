@@ -41,7 +41,21 @@ def event_dict(e: RecordedEvent) -> dict:
     }
 
 
+ACTOR_W, TYPE_W, WHERE_W = 20, 22, 30  # the columns' widths; a longer value is cut in its middle
+
+
+def _fit(text: str, width: int) -> str:
+    """``text`` in exactly ``width`` characters: padded, or cut in the middle with … (both ends stay readable)."""
+    if len(text) <= width:
+        return text.ljust(width)
+    keep = width - 1
+    return text[: (keep + 1) // 2] + "…" + text[len(text) - keep // 2 :]
+
+
 def one_line(e: RecordedEvent) -> str:
+    """One event as `events tail` and `ctl audit` print it: the sequence and the id (either is what
+    `events show` takes), time, actor, type, aggregate, what caused it and the thread it is part of
+    (when that is not its cause), and its data."""
     try:
         agg, agg_id = aggregate_of(e.subject)
         where = f"{agg}/{agg_id}"
@@ -50,8 +64,15 @@ def one_line(e: RecordedEvent) -> str:
     data = msgspec.json.encode(msgspec.json.decode(e.envelope.data)).decode()
     if len(data) > 100:
         data = data[:97] + "..."
-    at = e.envelope.at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
-    return f"{e.seq:>8}  {at}  {e.envelope.actor:<20} {e.type:<22} {where:<30} {data}"
+    env = e.envelope
+    at = env.at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+    cause = f"by {env.causation}" if env.causation else "by -"
+    if env.correlation and env.correlation != env.causation:
+        cause += f" in {env.correlation}"
+    return (
+        f"{e.seq:>8}  {env.id}  {at}  {_fit(env.actor, ACTOR_W)} {_fit(e.type, TYPE_W)} {_fit(where, WHERE_W)} "
+        f"{cause}  {data}"
+    )
 
 
 def parse_since(value: str) -> datetime:
@@ -85,7 +106,9 @@ def tail(
     follow: bool,
     as_json: bool,
 ) -> None:
-    """Print the newest events, oldest first, each with its actor, time, causation and correlation."""
+    """Print the newest events, oldest first: sequence, id, time, actor, type, aggregate, causation
+    (``by``: the command or event that caused it), correlation (``in``: the thread, when not its cause)
+    and data. `events show` takes the sequence or the id."""
     since_at = parse_since(since) if since else None
     subject = f"{EVENTS_ROOT}.{aggregate}.>" if aggregate else f"{EVENTS_ROOT}.>"
 
@@ -128,11 +151,18 @@ def tail(
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def show(ctx: click.Context, event_id: str, as_json: bool) -> None:
-    """One event in full, with what caused it and what it caused. Also takes a command id."""
+    """One event in full, with what caused it and what it caused. EVENT is its id or its sequence number
+    (as `events tail` prints both); also takes a command id."""
 
     async def go(s: Session) -> int:
-        found = await s.api("GET", f"/api/v1/events/{event_id}")
         store = await s.store()
+        nonlocal event_id
+        if event_id.isdigit():  # a sequence number: the event there, then its causes and effects by its id
+            at = await store.get(int(event_id))
+            if not isinstance(at, RecordedEvent):
+                raise CommandError(f"there is no event at sequence {event_id} (`llmgw events tail` lists them)")
+            event_id = at.envelope.id
+        found = await s.api("GET", f"/api/v1/events/{event_id}")
         event = await store.get(found["seq"]) if found.get("seq") else None
         if found.get("seq") and not isinstance(event, RecordedEvent):
             raise CommandError(f"event {event_id} is indexed at {found['seq']} but no longer in the stream")

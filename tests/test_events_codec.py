@@ -164,3 +164,21 @@ def test_actors_are_sanitised_never_free_text(kind: str, name: str, expected: st
     actor = sanitize_actor(kind, name)
     assert actor == expected
     assert is_valid_actor(actor)
+
+
+def test_a_tail_line_keeps_its_columns_whatever_the_length_of_an_aggregate_or_actor() -> None:
+    from llmgw.cli.events_cmd import one_line
+    from llmgw.events.envelope import RecordedEvent
+
+    def line(actor: str, aggregate_id: str) -> str:
+        env = Envelope(
+            id="e1", type="org.created", at=datetime(2026, 1, 1, tzinfo=UTC), actor=actor, causation="c1",
+            data=msgspec.json.encode(OrgCreated(org_id="o1", name="acme")),
+        )  # fmt: skip
+        payload = OrgCreated(org_id="o1", name="acme")
+        subject = event_subject("tenancy", aggregate_id)
+        return one_line(RecordedEvent(subject=subject, seq=7, envelope=env, payload=payload))
+
+    short, long = line("user:a", "tree"), line("user:" + "x" * 60, "t" * 80)
+    assert short.index("by c1") == long.index("by c1"), (short, long)
+    assert "…" in long and long.split()[:2] == ["7", "e1"]

@@ -71,6 +71,14 @@ def test_the_log_names_who_did_what_and_show_links_causes(up: Up) -> None:
     assert shown.returncode == 0
     assert event["id"] in shown.stdout and "command.completed" in shown.stdout
 
+    # The plain lines carry what `events show` takes (the sequence, the id) and what caused each event.
+    [line] = up.cli("events", "tail", "-n", "1", "--type", "org.created").stdout.splitlines()
+    assert line.split()[:2] == [str(event["seq"]), event["id"]] and f"by {event['causation']}" in line
+    by_seq = up.cli("events", "show", str(event["seq"]))
+    assert by_seq.returncode == 0 and event["id"] in by_seq.stdout and "org.created" in by_seq.stdout
+    nowhere = up.cli("events", "show", "999999999")
+    assert nowhere.returncode != 0 and "there is no event at sequence 999999999" in nowhere.stderr
+
 
 def test_a_second_up_on_the_same_directory_is_refused(up: Up) -> None:
     second = subprocess.run(
@@ -171,6 +179,8 @@ def test_audit_lists_who_changed_what_and_by_default_only_what_people_did(up: Up
 
     only = up.cli("ctl", "audit", "--type", "team.created").stdout.splitlines()
     assert len(only) == 1 and "team.created" in only[0]
+    [row] = [json.loads(x) for x in up.cli("ctl", "audit", "--type", "team.created", "--json").stdout.splitlines()]
+    assert row["data"]["name"] == "ml" and row["actor"] == me, "the change itself, not only that it happened"
     services = up.cli("ctl", "audit", "--actor", "svc:", "-n", "500").stdout
     assert "scheduler.elected" in services and " user:" not in services
     assert "no changes by" in up.cli("ctl", "audit", "--since", "2999-01-01T00:00:00").stdout

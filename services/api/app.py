@@ -23,7 +23,7 @@ from llmgw.events import nodes as N
 from llmgw.events import scheduler as SCH
 from llmgw.events import subjects as S
 from llmgw.events import tenancy as T
-from llmgw.events.envelope import utc_now
+from llmgw.events.envelope import RecordedEvent, utc_now
 from llmgw.events.live_fold import FoldRegistry, health_body
 from llmgw.events.roles import CLUSTER
 from llmgw.events.store import EventStore
@@ -287,7 +287,12 @@ class AdminApi:
             f"SELECT {', '.join(cols)} FROM {{events}} WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT {limit}",
             *args,
         )
-        return web.json_response({"events": [dict(zip(cols, r, strict=True)) for r in reversed(rows)]})
+        found = [dict(zip(cols, r, strict=True)) for r in reversed(rows)]
+        # The data itself is in the log, not the index: read each by its sequence (None once it is gone).
+        events = await asyncio.gather(*(self.store.get(row["seq"]) for row in found))
+        for row, event in zip(found, events, strict=True):
+            row["data"] = msgspec.json.decode(event.envelope.data) if isinstance(event, RecordedEvent) else None
+        return web.json_response({"events": found})
 
     async def replay(self, request: web.Request) -> web.Response:
         """The cluster as it was at ``?until=`` (an ISO time, or ``30m``/``2h``/``1d`` ago), from the log;
