@@ -476,13 +476,14 @@ def test_a_call_is_charged_for_the_tokens_its_record_shows(status: int, billed_i
 def test_an_exhausted_budget_says_to_retry_when_its_period_ends(now: str, period: str, wait: int) -> None:
     at = datetime.fromisoformat(now).replace(tzinfo=UTC).timestamp()
     exc = BudgetExceeded("project:p", budget=10.0, period=period, spent=9.99, held=0.0, need=0.5)
-    refusal = adm.over_budget(exc, at)
+    refusal = adm.over_budget(exc, at, "project:acme/ml/chat")
     assert (refusal.status, refusal.code) == (429, "budget_exceeded")
+    assert refusal.message.startswith(f"project:acme/ml/chat has spent $9.9900 of its $10.00 {period} budget")
     assert refusal.headers["retry-after"] == str(wait)
 
 
 def test_a_budget_full_only_of_running_requests_holds_says_to_retry_in_seconds() -> None:
     # $6 spent, $3 held by requests still running, $2 asked: once they settle there is room again.
     exc = BudgetExceeded("project:p", budget=10.0, period="day", spent=6.0, held=3.0, need=2.0)
-    refusal = adm.over_budget(exc, datetime(2026, 3, 14, 1, tzinfo=UTC).timestamp())
+    refusal = adm.over_budget(exc, datetime(2026, 3, 14, 1, tzinfo=UTC).timestamp(), "project:acme/ml/chat")
     assert refusal.headers["retry-after"] == str(adm.HELD_RETRY_S)

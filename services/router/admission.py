@@ -251,10 +251,15 @@ def most_it_may_cost(
 HELD_RETRY_S = 5  # a budget full only of running requests' holds frees up as soon as they settle
 
 
-def over_budget(exc: BudgetExceeded, now: float) -> Refusal:
-    """The 429 of a budget that cannot cover the request: ``Retry-After`` when it may: in a few seconds
-    when only running requests' holds stand in the way, else when the period ends (a new budget)."""
+def over_budget(exc: BudgetExceeded, now: float, label: str) -> Refusal:
+    """The 429 of a budget that cannot cover the request, naming its scope as ``label`` (a path, not an
+    id): ``Retry-After`` in a few seconds when only running requests' holds stand in the way, else
+    when the period ends (a new budget)."""
     wait = HELD_RETRY_S if exc.held_only else seconds_to_period_end(exc.period, now)
     return Refusal(
-        status=429, code="budget_exceeded", message=str(exc), headers={"retry-after": str(wait)}, layer="budget"
+        status=429,
+        code="budget_exceeded",
+        message=exc.describe(label),
+        headers={"retry-after": str(wait)},
+        layer="budget",
     )

@@ -412,7 +412,8 @@ class Router:
             try:
                 when = await self.budgets.reserve(scope, b.usd, b.period, call.request_id, amount)
             except BudgetExceeded as exc:
-                raise _refused(adm.over_budget(exc, self.clock())) from exc
+                label = self.state.scope_label(scope, call.key)
+                raise _refused(adm.over_budget(exc, self.clock(), label)) from exc
             call.holds.append((scope, when, amount))
 
     # -- choosing a replica and proxying -------------------------------------------------------

@@ -33,12 +33,17 @@ class BudgetExceeded(Exception):
     def __init__(self, scope: str, budget: float, period: str, spent: float, held: float, need: float) -> None:
         self.scope = scope
         self.period = period
+        self.budget, self.spent, self.held, self.need = budget, spent, held, need
         # Only running requests' holds stand in the way: they settle (usually for less) within seconds.
         self.held_only = spent + need <= budget
-        super().__init__(
-            f"{scope} has spent ${spent:.4f} of its ${budget:.2f} {period} budget (${held:.4f} held by running "
-            f"requests); this request may cost up to ${need:.4f}: lower max_tokens, raise the budget, or wait for "
-            "the next period"
+        super().__init__(self.describe(scope))
+
+    def describe(self, label: str) -> str:
+        """The refusal, naming the scope as ``label`` (``project:acme/ml/chat`` rather than its id)."""
+        return (
+            f"{label} has spent ${self.spent:.4f} of its ${self.budget:.2f} {self.period} budget (${self.held:.4f} "
+            f"held by running requests); this request may cost up to ${self.need:.4f}: lower max_tokens, raise the "
+            "budget, or wait for the next period"
         )
 
 

@@ -106,6 +106,12 @@ class RouterState:
         """The key's scopes, most specific first: key, project, team, org."""
         return [f"key:{key.id}", f"project:{key.project_id}", *self.tree.scopes_above(key.project_id)]
 
+    def scope_label(self, scope: str, key: K.Key | None = None) -> str:
+        """A scope as a person reads it: ``project:acme/ml/chat``, ``key:llmgw-abcd1234`` (not ids)."""
+        if key is not None and scope == f"key:{key.id}":
+            return f"key:{A.KEY_PREFIX}-{key.prefix}"
+        return self.tree.label(scope)
+
     def ready_event(self, model: str) -> asyncio.Event:
         ev = self._ready_signal.get(model)
         if ev is None:
