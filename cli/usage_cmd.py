@@ -42,7 +42,7 @@ def usage_table(body: dict[str, Any]) -> list[str]:
         )
 
     for g in body["groups"]:
-        lines.append(row(g["group"] if g["group"] not in (None, "") else "(none)", g))
+        lines.append(row(g.get("name") or (g["group"] if g["group"] not in (None, "") else "(none)"), g))
     if len(body["groups"]) > 1:
         lines.append(row("TOTAL", body["total"]))
     return lines
@@ -64,9 +64,9 @@ def request_lines(r: dict[str, Any]) -> list[str]:
         ("ttft", _secs(r["ttft_s"])),
         ("total", _secs(r["total_s"])),
         ("cost", f"${r['cost_usd']:.6f}"),
-        ("key", r["key_id"] or "-"),
-        ("project", r["project_id"] or "-"),
-        ("team / org", f"{r['team_id'] or '-'} / {r['org_id'] or '-'}"),
+        ("key", r.get("key_name") or r["key_id"] or "-"),
+        ("project", r.get("project_name") or r["project_id"] or "-"),
+        ("team / org", f"{r.get('team_name') or r['team_id'] or '-'} / {r.get('org_name') or r['org_id'] or '-'}"),
         ("user", r["user"] or "-"),
         ("router", r["router"] or "-"),
     ]

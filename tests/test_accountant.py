@@ -581,6 +581,8 @@ async def test_the_api_and_the_cli_read_back_usage_and_one_request(
         assert {g["group"]: g["tokens_in"] for g in body["groups"]} == {rag: 7}
         status, body = await get("/api/v1/usage", since="1d", by="project")
         assert {g["group"]: g["requests"] for g in body["groups"]} == {chat: 4, rag: 1}
+        names = {g["group"]: g["name"] for g in body["groups"]}
+        assert names == {chat: "project:acme/ml/chat", rag: "project:acme/ml/rag"}, "named as people know them"
 
         status, body = await get("/api/v1/usage", scope="project:acme/ml/nope")
         assert status == 404 and "no project at 'acme/ml/nope'" in body["error"]["message"]
@@ -625,7 +627,8 @@ async def test_the_api_and_the_cli_read_back_usage_and_one_request(
         assert fields["model"] == "asked qwen-7b, served smollm2"
         assert fields["replica"] == "rep-1 on node cpu-01"
         assert fields["tokens"] == "100 in, 0 out"
-        assert fields["key"] == "key-a" and fields["project"] == chat
+        assert fields["key"].startswith("key:key-a") and fields["project"] == "project:acme/ml/chat"
+        assert "team:acme/ml / org:acme" in out
 
         code, out, err = await cli(nats.url, api, token, "ctl", "request", "req-2", "--json")
         assert code == 0, err

@@ -567,7 +567,12 @@ class AdminApi:
         except ValueError as exc:
             return error(400, str(exc), "invalid")
         await self._usage_caught_up()
-        groups = await usage_totals(self.backend, by, scope, since)
+        totals = await usage_totals(self.backend, by, scope, since)
+        groups = [g.as_dict() for g in totals]
+        if by in ("key", "project", "team", "org"):  # each group named as people know it, beside its id
+            paths, names = await tenancy_paths(self.backend), await self._key_names()
+            for g in groups:
+                g["name"] = scope_path(f"{by}:{g['group']}", paths, names) if g["group"] else None
         return web.json_response(
             {
                 "scope": request.query.get("scope") or None,
@@ -575,8 +580,8 @@ class AdminApi:
                 "scope_id": scope[1] if scope else None,
                 "since": minute_of(since),
                 "by": by,
-                "groups": [g.as_dict() for g in groups],
-                "total": add_up(groups).as_dict(),
+                "groups": groups,
+                "total": add_up(totals).as_dict(),
             }
         )
 
@@ -619,4 +624,9 @@ class AdminApi:
                 "echoed as x-client-request-id, finds it too)",
                 "not_found",
             )
+        # The key and the tenants named as people know them, beside their ids.
+        paths, names = await tenancy_paths(self.backend), await self._key_names()
+        for kind in ("key", "project", "team", "org"):
+            sid = found.get(f"{kind}_id")
+            found[f"{kind}_name"] = scope_path(f"{kind}:{sid}", paths, names) if sid else None
         return web.json_response(found)
