@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from typing import Any
 
+import msgspec
 import structlog
+
+_encoder = msgspec.json.Encoder(enc_hook=str)  # a field of another type (a path, an id object) as its text
+
+
+def _dumps(event: dict[str, Any], **kw: Any) -> str:
+    """One log line's JSON: msgspec's encoder (a tenth of json.dumps's time; the router writes a line per
+    request), json.dumps for what msgspec cannot take (keys that are not strings)."""
+    try:
+        return _encoder.encode(event).decode()
+    except (TypeError, msgspec.EncodeError):
+        return json.dumps(event, default=str)
 
 
 def configure(level: str = "info", json_lines: bool = True, extra: list | None = None) -> None:
     lvl = getattr(logging, level.upper(), logging.INFO)
     logging.basicConfig(stream=sys.stderr, level=lvl, format="%(message)s")
-    renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer()
+    renderer = structlog.processors.JSONRenderer(serializer=_dumps) if json_lines else structlog.dev.ConsoleRenderer()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
