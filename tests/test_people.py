@@ -160,6 +160,23 @@ def test_an_address_that_keeps_failing_is_blocked_for_longer_each_time() -> None
     assert t.check("10.0.0.1", now).retry_after_s == 21  # twice as long
 
 
+def test_logins_still_being_checked_count_toward_the_limit_so_a_burst_from_one_address_is_cut_short() -> None:
+    t = LoginThrottle(failures=5, window_s=300, block_s=60)
+    now = 1000.0
+    let_through = [t.begin("10.0.0.9", now) for _ in range(100)]  # 100 at once, none answered yet
+    assert sum(v.allowed for v in let_through) == 5
+    refused = next(v for v in let_through if not v.allowed)
+    assert refused.retry_after_s == 1 and "5 logins from 10.0.0.9 are being checked already" in refused.reason
+    assert t.begin("10.0.0.10", now).allowed, "another address is not affected"
+    for _ in range(5):  # the five fail: the address is blocked, with nothing in flight left over
+        t.end("10.0.0.9")
+        t.failed("10.0.0.9", now)
+    assert "10.0.0.9" not in t.in_flight
+    assert not t.begin("10.0.0.9", now).allowed and "too many failed logins" in t.check("10.0.0.9", now).reason
+    t.end("10.0.0.10")
+    assert t.in_flight == {}
+
+
 def test_ten_thousand_failing_addresses_never_wash_out_a_blocked_one() -> None:
     t = LoginThrottle(failures=3, window_s=300, block_s=600, capacity=1000)
     now = 0.0

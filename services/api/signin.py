@@ -146,11 +146,14 @@ class SignIn:
 
     async def login(self, name: str, password: str, address: str) -> tuple[str, datetime]:
         """A new session token for ``name`` and when it expires; raises :class:`Refused`."""
-        verdict = self.throttle.check(address, self.clock())
+        verdict = self.throttle.begin(address, self.clock())
         if not verdict.allowed:
             raise Refused(429, "too_many_logins", verdict.reason, verdict.retry_after_s)
-        person = self.people.by_name.get(name)
-        ok = await self.checker.verify(person.password_hash if person else None, password)
+        try:
+            person = self.people.by_name.get(name)
+            ok = await self.checker.verify(person.password_hash if person else None, password)
+        finally:
+            self.throttle.end(address)
         if not ok or person is None:
             self.throttle.failed(address, self.clock())
             raise Refused(401, "invalid_login", "the user name or the password is wrong")

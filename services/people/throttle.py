@@ -42,6 +42,7 @@ class LoginThrottle:
         self.max_block_s = max_block_s
         self.capacity = capacity
         self.entries: dict[str, Entry] = {}
+        self.in_flight: dict[str, int] = {}  # address -> its logins being checked now (only while they are)
 
     def check(self, address: str, now: float) -> Verdict:
         """May a login from ``address`` be tried now?"""
@@ -64,6 +65,34 @@ class LoginThrottle:
                     reason="too many addresses are failing to sign in at once: try again later",
                 )
         return Verdict(allowed=True)
+
+    def begin(self, address: str, now: float) -> Verdict:
+        """:meth:`check`, and if allowed, count the login as in flight until :meth:`end`.
+
+        Logins still being checked count toward the limit as if they will fail: without that, an
+        address sending 100 at once had all 100 checked before the first failure was counted."""
+        verdict = self.check(address, now)
+        if not verdict.allowed:
+            return verdict
+        e = self.entries.get(address)
+        recent = e.failures if e is not None and now - e.window_start <= self.window_s else 0
+        pending = self.in_flight.get(address, 0)
+        if recent + pending >= self.failures:
+            return Verdict(
+                allowed=False,
+                retry_after_s=1,
+                reason=f"{pending} logins from {address} are being checked already: wait for them to finish",
+            )
+        self.in_flight[address] = pending + 1
+        return verdict
+
+    def end(self, address: str) -> None:
+        """A login :meth:`begin` let through is done (whatever its outcome)."""
+        left = self.in_flight.get(address, 0) - 1
+        if left > 0:
+            self.in_flight[address] = left
+        else:
+            self.in_flight.pop(address, None)
 
     def failed(self, address: str, now: float) -> None:
         e = self.entries.get(address)
