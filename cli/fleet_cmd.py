@@ -466,10 +466,14 @@ def explain(ctx: click.Context, name: str, as_json: bool) -> None:
             click.echo(json.dumps(body, indent=2))
             return 0
         click.echo(f"model {name}: min {body['min']}, max {body['max']}; {body['summary']}")
+        tried = body.get("profiles") or []
+        for t in tried[:-1]:  # preferred profiles that fit nowhere now
+            click.echo(f"profile {t['profile']} ({t['engine']}) fits no node now")
         if body.get("needs"):
             nd = body["needs"]
             click.echo(
-                f"one replica needs: {nd['engine']}, {nd['cores']} cores, {nd['memory_gb']} GB memory, "
+                f"one replica ({'profile ' + nd['profile'] + ', ' if len(tried) > 1 else ''}{nd['engine']}) needs: "
+                f"{nd['cores']} cores, {nd['memory_gb']} GB memory, "
                 f"{nd['gpus']} GPUs" + (f", labels {nd['node_selector']}" if nd["node_selector"] else "")
             )
         if body.get("last_error"):

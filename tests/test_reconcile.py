@@ -11,10 +11,13 @@ import pytest
 from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events import replicas as R
-from llmgw.services.scheduler.reconcile import Blocked, Config, Stop, Waiting, backoff_s
+from llmgw.services.scheduler.reconcile import Blocked, Config, Place, Stop, Waiting, backoff_s
 from tests.scheduler_world import (
     CFG,
+    CPU_2C_8G,
+    CPU_8C_32G,
     GPU_H100X8,
+    GPU_L4X1,
     T0,
     Fact,
     World,
@@ -569,3 +572,65 @@ def test_a_replica_placed_without_cores_records_the_share_it_reserved_which_its_
     assert placed == {"a": 4, "b": 1}
     # The agent's --threads is the reservation, whatever its own default would be.
     assert choose_threads(placed["a"], configured=6, cpus=8) == 4
+
+
+# -- profile choice (CAT-2) ----------------------------------------------------------------------
+
+
+def two_profiles(name: str, min: int = 1, *, gpu_priority: int = 10, cpu_weight: int = 1) -> Fact:
+    """A model that prefers vLLM on one GPU and falls back to llama.cpp on two cores."""
+    gpu = M.Profile(name="gpu", engine="vllm", gpus=M.GpuRequest(count=1, min_memory_gb=20), priority=gpu_priority)
+    cpu = M.Profile(name="cpu", engine="llamacpp", cpu_cores=2, min_memory_gb=1, weight=cpu_weight)
+    spec = M.ModelSpec(name=name, source=f"/models/{name}", scaling=M.Scaling(min=min), profiles=[cpu, gpu])
+    return lambda w: w.emit(M.AGGREGATE, name, M.ModelAdded(spec=spec))
+
+
+def placed_profiles(w: World) -> list[tuple[str, str, str]]:
+    return [
+        (d.node_id, w.state.models[d.model].spec.profiles[d.profile].name, d.why)
+        for d in w.run()
+        if isinstance(d, Place)
+    ]
+
+
+def test_the_preferred_profile_is_placed_where_it_fits() -> None:
+    w = World().add(shaped("g", GPU_L4X1), shaped("c", CPU_8C_32G), two_profiles("m"))
+    [(node, profile, why)] = placed_profiles(w)
+    assert (node, profile) == ("g", "gpu") and "preferred" not in why
+
+
+def test_a_model_whose_preferred_profile_fits_nowhere_runs_on_its_fallback_and_says_why() -> None:
+    w = World().add(shaped("c", CPU_8C_32G), two_profiles("m"))
+    [(node, profile, why)] = placed_profiles(w)
+    assert (node, profile) == ("c", "cpu")
+    assert "profile cpu (preferred gpu fits nowhere: c: cannot run vllm" in why
+
+
+def test_profiles_are_tried_by_priority_then_weight_then_as_listed() -> None:
+    from llmgw.services.scheduler.placement import profile_order
+
+    p = [
+        M.Profile(name="a", priority=0, weight=1),
+        M.Profile(name="b", priority=5, weight=1),
+        M.Profile(name="c", priority=5, weight=3),
+        M.Profile(name="d", priority=0, weight=1),
+    ]
+    assert [p[i].name for i in profile_order(p)] == ["c", "b", "a", "d"]
+
+
+def test_when_no_profile_fits_the_refusal_names_what_each_one_lacks() -> None:
+    w = World().add(shaped("s", CPU_2C_8G), two_profiles("m", 2))  # room for one replica on two cores
+    [blocked] = [d for d in w.run() if isinstance(d, Blocked)]
+    assert blocked.wanted == 1
+    assert blocked.reason.startswith("profile gpu: no node fits — s: cannot run vllm")
+    assert " · profile cpu: no node fits — s: has 2 CPUs with 0 free, needs 2" in blocked.reason
+
+
+def test_the_placed_event_carries_the_profile_the_replica_runs() -> None:
+    from llmgw.services.scheduler.reconcile import event_of
+
+    w = World().add(shaped("c", CPU_8C_32G), two_profiles("m"))
+    [place] = [d for d in w.run() if isinstance(d, Place)]
+    _, _, payload = event_of(place, w.state, replica_id="r1", term=1, last_seen=datetime.fromtimestamp(T0, UTC))
+    assert isinstance(payload, R.ReplicaPlaced)
+    assert (payload.profile.name, payload.profile.engine, payload.cores) == ("cpu", "llamacpp", 2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmgw.services.scheduler.placement import evaluate, need_of
+from llmgw.services.scheduler.placement import evaluate, need_of, profile_order
 from llmgw.services.scheduler.reconcile import Config, candidates
 from llmgw.services.scheduler.state import ClusterState
 
@@ -34,17 +34,27 @@ def explain(state: ClusterState, model: str, cfg: Config, leader: str | None = N
         body["nodes"] = []
         body["summary"] = "the model has no profile to place"
         return body
-    need = need_of(m.spec.profiles[0])
+    # Node by node for the profile the next replica would run: the first, in order of preference, that fits.
+    cs = list(candidates(state, model).values())
+    tried = []
+    for k in profile_order(m.spec.profiles):
+        profile = m.spec.profiles[k]
+        need = need_of(profile)
+        verdicts = evaluate(cs, need)
+        fitting = sum(1 for v in verdicts if v.fits)
+        tried.append({"profile": profile.name, "engine": profile.engine, "fitting_nodes": fitting})
+        if fitting:
+            break
+    body["profiles"] = tried  # in order of preference, up to the one that fits
     body["needs"] = {
+        "profile": profile.name,
         "engine": need.engine,
         "cores": need.cores or ("half a node's CPUs (the threads rule)" if need.engine == "llamacpp" else 0),
         "memory_gb": round(need.memory_bytes / 1024**3, 2),
         "gpus": need.gpus,
         "node_selector": need.node_selector,
     }
-    verdicts = evaluate(list(candidates(state, model).values()), need)
     body["nodes"] = [{"node": v.node_id, "fits": v.fits, "lacks": v.reasons, "score": v.score} for v in verdicts]
-    fitting = sum(1 for v in verdicts if v.fits)
     if m.stopped:
         body["summary"] = "stopped by an administrator: `llmgw ctl model start` runs it again"
     elif m.parked:

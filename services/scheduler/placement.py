@@ -107,6 +107,12 @@ def cores_on(need: Need, cpus: int | None) -> int:
     return 0
 
 
+def profile_order(profiles: list[Profile]) -> list[int]:
+    """The order placement tries a model's profiles in (CAT-2), as indexes: highest ``priority`` first,
+    then highest ``weight``, then as listed — so the same model always prefers the same profile."""
+    return sorted(range(len(profiles)), key=lambda i: (-profiles[i].priority, -profiles[i].weight, i))
+
+
 def need_of(profile: Profile) -> Need:
     gpus = profile.gpus.count if profile.gpus else 0
     return Need(

@@ -29,6 +29,7 @@ from llmgw.services.scheduler.placement import (
     cores_on,
     need_of,
     place,
+    profile_order,
     reserve,
     summarise,
 )
@@ -85,6 +86,7 @@ class Place(msgspec.Struct, frozen=True, kw_only=True):
     gpus: list[int]
     need: Need
     why: str
+    profile: int = 0  # which of the model's profiles it runs (an index into spec.profiles)
 
 
 class Stop(msgspec.Struct, frozen=True, kw_only=True):
@@ -387,8 +389,8 @@ def _model(
             return [*out, Waiting(model=m.name, until=until)]
     if not m.spec.profiles:
         return [*out, Blocked(model=m.name, reason=f"model {m.name} has no profile", wanted=missing)]
-    profile = m.spec.profiles[0]
-    need = need_of(profile)
+    order = profile_order(m.spec.profiles)
+    needs = {k: need_of(m.spec.profiles[k]) for k in order}
     for i in range(missing):
         cs = p.candidates(m.name)
         # Count this model's replicas already planned in this pass, so they spread too.
@@ -396,16 +398,39 @@ def _model(
             if isinstance(d, Place) and d.node_id in cs:
                 cs[d.node_id] = msgspec.structs.replace(cs[d.node_id], model_replicas=cs[d.node_id].model_replicas + 1)
         seed = f"{m.name}/{len(staying) + i}/{state.position}"
-        choice, verdicts = place(list(cs.values()), need, seed)
+        # The profiles in order of preference: the first that fits anywhere is placed (CAT-2).
+        tried: list[tuple[int, list[Verdict]]] = []
+        choice = None
+        for k in order:
+            choice, verdicts = place(list(cs.values()), needs[k], seed)
+            if choice is not None:
+                break
+            tried.append((k, verdicts))
         if choice is None:
-            out.append(Blocked(model=m.name, reason=summarise(verdicts), wanted=missing - i, verdicts=verdicts))
+            first = tried[0][1]
+            out.append(Blocked(model=m.name, reason=_unplaceable(m, tried), wanted=missing - i, verdicts=first))
             break
         # The cores as they are on the chosen node (the threads rule's share when the profile names none).
-        placed = msgspec.structs.replace(need, cores=cores_on(need, cs[choice.node_id].cpus))
+        placed = msgspec.structs.replace(needs[k], cores=cores_on(needs[k], cs[choice.node_id].cpus))
         p.reserve(choice.node_id, placed, choice.gpus)
         why = f"{len(staying) + i} of {lower} wanted; best of {sum(1 for v in verdicts if v.fits)} fitting nodes"
-        out.append(Place(model=m.name, node_id=choice.node_id, gpus=choice.gpus, need=placed, why=why))
+        if len(order) > 1:
+            why += f"; profile {m.spec.profiles[k].name}" + "".join(
+                f" (preferred {m.spec.profiles[t].name} fits nowhere: {_first_reason(v)})" for t, v in tried
+            )
+        out.append(Place(model=m.name, node_id=choice.node_id, gpus=choice.gpus, need=placed, why=why, profile=k))
     return out
+
+
+def _first_reason(verdicts: list[Verdict]) -> str:
+    return summarise(verdicts, limit=2).removeprefix("no node fits — ")
+
+
+def _unplaceable(m: ModelState, tried: list[tuple[int, list[Verdict]]]) -> str:
+    """Why no profile of ``m`` fits: the preferred one's nodes, then each fallback's, by name."""
+    if len(tried) == 1:
+        return summarise(tried[0][1])
+    return " · ".join(f"profile {m.spec.profiles[k].name}: {summarise(v)}" for k, v in tried)
 
 
 # -- decisions as events -------------------------------------------------------------------------
@@ -449,7 +474,7 @@ def event_of(
                     model=d.model,
                     node_id=d.node_id,
                     source=m.spec.source,
-                    profile=m.spec.profiles[0],
+                    profile=m.spec.profiles[d.profile],
                     spec_hash=m.spec_hash,
                     cores=d.need.cores,
                     memory_bytes=d.need.memory_bytes,
