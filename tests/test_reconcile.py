@@ -634,3 +634,13 @@ def test_the_placed_event_carries_the_profile_the_replica_runs() -> None:
     _, _, payload = event_of(place, w.state, replica_id="r1", term=1, last_seen=datetime.fromtimestamp(T0, UTC))
     assert isinstance(payload, R.ReplicaPlaced)
     assert (payload.profile.name, payload.profile.engine, payload.cores) == ("cpu", "llamacpp", 2)
+
+
+def test_explain_names_the_profiles_that_fit_nowhere_and_the_one_a_replica_would_run() -> None:
+    from llmgw.services.scheduler.explain import explain
+
+    w = World().add(shaped("c", CPU_8C_32G), two_profiles("m"))
+    body = explain(w.state, "m", CFG)
+    assert [(t["profile"], t["fitting_nodes"]) for t in body["profiles"]] == [("gpu", 0), ("cpu", 1)]
+    assert (body["needs"]["profile"], body["needs"]["cores"]) == ("cpu", 2)
+    assert body["nodes"] == [{"node": "c", "fits": True, "lacks": [], "score": body["nodes"][0]["score"]}]
