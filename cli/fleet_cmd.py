@@ -14,6 +14,7 @@ import yaml
 
 from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
+from llmgw.events import jobs as J
 from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events import scheduler as SCH
@@ -29,6 +30,8 @@ from llmgw.events.commands import CommandError, Unreachable
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import event_subject
+from llmgw.modelfiles.gguf_header import read_header_file
+from llmgw.modelfiles.sizing import estimate_memory
 
 
 def load_model_file(path: str) -> list[M.ModelSpec]:
@@ -82,7 +85,10 @@ def model_add(
     else:
         if not name or not source:
             raise click.UsageError("give NAME and --source PATH, or -f model.yaml")
-        source_path = str(Path(source).expanduser().resolve()) if Path(source).expanduser().exists() else source
+        local = Path(source).expanduser()
+        source_path = str(local.resolve()) if local.exists() else source
+        if memory_gb is None and engine == "llamacpp":
+            memory_gb = _estimated_memory_gb(local, ctx_size)
         profile = M.Profile(engine=engine, cpu_cores=cpu_cores, min_memory_gb=memory_gb, ctx_size=ctx_size)
         specs = [
             M.ModelSpec(
@@ -100,6 +106,26 @@ def model_add(
             click.echo(out.message)
 
     run(ctx, go)
+
+
+def _estimated_memory_gb(path: Path, ctx_size: int | None) -> float | None:
+    """What one replica of a local GGUF reserves when --memory-gb is not given: the sizing rule of
+    `ctl model serve` over its header (weights + KV cache for its context + the engine). None, said
+    on stderr, when the file is not here to read (a path on the nodes): the catalog then asks for it."""
+    if not path.is_file():
+        click.echo(
+            f"note: {path} is not on this machine, so it cannot be sized here: give --memory-gb",
+            err=True,
+        )
+        return None
+    try:
+        header = read_header_file(path)
+        est = estimate_memory(header, path.stat().st_size, ctx_size or J.DEFAULT_CTX_POOL)
+    except (OSError, ValueError) as exc:
+        click.echo(f"note: could not size {path} ({exc}): give --memory-gb", err=True)
+        return None
+    click.echo(f"each replica reserves {est.total_gb:.2f} GB ({est.explanation}); --memory-gb sets it", err=True)
+    return est.total_gb
 
 
 def _simple(verb: str, payload_of: Any, help_: str) -> None:

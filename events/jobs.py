@@ -16,6 +16,7 @@ import msgspec
 from llmgw.events.registry import EventType
 
 AGGREGATE = "job"
+DEFAULT_CTX_POOL = 16384  # tokens of KV cache one replica holds, shared by its parallel slots
 SERVICE = "jobs"
 
 STARTED, DONE, FAILED = "started", "done", "failed"
@@ -31,7 +32,7 @@ class JobStarted(msgspec.Struct, frozen=True, kw_only=True):
     file: str | None = None
     name: str | None = None
     on_demand: bool = False
-    ctx_pool: int = 16384
+    ctx_pool: int = DEFAULT_CTX_POOL
     cores: int | None = None
     requested_by: str = ""
 
@@ -71,7 +72,7 @@ class ServeModel(msgspec.Struct, frozen=True, kw_only=True, tag="serve", forbid_
     file: str | None = None
     name: str | None = None
     on_demand: bool = False
-    ctx_pool: int = 16384
+    ctx_pool: int = DEFAULT_CTX_POOL
     cores: int | None = None
 
 

@@ -16,6 +16,7 @@ from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events.commands import CommandRejectedError
 from llmgw.events.store import EventStore
+from llmgw.events.subjects import event_subject
 from llmgw.services.scheduler.service import SchedulerService
 from tests.fleet import FAST, Fleet
 from tests.gguf_tiny import corrupt_gguf, write_tiny_gguf
@@ -244,3 +245,32 @@ async def test_headroom_says_how_many_more_fit_through_the_api_and_the_cli(fleet
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     assert f"tiny: 1 running; {cores - 1} more would fit now" in out.decode()
+
+
+async def test_a_model_added_without_memory_reserves_what_its_gguf_is_sized_to_and_says_so(
+    fleet: Fleet, tiny: Path
+) -> None:
+    from llmgw.events import jobs as J
+    from llmgw.modelfiles.gguf_header import read_header_file
+    from llmgw.modelfiles.sizing import estimate_memory
+
+    async def add(*args: str) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "llmgw"), "--nats", fleet.nats_url, "ctl", "model", "add", *args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=fleet.cli_env(),
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        return proc.returncode or 0, err.decode()
+
+    code, said = await add("sized", "--source", str(tiny), "--min", "0")
+    want = estimate_memory(read_header_file(tiny), tiny.stat().st_size, J.DEFAULT_CTX_POOL)
+    assert code == 0 and f"each replica reserves {want.total_gb:.2f} GB" in said, said
+    # A file only the nodes have cannot be sized here: the catalog then asks for the figure.
+    code, said = await add("elsewhere", "--source", "/models/on-the-nodes.gguf", "--min", "0")
+    assert code == 2 and "is not on this machine" in said and "--memory-gb N" in said
+
+    async def sized() -> float | None:
+        events = await fleet.store.read(event_subject(M.AGGREGATE, "sized"))
+        return events[0].payload.spec.profiles[0].min_memory_gb if events else None
+
+    assert await wait_until(sized, what="the model added") == want.total_gb
