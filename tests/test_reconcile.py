@@ -89,8 +89,14 @@ PASSES: list[tuple[str, list[Fact], list[str]]] = [
         ["blocked m (1 wanted): model m has no profile"],
     ),
     (
-        "with no node registered, the model is blocked and the reason says to start an agent",
-        [model("m")],
+        "a scheduler that has heard from no node yet waits for one before calling a model unplaceable",
+        [model("m"), later(10)],
+        ["waiting m until t=30"],
+    ),
+    (
+        "with still no node registered once the wait is over, the model is blocked and the reason says to start "
+        "an agent",
+        [model("m"), later(31)],
         [
             "blocked m (1 wanted): no nodes have registered: start an agent (`llmgw agent`) "
             "or check that agents reach NATS"
@@ -121,11 +127,7 @@ PASSES: list[tuple[str, list[Fact], list[str]]] = [
     (
         "a node not registered yet is registered, and takes nothing in the same pass",
         [node("a", register=False), model("m")],
-        [
-            "blocked m (1 wanted): no nodes have registered: start an agent (`llmgw agent`) "
-            "or check that agents reach NATS",
-            "register a",
-        ],
+        ["waiting m until t=30", "register a"],
     ),
     (
         "a node whose heartbeat shows more memory than it registered with is updated (a node that grows is seen to "

@@ -190,7 +190,9 @@ def servable(model: ModelInfo, ready: int, starting: int) -> Refusal | None:
         return Refusal(
             status=503,
             code="no_replica",
-            message=f"model {model.name} has no ready replica and none is starting",
+            message=f"model {model.name} has no ready replica yet and none is starting: the scheduler starts one "
+            f"as soon as a node can take it (`llmgw ctl explain {model.name}` says what it waits for); retry in "
+            "a few seconds",
             headers={"retry-after": "5"},
             demand=True,
         )

@@ -44,6 +44,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     stop_grace_s: float = 30.0
     idle_s: float = 300.0  # an on-demand model's replica stops after this long without a request
     forget_after_s: float = 3600.0  # stopped and failed replicas placed longer ago leave the state
+    # A scheduler that has heard from no node yet (`llmgw up`'s agent starts a moment after it) waits
+    # this long for one before it calls a model unplaceable for want of nodes.
+    first_node_wait_s: float = 30.0
 
 
 def wanted_replicas(m: ModelState, demand_at: float | None, now_epoch: float, cfg: Config) -> tuple[int, int]:
@@ -408,6 +411,10 @@ def _model(
             tried.append((k, verdicts))
         if choice is None:
             first = tried[0][1]
+            waited = clock.monotonic - clock.started
+            if not first and waited < cfg.first_node_wait_s:  # no node yet: the fleet is still starting
+                out.append(Waiting(model=m.name, until=clock.epoch + cfg.first_node_wait_s - waited))
+                break
             out.append(Blocked(model=m.name, reason=_unplaceable(m, tried), wanted=missing - i, verdicts=first))
             break
         # The cores as they are on the chosen node (the threads rule's share when the profile names none).
