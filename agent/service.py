@@ -102,6 +102,7 @@ class Agent:
         self._secret = b""
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
+        self._stop_engines_too = False  # set by stop(engines=True)
         self._tasks: set[asyncio.Task] = set()
         self._gpus_cache: tuple[float, list[N.GpuInfo]] | None = None
         self._cpu_seen: dict[str, tuple[float, float]] = {}
@@ -130,10 +131,29 @@ class Agent:
             await self._stop.wait()
         finally:
             await cancel_and_wait([*tasks, *self._tasks])
+            if self._stop_engines_too and self._stop.is_set():  # asked to: not a crash
+                await self._stop_engines("stopped with llmgw up")
 
-    def stop(self) -> None:
-        """Stop the agent; its engines keep running, to be adopted by the next agent."""
+    def stop(self, engines: bool = False) -> None:
+        """Stop the agent; its engines keep running, to be adopted by the next agent — or, with
+        ``engines`` (`llmgw up` stopping cleanly), stop them too, each recorded as stopped, so the next
+        start does not find them dead and call them failed."""
+        self._stop_engines_too = self._stop_engines_too or engines
         self._stop.set()
+
+    async def _stop_engines(self, reason: str, grace_s: float = 10.0, record_s: float = 2.0) -> None:
+        """Stop every engine and record each replica as stopped: a clean stop is not a failure at the next start.
+
+        Recording is bounded (the bus may be gone: `up` stopping because its nats-server died)."""
+        rids = list(self.supervisor.engines)
+        await asyncio.gather(*(self.supervisor.stop(rid, grace_s) for rid in rids))
+        for rid in rids:
+            stopped = R.ReplicaStopped(replica_id=rid, node_id=self.cfg.node_id, reason=reason)
+            try:
+                async with asyncio.timeout(record_s):
+                    await self._append(rid, stopped)
+            except Exception as exc:  # the engine is stopped all the same; the next start reports it
+                log.warning("could not record a stopped replica", replica=rid, error=str(exc))
 
     # -- the log -----------------------------------------------------------------------------
 

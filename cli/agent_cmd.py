@@ -176,8 +176,11 @@ def agent(
         await store.ensure_streams(update=False)
         a = Agent(store, cfg, ring)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM):  # engines keep serving, for the next agent to adopt
             loop.add_signal_handler(sig, a.stop)
+        # `llmgw up` stopping cleanly: its engines stop too, recorded as stopped (SIGTERM is also what a
+        # dying parent sends; then they stay, for the next `up` to adopt).
+        loop.add_signal_handler(signal.SIGUSR1, lambda: a.stop(engines=True))
         try:
             await a.run()
         finally:
@@ -262,9 +265,10 @@ class LocalAgent:
                 await asyncio.wait_for(stop.wait(), delay)
 
     def stop(self, stop_engines: bool = True, grace_s: float = 15.0) -> None:
-        """Stop the agent (killed after ``grace_s``), then (for `up`, which started them) its engines."""
+        """Stop the agent (killed after ``grace_s``) and (for `up`, which started them) its engines: the
+        agent stops them and records each as stopped (SIGUSR1); what it could not, stops from its files."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.send_signal(signal.SIGUSR1 if stop_engines else signal.SIGTERM)
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:

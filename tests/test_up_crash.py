@@ -275,6 +275,34 @@ def test_an_engine_is_adopted_after_up_is_killed_and_stopped_by_an_up_without_an
     assert f"stopped engine {engine['replica_id']} (tiny, pid {engine['pid']})" in third.output()
 
 
+def test_a_clean_stop_of_up_stops_its_engines_and_records_them_stopped_not_failed(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    data = tmp_path / "data"
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    first = Up(data)
+    ups.append(first.start())
+    added = first.cli("ctl", "model", "add", "tiny", "--source", str(tiny), "--cpu-cores", "1", "--memory-gb", "0.1")
+    assert added.returncode == 0, added.stderr
+    engine = wait_for(lambda: _engine(data), "the tiny model's engine to be ready", 120.0)
+    assert first.stop() == 0
+    assert not pid_alive(engine["pid"], engine["proc_start"]), "the engine stopped with up"
+
+    second = Up(data)
+    ups.append(second.start())
+
+    def replica_events() -> list[dict] | None:
+        done = second.cli("events", "tail", "-n", "50", "--json", "--aggregate", "replica")
+        events = [json.loads(x) for x in done.stdout.splitlines()]
+        mine = [e for e in events if e["data"].get("replica_id") == engine["replica_id"]]
+        return mine or None
+
+    mine = wait_for(replica_events, "the replica's events")
+    types = [e["type"] for e in mine]
+    assert types[-1] == "replica.stopped" and "replica.failed" not in types, types
+    assert mine[-1]["data"]["reason"] == "stopped with llmgw up"
+
+
 async def test_an_engine_whose_model_was_stopped_while_its_agent_was_away_is_stopped_when_the_agent_returns(
     fleet: Fleet, tmp_path: Path
 ) -> None:
