@@ -242,6 +242,17 @@ def test_a_projection_database_deleted_while_running_is_recreated_and_verifies_c
     assert again.returncode == 0 and "recreated" not in again.stderr
 
 
+def _up_serving_tiny(tmp_path: Path, ups: list[Up]) -> tuple[Path, Up, dict[str, Any]]:
+    """An `up` serving the tiny model: its data directory, the `up`, and its engine's state file."""
+    data = tmp_path / "data"
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    first = Up(data)
+    ups.append(first.start())
+    added = first.cli("ctl", "model", "add", "tiny", "--source", str(tiny), "--cpu-cores", "1", "--memory-gb", "0.1")
+    assert added.returncode == 0, added.stderr
+    return data, first, wait_for(lambda: _engine(data), "the tiny model's engine to be ready", 120.0)
+
+
 def _engine(data: Path) -> dict[str, Any] | None:
     for state in (data / "agent" / "replicas").glob("*/state.json"):
         with_state = json.loads(state.read_text())
@@ -253,13 +264,7 @@ def _engine(data: Path) -> dict[str, Any] | None:
 def test_an_engine_is_adopted_after_up_is_killed_and_stopped_by_an_up_without_an_agent(
     tmp_path: Path, ups: list[Up]
 ) -> None:
-    data = tmp_path / "data"
-    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
-    first = Up(data)
-    ups.append(first.start())
-    added = first.cli("ctl", "model", "add", "tiny", "--source", str(tiny), "--cpu-cores", "1", "--memory-gb", "0.1")
-    assert added.returncode == 0, added.stderr
-    engine = wait_for(lambda: _engine(data), "the tiny model's engine to be ready", 120.0)
+    data, first, engine = _up_serving_tiny(tmp_path, ups)
 
     first.kill9()
     second = Up(data)
@@ -278,13 +283,7 @@ def test_an_engine_is_adopted_after_up_is_killed_and_stopped_by_an_up_without_an
 def test_a_clean_stop_of_up_stops_its_engines_and_records_them_stopped_not_failed(
     tmp_path: Path, ups: list[Up]
 ) -> None:
-    data = tmp_path / "data"
-    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
-    first = Up(data)
-    ups.append(first.start())
-    added = first.cli("ctl", "model", "add", "tiny", "--source", str(tiny), "--cpu-cores", "1", "--memory-gb", "0.1")
-    assert added.returncode == 0, added.stderr
-    engine = wait_for(lambda: _engine(data), "the tiny model's engine to be ready", 120.0)
+    data, first, engine = _up_serving_tiny(tmp_path, ups)
     assert first.stop() == 0
     assert not pid_alive(engine["pid"], engine["proc_start"]), "the engine stopped with up"
 

@@ -35,6 +35,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -602,17 +603,20 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                         out.append(cell.summary())
                         _print_row(out[-1])
         finally:
-            if b.store is not None:
-                await b.store.close()
-            b.stop_all()
-            if args.keep_logs:
-                import shutil
-
-                dest = Path(args.keep_logs)
-                dest.mkdir(parents=True, exist_ok=True)
-                for f in Path(tmp).glob("*.log"):
-                    shutil.copy(f, dest / f.name)
+            await close_bench(b, Path(tmp), args.keep_logs)
     return out
+
+
+async def close_bench(b: Bench, tmp: Path, keep_logs: str | None) -> None:
+    """Close the bench's store, stop its processes, and keep their logs in ``keep_logs`` when asked."""
+    if b.store is not None:
+        await b.store.close()
+    b.stop_all()
+    if keep_logs:
+        dest = Path(keep_logs)
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in tmp.glob("*.log"):
+            shutil.copy(f, dest / f.name)
 
 
 def _py_spy(pid: int, out: Path) -> subprocess.Popen:

@@ -41,7 +41,6 @@ import contextlib
 import itertools
 import json
 import math
-import shutil
 import signal
 import statistics
 import sys
@@ -64,6 +63,7 @@ from tests.bench.gateway import (
     Run,
     Target,
     _machine,
+    close_bench,
     cpu_s,
     load,
     pct,
@@ -375,14 +375,7 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                         out.append(summarize(kind, stream, done))
                         _print_row(out[-1])
         finally:
-            if b.store is not None:
-                await b.store.close()
-            b.stop_all()
-            if args.keep_logs:
-                dest = Path(args.keep_logs)
-                dest.mkdir(parents=True, exist_ok=True)
-                for f in Path(tmp).glob("*.log"):
-                    shutil.copy(f, dest / f.name)
+            await close_bench(b, Path(tmp), args.keep_logs)
     return out
 
 
