@@ -19,6 +19,7 @@ import click
 import msgspec
 
 from llmgw.cli.context import default_data_dir
+from llmgw.cli.table import table
 from llmgw.events import pki
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
@@ -206,11 +207,12 @@ def cert_list(ctx: click.Context, dir_: str | None, as_json: bool) -> None:
     if not rows:
         click.echo(f"no certificates in {where}: create a CA with `llmgw ctl cert ca`")
         return
-    click.echo(f"{'NAME':<24} {'USES':<14} {'NOT AFTER':<21} {'DAYS LEFT':>9}  SANS")
-    for r in rows:
-        mark = f"  {r.mark}" if r.mark else ""
-        sans = ", ".join(r.sans) or "-"
-        click.echo(f"{r.name:<24} {r.uses:<14} {pki.when(r.not_after):<21} {r.days_left:>9.1f}  {sans}{mark}")
+    cells = [
+        [r.name, r.uses, pki.when(r.not_after), f"{r.days_left:.1f}", (", ".join(r.sans) or "-") + f"  {r.mark}"]
+        for r in rows
+    ]
+    for line in table(["NAME", "USES", "NOT AFTER", "DAYS LEFT", "SANS"], cells, right={3}):
+        click.echo(line)
 
 
 @cert.command("rotate")

@@ -14,6 +14,7 @@ import yaml
 
 from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
+from llmgw.cli.table import table
 from llmgw.events import jobs as J
 from llmgw.events import models as M
 from llmgw.events import nodes as N
@@ -383,16 +384,25 @@ def nodes(ctx: click.Context, as_json: bool) -> None:
         if not rows:
             click.echo("no nodes yet: start an agent (`llmgw agent --nats URL --node-id ID`)")
             return
-        click.echo(
-            f"{'NODE':<20} {'STATE':<18} {'CPUS':>5} {'MEMORY':>8} {'AVAIL':>8} {'GPUS':>5} {'REPLICAS':>8}  ENGINES"
+        lines = table(
+            ["NODE", "STATE", "CPUS", "MEMORY", "AVAIL", "GPUS", "REPLICAS", "ENGINES"],
+            [
+                [
+                    n["id"],
+                    n["state"] + (" draining" if n["draining"] else " cordoned" if n["cordoned"] else ""),
+                    n["cpus"] or "?",
+                    _gb(n["memory_total_bytes"]),
+                    _gb(n["memory_available_bytes"]),
+                    len(n["gpus"]),
+                    n["replicas"],
+                    ",".join(n["engines"]),
+                ]
+                for n in rows
+            ],
+            right={2, 3, 4, 5, 6},
         )
-        for n in rows:
-            state = n["state"] + (" draining" if n["draining"] else " cordoned" if n["cordoned"] else "")
-            click.echo(
-                f"{n['id']:<20} {state:<18} {n['cpus'] or '?':>5} {_gb(n['memory_total_bytes']):>8} "
-                f"{_gb(n['memory_available_bytes']):>8} {len(n['gpus']):>5} {n['replicas']:>8}  "
-                f"{','.join(n['engines'])}"
-            )
+        for line in lines:
+            click.echo(line)
 
     run(ctx, go)
 
@@ -444,12 +454,16 @@ def models(ctx: click.Context, as_json: bool) -> None:
         if not rows:
             click.echo("no models yet: `llmgw ctl model add NAME --source FILE --memory-gb N`")
             return
-        click.echo(f"{'MODEL':<24} {'READY':>7} {'STARTING':>8}  {'NODES':<24} STATUS")
-        for m in rows:
-            ready = f"{m['ready']}/{m['min_replicas']}"
-            click.echo(
-                f"{m['name']:<24} {ready:>7} {m['starting']:>8}  {','.join(m['nodes']) or '-':<24} {m['status']}"
-            )
+        lines = table(
+            ["MODEL", "READY", "STARTING", "NODES", "STATUS"],
+            [
+                [m["name"], f"{m['ready']}/{m['min_replicas']}", m["starting"], ",".join(m["nodes"]), m["status"]]
+                for m in rows
+            ],
+            right={1, 2},
+        )
+        for line in lines:
+            click.echo(line)
 
     run(ctx, go)
 
@@ -468,13 +482,23 @@ def replicas(ctx: click.Context, model: str | None, show_all: bool, as_json: boo
         if as_json:
             click.echo(json.dumps(rows, indent=2))
             return
-        click.echo(f"{'REPLICA':<32} {'MODEL':<20} {'NODE':<16} {'STATE':<22} {'PORT':>6}  REASON")
-        for r in rows:
-            state = r["state"] + (" (stale profile)" if r["stale"] else "")
-            click.echo(
-                f"{r['id']:<32} {r['model']:<20} {r['node_id']:<16} {state:<22} {r['port'] or '-':>6}  "
-                f"{r['reason'] or ''}"
-            )
+        lines = table(
+            ["REPLICA", "MODEL", "NODE", "STATE", "PORT", "REASON"],
+            [
+                [
+                    r["id"],
+                    r["model"],
+                    r["node_id"],
+                    r["state"] + (" (stale profile)" if r["stale"] else ""),
+                    r["port"],
+                    r["reason"] or "",
+                ]
+                for r in rows
+            ],
+            right={4},
+        )
+        for line in lines:
+            click.echo(line)
 
     run(ctx, go)
 
@@ -499,7 +523,7 @@ def explain(ctx: click.Context, name: str, as_json: bool) -> None:
             nd = body["needs"]
             click.echo(
                 f"one replica ({'profile ' + nd['profile'] + ', ' if len(tried) > 1 else ''}{nd['engine']}) needs: "
-                f"{nd['cores']} cores, {nd['memory_gb']} GB memory, "
+                f"{nd['cores'] if isinstance(nd['cores'], str) else str(nd['cores']) + ' cores'}, {nd['memory_gb']} GB memory, "
                 f"{nd['gpus']} GPUs" + (f", labels {nd['node_selector']}" if nd["node_selector"] else "")
             )
         if body.get("last_error"):

@@ -11,6 +11,7 @@ import json
 import click
 
 from llmgw.cli.client import Session, run
+from llmgw.cli.table import table
 from llmgw.events import mirror as E
 from llmgw.events.commands import CommandError
 from llmgw.events.envelope import RecordedEvent
@@ -121,15 +122,18 @@ def list_(ctx: click.Context, as_json: bool) -> None:
         if not rows:
             click.echo("the mirror holds nothing yet: `llmgw mirror fetch MODEL OWNER/REPO`")
             return
-        click.echo(f"{'MODEL':<28} {'VERSION':<10} {'STATE':<14} {'FILES':>5} {'SIZE':>10}  REPOSITORY")
+        cells = []
         for r in rows:
             state = r["state"]
             if state == FETCHING:
                 state += f" {100 * r['done'] // max(r['bytes'], 1)}%"
-            click.echo(
-                f"{r['model']:<28} {r['version']:<10} {state:<14} {len(r['files']):>5} {human(r['bytes']):>10}  "
-                f"{r['repo']}@{r['commit'][:12]}"
+            cells.append(
+                [r["model"], r["version"], state, len(r["files"]), human(r["bytes"]), f"{r['repo']}@{r['commit'][:12]}"]
             )
+        head, *lines = table(["MODEL", "VERSION", "STATE", "FILES", "SIZE", "REPOSITORY"], cells, right={3, 4})
+        click.echo(head)
+        for r, line in zip(rows, lines, strict=True):
+            click.echo(line)
             if r["error"]:
                 click.echo(f"  {r['error']}")
 

@@ -182,3 +182,16 @@ def test_a_tail_line_keeps_its_columns_whatever_the_length_of_an_aggregate_or_ac
     short, long = line("user:a", "tree"), line("user:" + "x" * 60, "t" * 80)
     assert short.index("by c1") == long.index("by c1"), (short, long)
     assert "…" in long and long.split()[:2] == ["7", "e1"]
+
+
+def test_a_cli_table_keeps_its_columns_whatever_the_length_of_a_name() -> None:
+    from llmgw.cli.table import table
+
+    lines = table(
+        ["MODEL", "READY", "STATUS"],
+        [["tiny", "1/1", "serving"], ["a-model-name-of-forty-characters-or-so-x", "10/12", ""]],
+        right={1},
+    )
+    assert lines[0].index("READY") + len("READY") == lines[1].index("1/1") + 3 == lines[2].index("10/12") + 5
+    assert lines[1].index("serving") == lines[2].rindex("-") == lines[0].index("STATUS"), "an empty cell is a dash"
+    assert all(line == line.rstrip() for line in lines)
