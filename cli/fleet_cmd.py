@@ -521,9 +521,10 @@ def explain(ctx: click.Context, name: str, as_json: bool) -> None:
             click.echo(f"profile {t['profile']} ({t['engine']}) fits no node now")
         if body.get("needs"):
             nd = body["needs"]
+            cores = nd["cores"] if isinstance(nd["cores"], str) else f"{nd['cores']} cores"
             click.echo(
                 f"one replica ({'profile ' + nd['profile'] + ', ' if len(tried) > 1 else ''}{nd['engine']}) needs: "
-                f"{nd['cores'] if isinstance(nd['cores'], str) else str(nd['cores']) + ' cores'}, {nd['memory_gb']} GB memory, "
+                f"{cores}, {nd['memory_gb']} GB memory, "
                 f"{nd['gpus']} GPUs" + (f", labels {nd['node_selector']}" if nd["node_selector"] else "")
             )
         if body.get("last_error"):
