@@ -5,6 +5,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from llmgw.events.catalog import default_registry
 from llmgw.events.store import EventStore
@@ -12,6 +13,13 @@ from tests.fleet import Fleet
 from tests.support import NatsServer, Postgres, nats_server
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+@pytest.fixture(autouse=True)
+def fresh_structlog() -> None:
+    """Every test starts from structlog's defaults: a command run in-process (click's CliRunner) configures
+    it for the whole process, and a level it set would hide from a later test's capture_logs what it logs."""
+    structlog.reset_defaults()
 
 
 @pytest.fixture

@@ -21,6 +21,19 @@ def prefix_key(text: str) -> str | None:
     return hashlib.blake2b(text[:PREFIX_CHARS].encode(), digest_size=8).hexdigest()
 
 
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: ties between equally loaded replicas broken by seed and replica alike. (The
+    low bits of Python's hash of a tuple can keep one order for every seed, so one replica came first.)"""
+    x &= _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
 def order(
     replicas: list[ReplicaInfo],
     outstanding: dict[str, int],
@@ -31,7 +44,7 @@ def order(
     """Replicas in the order to try: the affine one first when not saturated, then least loaded."""
 
     def load(r: ReplicaInfo) -> tuple[int, int]:
-        return outstanding.get(r.replica_id, 0), hash((seed, r.replica_id)) & 0xFFFF
+        return outstanding.get(r.replica_id, 0), _mix(hash(r.replica_id) + seed * _GOLDEN)
 
     ranked = sorted(replicas, key=load)
     if preferred is not None:
