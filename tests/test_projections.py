@@ -528,3 +528,20 @@ async def test_batches_applied_again_from_a_reset_checkpoint_give_exact_counts(b
 
             await commit_batch(backend, projection, events[i : i + 1000], before=claim)
         assert await counts(backend) == {f"k{i}": n // 500 for i in range(500)}
+
+
+def test_the_api_shows_flags_as_booleans_not_the_0_and_1_they_are_stored_as() -> None:
+    from llmgw.services.api.views import shape_model, shape_node
+
+    node = shape_node(
+        {"id": "n1", "gpus": "[]", "labels": "{}", "engines": "llamacpp", "cordoned": 1, "draining": 0}, []
+    )
+    assert node["cordoned"] is True and node["draining"] is False
+    model = shape_model(
+        {
+            "name": "m", "spec": '{"source": "/m.gguf"}', "declared": 0, "min_replicas": 1, "max_replicas": 1,
+            "stopped": 0, "parked": None, "failures": 0, "last_error": None, "unplaceable": None, "spec_hash": "h",
+        },
+        [],
+    )  # fmt: skip
+    assert model["stopped"] is False and model["declared"] is False

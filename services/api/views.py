@@ -112,6 +112,7 @@ def shape_node(n: dict[str, Any], active: list[dict[str, Any]]) -> dict[str, Any
     n["labels"] = msgspec.json.decode(n["labels"] or "{}")
     n["engines"] = [x for x in (n["engines"] or "").split(",") if x]
     n["replicas"] = sum(1 for r in active if r["node_id"] == n["id"])
+    n["cordoned"], n["draining"] = bool(n["cordoned"]), bool(n["draining"])  # stored as 0/1: shown as what they are
     return n
 
 
@@ -126,6 +127,7 @@ def shape_model(m: dict[str, Any], active: list[dict[str, Any]]) -> dict[str, An
     m["stale"] = sum(1 for r in mine if r["state"] == "ready" and r["spec_hash"] != m["spec_hash"])
     m["nodes"] = sorted({r["node_id"] for r in mine})
     m["status"] = model_status(m)
+    m["stopped"], m["declared"] = bool(m["stopped"]), bool(m["declared"])  # stored as 0/1: shown as booleans
     return m
 
 
