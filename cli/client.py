@@ -24,10 +24,12 @@ from llmgw.cli.natsd import CredentialError, read_credential
 from llmgw.events import pki
 from llmgw.events.catalog import default_registry
 from llmgw.events.command_auth import TokenSigner
-from llmgw.events.commands import CommandClient, CommandError, Unreachable
+from llmgw.events.commands import CommandClient, CommandError, CommandRejectedError, Unreachable
 from llmgw.events.nats_permissions import NatsCredential
 from llmgw.events.outcomes import CommandCompleted
 from llmgw.events.store import EventStore, StoreError
+
+CONNECT_GIVE_UP_S = 10.0  # a person waits this long for NATS, then is told it cannot be reached (exit 4)
 
 
 class Session:
@@ -46,7 +48,9 @@ class Session:
                     os.environ.get("LLMGW_NATS_CA"), os.environ.get("LLMGW_NATS_CERT"), os.environ.get("LLMGW_NATS_KEY")
                 )
                 creds = read_credential(self.target.nats_creds) if self.target.nats_creds else None
-                self._store = await EventStore.connect(self.target.nats_url, default_registry(), tls=tls, creds=creds)
+                self._store = await EventStore.connect(
+                    self.target.nats_url, default_registry(), tls=tls, creds=creds, give_up_s=CONNECT_GIVE_UP_S
+                )
             except CredentialError as exc:
                 raise CommandError(str(exc)) from exc
             except pki.PkiError as exc:
@@ -65,7 +69,7 @@ class Session:
     def signer(self) -> TokenSigner:
         """Commands are signed with the person's token: `llmgw login`'s, $LLMGW_TOKEN, or this machine's admin's."""
         if not self.target.token:
-            raise CommandError(
+            raise CommandRejectedError(
                 "sign in first: `llmgw login` (or set LLMGW_TOKEN to a personal token); commands are signed "
                 "with your token"
             )
@@ -95,8 +99,11 @@ class Session:
             async with self._http.request(method, url, params=params, json=json, headers=headers) as resp:
                 body = await resp.json(content_type=None)
                 if resp.status >= 400:
-                    message = (body or {}).get("error", {}).get("message") if isinstance(body, dict) else None
-                    raise CommandError(message or f"{method} {path} answered {resp.status}")
+                    error = (body or {}).get("error", {}) if isinstance(body, dict) else {}
+                    message = error.get("message") or f"{method} {path} answered {resp.status}"
+                    if resp.status < 500:  # refused: the reason says what to do (exit 2)
+                        raise CommandRejectedError(message, error.get("code") or str(resp.status))
+                    raise CommandError(message)
                 return body
         except aiohttp.ClientConnectorCertificateError as exc:
             trusted = f"the CA {self.ca}" if self.ca else "this machine's CAs"

@@ -11,7 +11,7 @@ import msgspec
 
 from llmgw.cli.client import Session, run
 from llmgw.events.command_audit import CommandAudit
-from llmgw.events.commands import CommandError
+from llmgw.events.commands import CommandError, CommandRejectedError
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.secrets import signing_secret
 from llmgw.events.store import Quarantined
@@ -160,7 +160,9 @@ def show(ctx: click.Context, event_id: str, as_json: bool) -> None:
         if event_id.isdigit():  # a sequence number: the event there, then its causes and effects by its id
             at = await store.get(int(event_id))
             if not isinstance(at, RecordedEvent):
-                raise CommandError(f"there is no event at sequence {event_id} (`llmgw events tail` lists them)")
+                raise CommandRejectedError(
+                    f"there is no event at sequence {event_id} (`llmgw events tail` lists them)", "not_found"
+                )
             event_id = at.envelope.id
         found = await s.api("GET", f"/api/v1/events/{event_id}")
         event = await store.get(found["seq"]) if found.get("seq") else None

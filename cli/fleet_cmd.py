@@ -27,7 +27,7 @@ from llmgw.events.agent_rpc import (
     logs_subject,
     weights_subject,
 )
-from llmgw.events.commands import CommandError, Unreachable
+from llmgw.events.commands import CommandRejectedError, Unreachable
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import event_subject
@@ -556,7 +556,7 @@ def logs(ctx: click.Context, node: str, replica: str | None, lines: int) -> None
             raise Unreachable(f"node {node}'s agent did not answer: is it running and connected?") from exc
         reply = msgspec.json.decode(msg.data, type=LogsReply)
         if reply.error:
-            raise CommandError(reply.error)
+            raise CommandRejectedError(reply.error, "not_found")
         for line in reply.lines:
             click.echo(line)
 
@@ -572,7 +572,7 @@ async def _ask_scheduler(s: Session, subject: str, name: str) -> dict[str, Any]:
         raise Unreachable("no scheduler answered: is the scheduler service running?") from exc
     body = json.loads(msg.data)
     if body.get("error"):
-        raise CommandError(body["error"])
+        raise CommandRejectedError(body["error"], "not_found")
     return body
 
 

@@ -8,7 +8,7 @@ from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
 from llmgw.cli.fleet_cmd import model
 from llmgw.events import jobs as J
-from llmgw.events.commands import CommandError
+from llmgw.events.commands import CommandRejectedError
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.store import EventStore
 from llmgw.events.subjects import event_subject
@@ -23,7 +23,7 @@ async def follow_job(store: EventStore, job_id: str) -> int:
     """Print the job's steps (those done already, then as they happen) until it finishes; its exit code."""
     subject = event_subject(J.AGGREGATE, job_id)
     if not await store.last_seq(subject):
-        raise CommandError(f"there is no job {job_id}")
+        raise CommandRejectedError(f"there is no job {job_id}", "not_found")
     async for batch in store.subscribe(subject):
         for e in batch:
             if not isinstance(e, RecordedEvent):

@@ -297,6 +297,7 @@ class EventStore:
         tls: ssl.SSLContext | None = None,
         tls_hostname: str | None = None,
         creds: NatsCredential | None = None,
+        give_up_s: float | None = None,
         **kwargs: Any,
     ) -> EventStore:
         """Connect to NATS at ``url``: one URL or several (comma-separated), any of which will do.
@@ -304,7 +305,9 @@ class EventStore:
         With several, the client moves to another listed (or gossiped) node when its node goes away.
         ``tls``: connect over TLS with this context (its CA, and a client certificate for servers that
         verify one); ``tls_hostname``: the name the servers' certificates must carry when the URLs do not;
-        ``creds``: the NATS user to connect as (its replies come to that user's own inbox prefix).
+        ``creds``: the NATS user to connect as (its replies come to that user's own inbox prefix);
+        ``give_up_s``: how long to keep trying to reach a server the first time (None: as long as it takes,
+        for services, which wait for their NATS; the CLI gives up and says so).
         """
         servers = server_list(url)
         if not servers:
@@ -336,7 +339,9 @@ class EventStore:
         try:
             # The client retries a refused TLS handshake or user for ever: the first refusal ends the attempt, with why.
             await asyncio.wait(
-                [connecting, events.tls_refused, events.auth_refused], return_when=asyncio.FIRST_COMPLETED
+                [connecting, events.tls_refused, events.auth_refused],
+                timeout=give_up_s,
+                return_when=asyncio.FIRST_COMPLETED,
             )
             if not connecting.done():
                 connecting.cancel()
@@ -346,7 +351,12 @@ class EventStore:
                     await nc.close()
                 if events.auth_refused.done():
                     raise StoreError(_auth_refusal(servers, creds))
-                raise StoreError(_tls_refusal(servers, events.tls_refused.result(), tls is not None))
+                if events.tls_refused.done():
+                    raise StoreError(_tls_refusal(servers, events.tls_refused.result(), tls is not None))
+                raise StoreError(
+                    f"cannot reach NATS at {', '.join(servers)} within {give_up_s:.0f} s: is `llmgw up` (or the "
+                    "cluster's NATS) running, and is this the address (--nats, LLMGW_NATS_URL)?"
+                )
             connecting.result()
         except Exception as exc:
             if isinstance(exc, StoreError):
