@@ -9,8 +9,6 @@ does not hold means the log was altered after the fact.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -53,8 +51,7 @@ class CommandAudit:
     def __init__(self, secret: bytes = b"") -> None:
         """``secret``: the cluster secret, to check services' signatures (without it they are failures)."""
         self.secret = secret
-        self.result = Verification()
-        self._signers: Counter[str] = Counter()
+        self.result = Verification(signers={})
         self._token_keys: dict[str, str] = {}  # token prefix -> public key, every token ever issued
         self._services: dict[str, Ed25519PublicKey] = {}
 
@@ -92,8 +89,7 @@ class CommandAudit:
             )
             return
         self.result.checked += 1
-        self._signers[p.signer] += 1
-        self.result.signers = dict(self._signers)
+        self.result.signers[p.signer] = self.result.signers.get(p.signer, 0) + 1
 
     def _check(self, command: Command) -> str:
         """Why ``command``'s signature does not hold ("" when it does)."""

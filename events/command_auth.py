@@ -33,6 +33,7 @@ from llmgw.events import roles as R
 from llmgw.events import signing
 from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.log_fold import FoldNotCurrent, LogFold
+from llmgw.events.outcomes import Rejected
 from llmgw.events.people_fold import People, PeopleAndTree
 from llmgw.events.secrets import signing_secret
 from llmgw.events.store import EventStore
@@ -47,6 +48,12 @@ class Signer(Protocol):
     name: str
 
     async def key(self) -> Ed25519PrivateKey: ...
+
+
+async def sign_command(command: Command, signer: Signer) -> Command:
+    """``command`` signed by ``signer``: its name in the command, the signature over the rest."""
+    command = msgspec.structs.replace(command, signer=signer.name, signature="")
+    return msgspec.structs.replace(command, signature=signing.sign(await signer.key(), command.signed_bytes()))
 
 
 class TokenSigner:
@@ -79,15 +86,6 @@ class ServiceSigner:
         return self._key
 
 
-class Refusal(Exception):
-    """A command the verifier refuses: ``code`` and a reason a person can act on."""
-
-    def __init__(self, reason: str, code: str) -> None:
-        self.reason = reason
-        self.code = code
-        super().__init__(reason)
-
-
 class Verified(msgspec.Struct, frozen=True, kw_only=True):
     """Who a command is proven to come from: ``person`` when a person signed it, else a service."""
 
@@ -103,24 +101,24 @@ def check_token_signature(
     people: People, command: Command, now: datetime, public: Callable[[str], Ed25519PublicKey]
 ) -> Verified:
     """A person's signature on ``command``, checked against the people as folded (pure but for the
-    key cache ``public``). Raises :class:`Refusal`."""
+    key cache ``public``). Raises :class:`~llmgw.events.outcomes.Rejected`."""
     prefix = command.signer.removeprefix(signing.TOKEN_SIGNER)
     found = people.by_prefix.get(prefix)
     person = people.by_name.get(found[0]) if found else None
     token = person.tokens.get(found[1]) if person and found else None
     if person is None or token is None:
-        raise Refusal(f"the signing token {prefix} is unknown or was revoked: {SIGN_IN}", "unknown_signer")
+        raise Rejected(f"the signing token {prefix} is unknown or was revoked: {SIGN_IN}", "unknown_signer")
     if not token.signing_key:
-        raise Refusal(f"token {prefix} was issued before commands were signed: {SIGN_IN}", "unknown_signer")
+        raise Rejected(f"token {prefix} was issued before commands were signed: {SIGN_IN}", "unknown_signer")
     if token.expires_at is not None and token.expires_at <= now:
-        raise Refusal(f"token {prefix} expired at {token.expires_at.isoformat()}: {SIGN_IN}", "expired")
+        raise Rejected(f"token {prefix} expired at {token.expires_at.isoformat()}: {SIGN_IN}", "expired")
     if person.disabled:
         why = f" ({person.disabled_reason})" if person.disabled_reason else ""
-        raise Refusal(f"user {person.name} is disabled{why}: their commands are refused", "disabled")
+        raise Rejected(f"user {person.name} is disabled{why}: their commands are refused", "disabled")
     if not signing.valid(public(token.signing_key), command.signed_bytes(), command.signature):
-        raise Refusal(BAD_SIGNATURE, "bad_signature")
+        raise Rejected(BAD_SIGNATURE, "bad_signature")
     if command.actor not in ("", f"user:{person.name}"):
-        raise Refusal(
+        raise Rejected(
             f"the command says it is from {command.actor} but is signed by user:{person.name}'s token: "
             "a person may act only as themself",
             "forged_actor",
@@ -175,9 +173,9 @@ class CommandVerifier:
         return key
 
     async def verify(self, command: Command) -> Verified:
-        """Who ``command`` is proven to come from; raises :class:`Refusal`."""
+        """Who ``command`` is proven to come from; raises :class:`~llmgw.events.outcomes.Rejected`."""
         if not command.signature or not command.signer:  # checked first: nothing else about it can be trusted
-            raise Refusal(
+            raise Rejected(
                 f"{command.kind} command {command.id} is not signed: send commands with `llmgw` after signing in "
                 "(`llmgw login`); nothing was done",
                 "unsigned",
@@ -185,20 +183,20 @@ class CommandVerifier:
         if command.signer.startswith(signing.SERVICE_SIGNER):
             key = await self._service_key(command.signer.removeprefix(signing.SERVICE_SIGNER))
             if not signing.valid(key, command.signed_bytes(), command.signature):
-                raise Refusal(BAD_SIGNATURE, "bad_signature")
+                raise Rejected(BAD_SIGNATURE, "bad_signature")
             return Verified(signer=command.signer, actor=command.actor)
         if not command.signer.startswith(signing.TOKEN_SIGNER):
-            raise Refusal(f"unknown kind of signer {command.signer!r}: {SIGN_IN}", "unknown_signer")
+            raise Rejected(f"unknown kind of signer {command.signer!r}: {SIGN_IN}", "unknown_signer")
         try:
             return check_token_signature(self.people, command, self.clock(), self._public)
-        except Refusal as refused:
+        except Rejected as refused:
             if refused.code != "unknown_signer":
                 raise
         await self._catch_up()  # a token issued a moment ago: look again once the fold is at the head
         return check_token_signature(self.people, command, self.clock(), self._public)
 
     async def authorize(self, verified: Verified, need: R.Need | None) -> None:
-        """Raises :class:`Refusal` (``forbidden``) when a person lacks the role ``need`` names."""
+        """Raises :class:`~llmgw.events.outcomes.Rejected` (``forbidden``) when a person lacks ``need``."""
         if verified.person is None or need is None:
             return  # a service acts within its own rules
         refusal = self._refusal(verified.person, need)
@@ -206,7 +204,7 @@ class CommandVerifier:
             await self._catch_up()  # a role granted a moment ago
             refusal = self._refusal(verified.person, need)
         if refusal is not None:
-            raise Refusal(refusal, "forbidden")
+            raise Rejected(refusal, "forbidden")
 
     def _refusal(self, name: str, need: R.Need) -> str | None:
         person = self.people.by_name.get(name)
@@ -218,4 +216,4 @@ class CommandVerifier:
         try:
             await self.fold.catch_up()
         except FoldNotCurrent as exc:
-            raise Refusal(str(exc), "unavailable") from exc
+            raise Rejected(str(exc), "unavailable") from exc

@@ -27,10 +27,16 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from llmgw.events import signing
 from llmgw.events import subjects as S
 from llmgw.events.codec import decode_event
-from llmgw.events.command_auth import CommandVerifier, Refusal, ServiceSigner, Signer
+from llmgw.events.command_auth import CommandVerifier, ServiceSigner, Signer, sign_command
 from llmgw.events.envelope import utc_now
 from llmgw.events.ids import new_id
-from llmgw.events.outcomes import REFUSAL_AGGREGATE, CommandCompleted, CommandRejected, CommandReplayed
+from llmgw.events.outcomes import (  # Rejected: re-exported, what every service raises
+    REFUSAL_AGGREGATE,
+    CommandCompleted,
+    CommandRejected,
+    CommandReplayed,
+    Rejected,
+)
 from llmgw.events.retry import is_transient, keep_running
 from llmgw.events.roles import Need
 from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
@@ -144,10 +150,8 @@ class CommandClient:
             expected=expected,
             correlation=correlation,
             data=msgspec.Raw(msgspec.json.encode(payload)),
-            signer=self.signer.name,
         )
-        key = await self.signer.key()
-        command = msgspec.structs.replace(command, signature=signing.sign(key, command.signed_bytes()))
+        command = await sign_command(command, self.signer)
         outcome_subject = S.command_outcome_subject(command.id)
         nc = self.store.nc
         # Subscribe before publishing, so the outcome cannot slip past us.
@@ -208,15 +212,6 @@ class CommandClient:
 
 
 # -- what a service implements -----------------------------------------------------------------
-
-
-class Rejected(Exception):
-    """Raised by a service's decision: the command is refused with this reason."""
-
-    def __init__(self, reason: str, code: str = "rejected") -> None:
-        self.reason = reason
-        self.code = code
-        super().__init__(reason)
 
 
 class Accepted(msgspec.Struct, frozen=True, kw_only=True):
@@ -332,19 +327,13 @@ class CommandProcessor:
         kept = {"signer": command.signer, "command_seq": seq, "command": msgspec.Raw(msg.data)}
         outcome: msgspec.Struct
         try:
-            try:
-                verified = await self.verifier.verify(command)
-            except Refusal as exc:
-                raise Rejected(exc.reason, exc.code) from exc
+            verified = await self.verifier.verify(command)  # raises Rejected: unsigned, forged, unknown…
             command = msgspec.structs.replace(command, actor=verified.actor)  # its events carry the proven actor
             try:
                 payload = self._payload_decoder.decode(command.data)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 raise Rejected(f"malformed {command.kind} command: {exc}", "malformed") from exc
-            try:
-                await self.verifier.authorize(verified, self.authorize(command, payload))
-            except Refusal as exc:
-                raise Rejected(exc.reason, exc.code) from exc
+            await self.verifier.authorize(verified, self.authorize(command, payload))
             accepted = await self.handler(command, payload)
             outcome = CommandCompleted(
                 kind=command.kind,

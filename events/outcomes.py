@@ -17,6 +17,16 @@ from llmgw.events.registry import EventType
 AGGREGATE = "command"
 
 
+class Rejected(Exception):
+    """Raised by a service's decision, or its check of who sent the command: the command is refused
+    with this reason (its ``command.rejected`` outcome)."""
+
+    def __init__(self, reason: str, code: str = "rejected") -> None:
+        self.reason = reason
+        self.code = code
+        super().__init__(reason)
+
+
 class CommandCompleted(msgspec.Struct, frozen=True, kw_only=True):
     kind: str
     requested_by: str = ""

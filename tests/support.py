@@ -23,9 +23,8 @@ import msgspec
 import nats.js.errors
 
 from llmgw.events import natsd
-from llmgw.events.command_auth import ServiceSigner, Signer
+from llmgw.events.command_auth import ServiceSigner, Signer, sign_command
 from llmgw.events.commands import Command
-from llmgw.events.signing import sign
 from llmgw.events.store import EventStore
 from llmgw.events.usage import UsageRecord
 
@@ -194,6 +193,4 @@ async def usage_records(store: EventStore, project: str) -> list[UsageRecord]:
 async def signed(store: EventStore, command: Command, signer: Signer | None = None) -> Command:
     """``command`` signed as a caller on the bus signs it (by default as the service ``tests``), for
     tests that publish commands by hand."""
-    signer = signer or ServiceSigner(store, "tests")
-    command = msgspec.structs.replace(command, signer=signer.name, signature="")
-    return msgspec.structs.replace(command, signature=sign(await signer.key(), command.signed_bytes()))
+    return await sign_command(command, signer or ServiceSigner(store, "tests"))
