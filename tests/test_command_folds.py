@@ -186,7 +186,12 @@ async def test_a_command_whose_fold_cannot_catch_up_is_refused_naming_the_fold_a
         gate.set()
         out = await create(store, "org", "acme")
         assert out.message == "org acme created"
-        assert [s.name for s in tenancy.tree.scopes.values()] == ["stuck", "acme"]
+
+        async def folded() -> list[str] | None:  # the outcome is written before the fold reads the event back
+            names = [s.name for s in tenancy.tree.scopes.values()]
+            return names if len(names) == 2 else None
+
+        assert await wait_until(folded, what="the fold to read the new org") == ["stuck", "acme"]
 
 
 async def test_a_follower_keeps_delivering_after_its_consumer_is_deleted(store: EventStore) -> None:
