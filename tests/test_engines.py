@@ -531,6 +531,24 @@ async def test_sigterm_stops_the_engine_cleanly(tiny_model: Path, tmp_path: Path
         proc.stop()
 
 
+async def test_a_client_holding_a_connection_open_does_not_keep_a_stopped_engine_alive(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    proc = await _start(tiny_model, tmp_path).wait_healthy()
+    try:
+        await wait_until(lambda: "ready on" in proc.log_tail(), what="the engine to say it is ready")
+        port = int(proc.base_url.rsplit(":", 1)[1])
+        # A keep-alive connection after one answered request, and one that never sent a byte.
+        with socket.create_connection(("127.0.0.1", port)) as kept, socket.create_connection(("127.0.0.1", port)):
+            kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\n\r\n")
+            assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+            os.killpg(proc.proc.pid, signal.SIGTERM)
+            assert proc.proc.wait(30) == 0, proc.log_tail()
+        assert "stopped" in proc.log_tail()
+    finally:
+        proc.stop()
+
+
 async def test_wait_healthy_gives_up_at_the_deadline() -> None:
     port = free_port()  # nothing listens there
     started = time.monotonic()

@@ -43,6 +43,8 @@ KEY_ENV = "LLMGW_ENGINE_KEY"
 PUBLIC_PATHS: tuple[str, ...] = ("/health", "/v1/health")
 
 _PREFIX = "xllama_server:"
+# How long a requested stop waits for llama.cpp to wind down before the process ends itself.
+STOP_GRACE_S = 5.0
 
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -344,9 +346,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     _say("stopping")
+    # ~Server joins llama.cpp's HTTP workers, and a worker blocked reading a client's idle
+    # keep-alive connection only returns at the read timeout (minutes): a requested stop must not
+    # wait on a client, so past a short grace the process ends itself, still with status 0.
+    watchdog = threading.Timer(STOP_GRACE_S, _end_after_grace)
+    watchdog.daemon = True
+    watchdog.start()
     del server  # ~Server terminates the serving loop and joins its threads
+    watchdog.cancel()
     _say("stopped")
     return 0
+
+
+
+def _end_after_grace() -> None:
+    _say(f"stopped: llama.cpp had not wound down after {STOP_GRACE_S:.0f} s (a client holding a connection open?)")
+    os._exit(0)
 
 
 if __name__ == "__main__":
