@@ -358,7 +358,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-
 def _end_after_grace() -> None:
     _say(f"stopped: llama.cpp had not wound down after {STOP_GRACE_S:.0f} s (a client holding a connection open?)")
     os._exit(0)
