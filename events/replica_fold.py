@@ -35,6 +35,10 @@ class Replica(msgspec.Struct, frozen=True, kw_only=True):
     url: str | None = None
     reason: str = ""
     log_tail: list[str] = []
+    # A restart (SCHED-6): "queued" once asked for (or its replacement failed), "replacing" while a
+    # replacement is placed; the old replica stops once that one is ready.
+    restart: str = ""
+    replaces: str = ""  # on a replacement: the replica it replaces
 
     @property
     def active(self) -> bool:
@@ -81,9 +85,15 @@ def fold_replica(replica: Replica | None, payload: msgspec.Struct, at: float) ->
             memory_bytes=p.memory_bytes,
             gpus=list(p.gpus),
             placed_at=at,
+            replaces=p.replaces,
         )
     if replica is None:
         return None
+    if isinstance(payload, R.ReplicaRestartRequested):
+        # Only a serving replica restarts; asking twice changes nothing.
+        if replica.active and not replica.restart:
+            return msgspec.structs.replace(replica, restart="queued")
+        return replica
     state = transition(replica.state, payload)
     if state is None:
         return replica
@@ -100,6 +110,20 @@ def fold_replica(replica: Replica | None, payload: msgspec.Struct, at: float) ->
         case R.ReplicaStopped():
             return replace(replica, state=state, reason=payload.reason or replica.reason)
     return replica
+
+
+def fold_replaced(old: Replica, replacement: Replica) -> Replica:
+    """The replica a restart replaces, after an event of its ``replacement`` (``replacement.replaces ==
+    old.id``). Pure; every reader calls it after folding the replacement's event.
+
+    While the replacement is placed, starting or ready, the old one is "replacing"; a replacement
+    that failed or stopped leaves the restart "queued", the old replica still serving. Once the old
+    one is no longer active (the restart stopped it) nothing changes.
+    """
+    if not old.active:
+        return old
+    restart = "replacing" if replacement.active else "queued"
+    return old if old.restart == restart else msgspec.structs.replace(old, restart=restart)
 
 
 class StartFailures(msgspec.Struct, frozen=True, kw_only=True):

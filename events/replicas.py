@@ -32,6 +32,7 @@ class ReplicaPlaced(msgspec.Struct, frozen=True, kw_only=True):
     gpus: list[int] = []
     term: int = 0
     why: str = ""
+    replaces: str = ""  # a restart with surge (SCHED-6): the replica this one replaces once it is ready
 
 
 class ReplicaStarting(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +74,13 @@ class ReplicaStopped(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""
 
 
+class ReplicaRestartRequested(msgspec.Struct, frozen=True, kw_only=True):
+    """`ctl restart`: the scheduler replaces the replica, a new copy first (SCHED-6); the envelope says who asked."""
+
+    replica_id: str
+    reason: str = ""
+
+
 EVENTS = (
     EventType("replica.placed", 1, ReplicaPlaced, "The scheduler placed a replica of a model on a node."),
     EventType("replica.starting", 1, ReplicaStarting, "The node's agent started the replica's engine."),
@@ -84,7 +92,20 @@ EVENTS = (
         "replica.stop_requested", 1, ReplicaStopRequested, "The scheduler asked for the replica to drain and stop."
     ),
     EventType("replica.stopped", 1, ReplicaStopped, "The replica's engine was stopped."),
+    EventType(
+        "replica.restart_requested",
+        1,
+        ReplicaRestartRequested,
+        "Someone asked for the replica to be restarted: replaced by a new copy first, then stopped.",
+    ),
 )
+
+
+class RestartReplica(msgspec.Struct, frozen=True, kw_only=True, tag="restart", forbid_unknown_fields=True):
+    """`ctl restart REPLICA`: one command per replica (the CLI names each one of a model or of all)."""
+
+    replica_id: str
+    reason: str = ""
 
 
 def _failed_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:

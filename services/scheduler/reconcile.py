@@ -90,6 +90,7 @@ class Place(msgspec.Struct, frozen=True, kw_only=True):
     need: Need
     why: str
     profile: int = 0  # which of the model's profiles it runs (an index into spec.profiles)
+    replaces: str = ""  # a restart's replacement (SCHED-6): the replica it replaces once ready
 
 
 class Stop(msgspec.Struct, frozen=True, kw_only=True):
@@ -343,6 +344,12 @@ def _model(
     lower, upper = wanted_replicas(m, state.demand.get(m.name), clock.epoch, cfg)
     moving = [r for r in live if r.node_id in p.draining_nodes]
     staying = [r for r in live if r.node_id not in p.draining_nodes]
+    # A restart's replacement is not one of the model's replicas while its old one runs (SCHED-6).
+    from llmgw.services.scheduler import restarts  # it builds on this module's decisions
+
+    surge = restarts.surge(staying)
+    replacements = [r for r in staying if r.id in surge]
+    staying = [r for r in staying if r.id not in surge]
     # A drain replaces first, then stops the old replica (FLEET-4): it waits for as many ready
     # replicas elsewhere as the model holds now (`lower`, so an on-demand model in use waits too),
     # but no longer than the drain's grace: a node being emptied must empty, even when no other node
@@ -385,7 +392,7 @@ def _model(
 
     missing = lower - len(staying)
     if missing <= 0:
-        return out
+        return [*out, *restarts.step(state, m, staying, replacements, clock, cfg, p)]
     if m.failures and m.last_failure_at is not None:
         until = m.last_failure_at + backoff_s(m.failures, cfg)
         if clock.epoch < until:
@@ -488,6 +495,7 @@ def event_of(
                     gpus=d.gpus,
                     term=term,
                     why=d.why,
+                    replaces=d.replaces,
                 ),
             )
     return None

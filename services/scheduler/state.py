@@ -13,8 +13,10 @@ import msgspec
 from llmgw.events import models as M
 from llmgw.events import node_fold as NF
 from llmgw.events import nodes as N
+from llmgw.events import quotas as Q
 from llmgw.events import replica_fold as F
 from llmgw.events import replicas as R
+from llmgw.events import tenancy_fold as TF
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.subjects import aggregate_of
 
@@ -106,7 +108,7 @@ ReplicaState = F.Replica
 
 
 SNAPSHOT_NAME = "scheduler"
-SNAPSHOT_VERSION = 1  # bump when ClusterSnapshot or a struct in it changes: older snapshots are then ignored
+SNAPSHOT_VERSION = 2  # bump when ClusterSnapshot or a struct in it changes: older snapshots are then ignored
 
 
 class ClusterSnapshot(msgspec.Struct, kw_only=True):
@@ -117,6 +119,11 @@ class ClusterSnapshot(msgspec.Struct, kw_only=True):
     nodes: dict[str, NF.Node]
     models: dict[str, ModelState]
     replicas: dict[str, ReplicaState]
+    # The tenancy tree and the capacity quotas (SCHED-8): the scopes alive, where every scope ever
+    # made sat (kind, parent id), and each scope's quota.
+    scopes: dict[str, TF.Scope] = {}
+    placed_scopes: dict[str, tuple[str, str | None]] = {}
+    quotas: dict[str, Q.Quota] = {}
 
 
 class ClusterState:
@@ -134,6 +141,10 @@ class ClusterState:
         self._on_node: dict[str, dict[str, ReplicaState]] = {}
         self._of_model: dict[str, dict[str, ReplicaState]] = {}
         self.demand: dict[str, float] = {}  # model -> epoch of the last request a router saw (on demand)
+        # Whose capacity a model's replicas use, and how much each scope is guaranteed and may hold (SCHED-8):
+        # the shared folds of the tree and of the quotas.
+        self.tree = TF.TenancyTree()
+        self.quotas: dict[str, Q.Quota] = {}
 
     # -- fold of durable events ---------------------------------------------------------------
 
@@ -147,6 +158,15 @@ class ClusterState:
             case _ if isinstance(p, NF.NODE_EVENTS):  # the shared node fold (events/node_fold.py)
                 n = self.node(p.node_id)
                 n.fact = NF.fold_node(n.fact, p, at)
+            case _ if isinstance(p, TF.TREE_EVENTS):
+                self.tree.apply(event)
+            case _ if isinstance(p, Q.QUOTA_EVENTS):
+                sid = aggregate_of(event.subject)[1]
+                quota = Q.fold_quota(self.quotas.get(sid), p)
+                if quota is None:
+                    self.quotas.pop(sid, None)
+                else:
+                    self.quotas[sid] = quota
             case (
                 R.ReplicaPlaced()
                 | R.ReplicaStarting()
@@ -154,6 +174,7 @@ class ClusterState:
                 | R.ReplicaFailed()
                 | R.ReplicaStopRequested()
                 | R.ReplicaStopped()
+                | R.ReplicaRestartRequested()
             ):
                 self._apply_replica(p, at)
 
@@ -164,6 +185,9 @@ class ClusterState:
         if after is None or after is before:
             return
         self._index(after)
+        old = self.replicas.get(after.replaces) if after.replaces else None
+        if old is not None:  # a restart's replacement moved: so does the restart of the one it replaces
+            self._index(F.fold_replaced(old, after))
         m = self.models.get(after.model)
         if m is not None:
             m.starts = F.fold_start_failures(m.starts, p, at, before)
@@ -215,6 +239,9 @@ class ClusterState:
             nodes={i: n.fact for i, n in self.nodes.items()},
             models=self.models,
             replicas=self.replicas,
+            scopes=self.tree.scopes,
+            placed_scopes=self.tree.placed,
+            quotas=self.quotas,
         )
 
     def encode(self) -> bytes:
@@ -228,6 +255,9 @@ class ClusterState:
         state.position = snap.position
         state.nodes = {i: NodeState(id=i, fact=fact) for i, fact in snap.nodes.items()}
         state.models = snap.models
+        state.tree.scopes = dict(snap.scopes)
+        state.tree.placed = {k: (v[0], v[1]) for k, v in snap.placed_scopes.items()}
+        state.quotas = dict(snap.quotas)
         for r in snap.replicas.values():
             state._index(r)
         return state

@@ -1,0 +1,173 @@
+"""Restarts with surge (SCHED-6) as stories over a folded ClusterState: no NATS, the clock the test moves."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from llmgw.events import models as M
+from llmgw.events import replica_fold as F
+from llmgw.events import replicas as R
+from llmgw.services.scheduler.reconcile import Place, Stop, Waiting
+from tests.scheduler_world import (
+    CFG,
+    Fact,
+    World,
+    failed,
+    model,
+    node,
+    on_model,
+    on_replica,
+    placed,
+    ready,
+    said,
+    spec,
+    stopped,
+)
+
+
+def restart(*replica_ids: str) -> Fact:
+    def fact(w: World) -> None:
+        for rid in replica_ids:
+            w.emit(R.AGGREGATE, rid, R.ReplicaRestartRequested(replica_id=rid, reason="test"))
+
+    return fact
+
+
+def serving(name: str, *where: tuple[str, str], min_: int | None = None, **more: object) -> list[Fact]:
+    """Model ``name`` with one ready replica per (replica id, node)."""
+    facts: list[Fact] = [model(name, min_ if min_ is not None else len(where), **more)]
+    for rid, node_id in where:
+        facts += [placed(rid, name, node_id), ready(rid)]
+    return facts
+
+
+def restart_of(w: World, rid: str) -> str:
+    return w.state.replicas[rid].restart
+
+
+def replacement_of(w: World, rid: str) -> str:
+    (new,) = [r.id for r in w.state.replicas.values() if r.replaces == rid and r.active]
+    return new
+
+
+def test_a_requested_restart_places_a_replacement_first_and_stops_the_old_one_once_it_is_ready() -> None:
+    w = World().add(node("a"), node("b"), *serving("m", ("r1", "a")), restart("r1"))
+    assert restart_of(w, "r1") == "queued"
+    (place,) = w.step()
+    assert isinstance(place, Place) and place.replaces == "r1" and "replaces r1 (asked for)" in place.why
+    new = replacement_of(w, "r1")
+    assert restart_of(w, "r1") == "replacing"
+    assert w.step() == [], "the old replica serves while its replacement starts"
+    w.add(ready(new))
+    assert [said(d) for d in w.step()] == [f"stop r1: restarted: replaced by {new}"]
+    assert w.active("m") == [new]
+    assert w.step() == []
+
+
+def test_restarts_go_one_at_a_time_per_model() -> None:
+    w = World().add(node("a"), node("b"), *serving("m", ("r1", "a"), ("r2", "b")), restart("r1", "r2"))
+    assert [d.replaces for d in w.step() if isinstance(d, Place)] == ["r1"], "one replacement at a time"
+    first = replacement_of(w, "r1")
+    assert w.step() == []
+    w.add(ready(first))
+    assert [said(d) for d in w.step()] == [f"stop r1: restarted: replaced by {first}"]
+    assert w.step() == [], "the next restart waits until the old replica has drained"
+    w.add(stopped("r1"))
+    (place,) = w.step()
+    assert isinstance(place, Place) and place.replaces == "r2"
+    w.add(ready(replacement_of(w, "r2")))
+    w.step()
+    w.add(stopped("r2"))
+    assert w.step() == []
+    assert len(w.active("m")) == 2 and not {"r1", "r2"} & set(w.active("m"))
+
+
+def test_two_models_restart_side_by_side() -> None:
+    w = World().add(node("a"), *serving("m", ("m1", "a")), *serving("x", ("x1", "a")), restart("m1", "x1"))
+    assert sorted(d.replaces for d in w.step() if isinstance(d, Place)) == ["m1", "x1"]
+
+
+def test_replicas_of_a_stale_profile_are_restarted_the_same_way() -> None:
+    w = World().add(node("a"), node("b"), *serving("m", ("r1", "a"), ("r2", "b")))
+    assert w.step() == []
+    w.add(on_model("m", M.ModelChanged(spec=spec("m", 2, mem=2.0), what="resources")))
+    (place,) = w.step()
+    assert isinstance(place, Place) and place.replaces == "r1" and "stale profile" in place.why
+    assert place.need.memory_bytes == 2 * 1024**3, "the replacement runs the model's current profile"
+    w.add(ready(replacement_of(w, "r1")))
+    w.step()
+    w.add(stopped("r1"))
+    (place,) = w.step()
+    assert isinstance(place, Place) and place.replaces == "r2"
+
+
+def test_a_stopped_model_s_stale_replicas_are_not_restarted() -> None:
+    w = World().add(node("a"), *serving("m", ("r1", "a")), restart("r1"))
+    w.add(on_model("m", M.ModelStopped(saved_min=1, saved_max=1)))
+    assert [said(d) for d in w.run()] == ["stop r1: model m stopped by an administrator"]
+
+
+def test_with_no_room_for_a_second_copy_the_old_one_stops_and_the_model_says_it_is_short() -> None:
+    # One node with room for one replica of 40 GB.
+    w = World().add(node("a", mem_gb=64), *serving("m", ("r1", "a"), mem=40.0), restart("r1"))
+    (stop,) = w.step()
+    assert isinstance(stop, Stop) and stop.short and stop.grace_s == CFG.stop_grace_s
+    assert stop.reason == "restart of r1: no room for a second copy; model m is short until it is back"
+    w.add(stopped("r1"))
+    (place,) = w.step()
+    assert isinstance(place, Place) and not place.replaces, "the normal pass places it again"
+
+
+def test_a_restart_that_fits_nowhere_even_in_the_old_one_s_place_keeps_the_old_one_serving() -> None:
+    w = World().add(node("a", mem_gb=64), *serving("m", ("r1", "a"), mem=40.0))
+    w.add(on_model("m", M.ModelChanged(spec=spec("m", 1, mem=80.0), what="resources")))
+    assert w.step() == []
+    assert w.active("m") == ["r1"]
+
+
+def test_a_failed_replacement_leaves_the_old_one_serving_and_the_restart_queued() -> None:
+    w = World().add(node("a"), node("b"), *serving("m", ("r1", "a")), restart("r1"))
+    w.step()
+    new = replacement_of(w, "r1")
+    w.add(failed(new, "engine exited with 1"))
+    assert restart_of(w, "r1") == "queued"
+    assert w.state.models["m"].failures == 1, "it counts like any failed start"
+    (wait,) = w.run()
+    assert isinstance(wait, Waiting), "the next try backs off"
+    assert w.active("m") == ["r1"]
+    w.advance(wait.until - w.clock().epoch).beat()
+    (place,) = w.step()
+    assert isinstance(place, Place) and place.replaces == "r1"
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(1, 1), (1, 3), (2, 2)])
+def test_scale_down_never_counts_a_replacement_as_an_extra(lo: int, hi: int) -> None:
+    w = World().add(node("a"), node("b"), *serving("m", ("r1", "a")), restart("r1"))
+    w.step()
+    new = replacement_of(w, "r1")
+    w.add(on_model("m", M.ModelScaled(min=lo, max=hi)))
+    for _ in range(3):
+        decisions = w.step()
+        assert not any(isinstance(d, Stop) and d.replica_id == new for d in decisions)
+    assert set(w.active("m")) >= {new}
+
+
+def test_the_fold_queues_a_restart_once_and_follows_its_replacement() -> None:
+    old = F.Replica(id="r1", model="m", node_id="a", state="ready")
+    asked = F.fold_replica(old, R.ReplicaRestartRequested(replica_id="r1"), 0.0)
+    assert asked is not None and asked.restart == "queued"
+    assert F.fold_replica(asked, R.ReplicaRestartRequested(replica_id="r1"), 0.0) is asked
+    new = F.Replica(id="r2", model="m", node_id="b", state="placed", replaces="r1")
+    assert F.fold_replaced(asked, new).restart == "replacing"
+    assert F.fold_replaced(asked, msgspec.structs.replace(new, state="failed")).restart == "queued"
+    gone = msgspec.structs.replace(asked, state="draining", restart="replacing")
+    assert F.fold_replaced(gone, msgspec.structs.replace(new, state="failed")) is gone
+    done = F.Replica(id="r3", model="m", node_id="a", state="stopped")
+    assert F.fold_replica(done, R.ReplicaRestartRequested(replica_id="r3"), 0.0) is done, "only a running one restarts"
+
+
+def test_the_restart_request_is_a_replica_event_everyone_folds() -> None:
+    w = World().add(node("a"), *serving("m", ("r1", "a")))
+    w.add(on_replica("r1", R.ReplicaRestartRequested(replica_id="r1")))
+    assert w.state.replicas["r1"].restart == "queued" and w.state.replicas["r1"].state == "ready"
