@@ -18,6 +18,7 @@ from llmgw.cli.table import table
 from llmgw.events import jobs as J
 from llmgw.events import models as M
 from llmgw.events import nodes as N
+from llmgw.events import replicas as R
 from llmgw.events import scheduler as SCH
 from llmgw.events.agent_rpc import (
     LogsReply,
@@ -328,6 +329,37 @@ def model_resources(ctx: click.Context, name: str, memory_gb: float | None, core
     run(ctx, go)
 
 
+@model.command("class")
+@click.argument("name")
+@click.argument("capacity_class", metavar="CLASS", type=click.Choice([*M.CLASSES, "default"]))
+@click.pass_context
+def model_class(ctx: click.Context, name: str, capacity_class: str) -> None:
+    """Set NAME's capacity class: critical, standard, opportunistic, or default (CAT-4)."""
+
+    async def go(s: Session) -> None:
+        out = await s.command(M.SERVICE, "class", M.SetClass(name=name, capacity_class=capacity_class))
+        click.echo(out.message)
+
+    run(ctx, go)
+
+
+@model.command("owner")
+@click.argument("name")
+@click.argument("scope", required=False)
+@click.option("--none", "no_owner", is_flag=True, help="No owner: the model counts against no quota.")
+@click.pass_context
+def model_owner(ctx: click.Context, name: str, scope: str | None, no_owner: bool) -> None:
+    """Set the scope whose capacity quota NAME's replicas count against (acme, acme/ml, team:acme/ml…)."""
+    if (scope is None) == (not no_owner):
+        raise click.UsageError("give a SCOPE (e.g. team:acme/ml), or --none")
+
+    async def go(s: Session) -> None:
+        out = await s.command(M.SERVICE, "owner", M.SetOwner(name=name, owner=scope))
+        click.echo(out.message)
+
+    run(ctx, go)
+
+
 @ctl.command("retry")
 @click.argument("name")
 @click.pass_context
@@ -339,6 +371,44 @@ def retry(ctx: click.Context, name: str) -> None:
         click.echo(out.message)
 
     run(ctx, go)
+
+
+@ctl.command("restart")
+@click.argument("replica_ids", metavar="[REPLICA]...", nargs=-1)
+@click.option("--model", help="Every running replica of this model.")
+@click.option("--all", "every", is_flag=True, help="Every running replica.")
+@click.option("--reason", default="", help="Why, for the log.")
+@click.pass_context
+def restart(ctx: click.Context, replica_ids: tuple[str, ...], model: str | None, every: bool, reason: str) -> None:
+    """Restart replicas with surge: each gets a new copy first, then stops once that one is ready (one at a
+    time per model; where no second copy fits, the old one stops first and the model is short meanwhile)."""
+    if sum((bool(replica_ids), model is not None, every)) != 1:
+        raise click.UsageError("name the replicas, or give --model MODEL, or --all")
+
+    async def go(s: Session) -> None:
+        ids = list(replica_ids) or await _running_replicas(s, model)
+        for rid in ids:
+            out = await s.command(N.SERVICE, "restart", R.RestartReplica(replica_id=rid, reason=reason))
+            click.echo(out.message)
+
+    run(ctx, go)
+
+
+async def _running_replicas(s: Session, model: str | None) -> list[str]:
+    """The running replicas of ``model`` (of every model: None); refused, naming what exists, when there are none."""
+    rows = (await s.api("GET", "/api/v1/replicas", params={"model": model or "", "all": ""}))["replicas"]
+    ids = [r["id"] for r in rows if r["state"] in R.ACTIVE]
+    if ids:
+        return ids
+    if model is None:
+        raise CommandRejectedError("no replica is running: nothing to restart", "not_found")
+    names = sorted(m["name"] for m in (await s.api("GET", "/api/v1/models"))["models"])
+    if model not in names:
+        raise CommandRejectedError(
+            f"there is no model {model!r} (models: {', '.join(names) or 'none'}): `llmgw ctl models` lists them",
+            "not_found",
+        )
+    raise CommandRejectedError(f"model {model} has no running replica: nothing to restart", "not_found")
 
 
 def _node_command(verb: str, help_: str) -> None:
@@ -455,9 +525,17 @@ def models(ctx: click.Context, as_json: bool) -> None:
             click.echo("no models yet: `llmgw ctl model add NAME --source FILE --memory-gb N`")
             return
         lines = table(
-            ["MODEL", "READY", "STARTING", "NODES", "STATUS"],
+            ["MODEL", "READY", "STARTING", "NODES", "CLASS", "OWNER", "STATUS"],
             [
-                [m["name"], f"{m['ready']}/{m['min_replicas']}", m["starting"], ",".join(m["nodes"]), m["status"]]
+                [
+                    m["name"],
+                    f"{m['ready']}/{m['min_replicas']}",
+                    m["starting"],
+                    ",".join(m["nodes"]),
+                    m.get("capacity_class") or "default",
+                    m.get("owner") or "-",
+                    m["status"],
+                ]
                 for m in rows
             ],
             right={1, 2},
@@ -489,7 +567,9 @@ def replicas(ctx: click.Context, model: str | None, show_all: bool, as_json: boo
                     r["id"],
                     r["model"],
                     r["node_id"],
-                    r["state"] + (" (stale profile)" if r["stale"] else ""),
+                    r["state"]
+                    + (" (stale profile)" if r["stale"] else "")
+                    + (f" (restart {r['restart']})" if r.get("restart") and r["state"] in R.ACTIVE else ""),
                     r["port"],
                     r["reason"] or "",
                 ]

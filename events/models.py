@@ -310,4 +310,20 @@ class RetryModel(msgspec.Struct, frozen=True, kw_only=True, tag="retry", forbid_
     name: str
 
 
-CatalogCommand = AddModel | ScaleModel | SetResources | StopModel | StartModel | RemoveModel | RetryModel
+class SetClass(msgspec.Struct, frozen=True, kw_only=True, tag="class", forbid_unknown_fields=True):
+    """CAT-4: the model's capacity class; None: the default (standard)."""
+
+    name: str
+    capacity_class: str | None = None
+
+
+class SetOwner(msgspec.Struct, frozen=True, kw_only=True, tag="owner", forbid_unknown_fields=True):
+    """CAT-4: the scope whose capacity quota the model's replicas count against (SCHED-8); None: no owner."""
+
+    name: str
+    owner: str | None = None
+
+
+CatalogCommand = (
+    AddModel | ScaleModel | SetResources | StopModel | StartModel | RemoveModel | RetryModel | SetClass | SetOwner
+)

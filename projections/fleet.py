@@ -33,16 +33,37 @@ _MODEL_UPSERT = (
     "unplaceable = NULL, spec_hash = excluded.spec_hash, updated_at = excluded.updated_at"
 )
 _REPLICA_INSERT = (
-    "INSERT INTO {replicas} (id, model, node_id, state, spec_hash, pid, port, url, reason, placed_at, updated_at) "
-    "VALUES (?, ?, ?, 'placed', ?, NULL, NULL, NULL, '', ?, ?) ON CONFLICT (id) DO NOTHING"
+    "INSERT INTO {replicas} (id, model, node_id, state, spec_hash, pid, port, url, reason, placed_at, updated_at, "
+    "restart, replaces) VALUES (?, ?, ?, 'placed', ?, NULL, NULL, NULL, '', ?, ?, '', ?) ON CONFLICT (id) DO NOTHING"
 )
+_REPLICA_SELECT = (
+    "SELECT model, node_id, state, spec_hash, pid, port, url, reason, restart, replaces FROM {replicas} WHERE id = ?"
+)
+
+
+def _replica(rid: str, row: tuple) -> F.Replica:
+    model, node_id, state, hash_, pid, port, url, reason, restart, replaces = row
+    return F.Replica(
+        id=rid,
+        model=model,
+        node_id=node_id,
+        state=state,
+        spec_hash=hash_ or "",
+        pid=pid,
+        port=port,
+        url=url,
+        reason=reason or "",
+        restart=restart or "",
+        replaces=replaces or "",
+    )
 
 
 class FleetProjection(Projection):
     name = "fleet"
     # 2: replicas and failure counts folded by events/replica_fold.py; rows folded before are rebuilt from the log
     # 3: nodes folded by events/node_fold.py (draining keeps the reason a node was cordoned for)
-    version = 3
+    # 4: a replica's restart (SCHED-6): restart and replaces
+    version = 4
     subject = f"{EVENTS_ROOT}.>"
     tables = {
         "nodes": "id TEXT PRIMARY KEY, address TEXT, cpus INTEGER, memory_total_bytes BIGINT, gpus TEXT, "
@@ -52,7 +73,8 @@ class FleetProjection(Projection):
         "max_replicas INTEGER, stopped INTEGER NOT NULL, parked TEXT, failures INTEGER NOT NULL, last_error TEXT, "
         "unplaceable TEXT, spec_hash TEXT, updated_at TEXT",
         "replicas": "id TEXT PRIMARY KEY, model TEXT NOT NULL, node_id TEXT NOT NULL, state TEXT NOT NULL, "
-        "spec_hash TEXT, pid INTEGER, port INTEGER, url TEXT, reason TEXT, placed_at TEXT, updated_at TEXT",
+        "spec_hash TEXT, pid INTEGER, port INTEGER, url TEXT, reason TEXT, placed_at TEXT, updated_at TEXT, "
+        "restart TEXT, replaces TEXT",
     }
     primary_keys = {"nodes": ["id"], "models": ["name"], "replicas": ["id"]}
     indexes = {"replicas": [["model"], ["node_id"]]}
@@ -79,6 +101,7 @@ class FleetProjection(Projection):
         "replica.failed": "replica_state",
         "replica.stop_requested": "replica_state",
         "replica.stopped": "replica_state",
+        "replica.restart_requested": "replica_state",
     }
 
     async def node_registered(self, tx: Tx, e: RecordedEvent) -> None:
@@ -203,44 +226,48 @@ class FleetProjection(Projection):
     async def replica_placed(self, tx: Tx, e: RecordedEvent) -> None:
         p = e.payload
         at = e.envelope.at.isoformat()
-        await tx.execute(_REPLICA_INSERT, p.replica_id, p.model, p.node_id, p.spec_hash, at, at)
+        await tx.execute(_REPLICA_INSERT, p.replica_id, p.model, p.node_id, p.spec_hash, at, at, p.replaces)
         await tx.execute("UPDATE {models} SET unplaceable = NULL WHERE name = ?", p.model)
+        if p.replaces:
+            placed = F.Replica(id=p.replica_id, model=p.model, node_id=p.node_id, replaces=p.replaces)
+            await self._replaced(tx, placed)
+
+    async def _replaced(self, tx: Tx, replacement: F.Replica) -> None:
+        """A restart's replacement moved: so does the restart of the replica it replaces (the shared fold)."""
+        row = await tx.fetchone(_REPLICA_SELECT, replacement.replaces)
+        if row is None:
+            return
+        old = _replica(replacement.replaces, row)
+        after = F.fold_replaced(old, replacement)
+        if after is not old:
+            await tx.execute("UPDATE {replicas} SET restart = ? WHERE id = ?", after.restart, old.id)
 
     async def replica_state(self, tx: Tx, e: RecordedEvent) -> None:
         """The row moves as the shared fold moves it (``events/replica_fold.py``), as the scheduler's state does."""
         p = e.payload
         at = e.envelope.at
-        row = await tx.fetchone(
-            "SELECT model, node_id, state, spec_hash, pid, port, url, reason FROM {replicas} WHERE id = ?",
-            p.replica_id,
-        )
+        row = await tx.fetchone(_REPLICA_SELECT, p.replica_id)
         if row is None:
             return
-        model, node_id, state, hash_, pid, port, url, reason = row
-        before = F.Replica(
-            id=p.replica_id,
-            model=model,
-            node_id=node_id,
-            state=state,
-            spec_hash=hash_ or "",
-            pid=pid,
-            port=port,
-            url=url,
-            reason=reason or "",
-        )
+        before = _replica(p.replica_id, row)
+        model = before.model
         after = F.fold_replica(before, p, at.timestamp())
         if after is None or after is before:
             return
         await tx.execute(
-            "UPDATE {replicas} SET state = ?, pid = ?, port = ?, url = ?, reason = ?, updated_at = ? WHERE id = ?",
+            "UPDATE {replicas} SET state = ?, pid = ?, port = ?, url = ?, reason = ?, restart = ?, updated_at = ? "
+            "WHERE id = ?",
             after.state,
             after.pid,
             after.port,
             after.url,
             after.reason,
+            after.restart,
             at.isoformat(),
             p.replica_id,
         )
+        if after.replaces:
+            await self._replaced(tx, after)
         found = await tx.fetchone("SELECT failures, last_error, spec_hash FROM {models} WHERE name = ?", model)
         if found is None:
             return

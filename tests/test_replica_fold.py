@@ -46,9 +46,15 @@ def spec(name: str = "m", memory_gb: float = 1.0, lo: int = 1) -> M.ModelSpec:
     )
 
 
-def placed(rid: str, model: str = "m", spec_hash: str = "") -> R.ReplicaPlaced:
+def placed(rid: str, model: str = "m", spec_hash: str = "", replaces: str = "") -> R.ReplicaPlaced:
     return R.ReplicaPlaced(
-        replica_id=rid, model=model, node_id="n1", source="/m.gguf", profile=M.Profile(), spec_hash=spec_hash
+        replica_id=rid,
+        model=model,
+        node_id="n1",
+        source="/m.gguf",
+        profile=M.Profile(),
+        spec_hash=spec_hash,
+        replaces=replaces,
     )
 
 
@@ -158,7 +164,7 @@ async def projected(events: list[RecordedEvent], db: Path) -> tuple[dict[str, An
             await create_tables(tx, projection)
         await commit_batch(backend, projection, events)
         models = await backend.query(projection, "SELECT name, failures, last_error, spec_hash FROM {models}")
-        replicas = await backend.query(projection, "SELECT id, state, pid, port, url, reason FROM {replicas}")
+        replicas = await backend.query(projection, "SELECT id, state, pid, port, url, reason, restart FROM {replicas}")
     finally:
         await backend.close()
     return {m[0]: tuple(m[1:]) for m in models}, {r[0]: tuple(r[1:]) for r in replicas}
@@ -169,7 +175,7 @@ def scheduler_view(events: list[RecordedEvent]) -> tuple[ClusterState, dict[str,
     for e in events:
         state.apply(e)
     models = {n: (m.failures, m.last_error, m.spec_hash) for n, m in state.models.items()}
-    replicas = {r.id: (r.state, r.pid, r.port, r.url, r.reason) for r in state.replicas.values()}
+    replicas = {r.id: (r.state, r.pid, r.port, r.url, r.reason, r.restart) for r in state.replicas.values()}
     return state, models, replicas
 
 
@@ -187,6 +193,14 @@ model_events = st.one_of(
 )
 replica_events = st.one_of(
     st.builds(lambda rid, h: placed(rid, spec_hash=h), st.sampled_from(RIDS), st.sampled_from(HASHES)),
+    # a restart's replacement (SCHED-6), and the request
+    st.builds(
+        lambda rid, h, old: placed(rid, spec_hash=h, replaces=old),
+        st.sampled_from(RIDS),
+        st.sampled_from(HASHES),
+        st.sampled_from(RIDS),
+    ),
+    st.builds(lambda rid: R.ReplicaRestartRequested(replica_id=rid), st.sampled_from(RIDS)),
     st.builds(
         lambda rid, pid: R.ReplicaStarting(replica_id=rid, node_id="n1", pid=pid, port=20000 + pid),
         st.sampled_from(RIDS),

@@ -8,6 +8,8 @@ import pytest
 from llmgw.events import models as M
 from llmgw.events import replica_fold as F
 from llmgw.events import replicas as R
+from llmgw.events.outcomes import Rejected
+from llmgw.services.fleet.service import decide_restart
 from llmgw.services.scheduler.reconcile import Place, Stop, Waiting
 from tests.scheduler_world import (
     CFG,
@@ -171,3 +173,33 @@ def test_the_restart_request_is_a_replica_event_everyone_folds() -> None:
     w = World().add(node("a"), *serving("m", ("r1", "a")))
     w.add(on_replica("r1", R.ReplicaRestartRequested(replica_id="r1")))
     assert w.state.replicas["r1"].restart == "queued" and w.state.replicas["r1"].state == "ready"
+
+
+# -- the command (`ctl restart REPLICA`, the fleet service) ---------------------------------------
+
+
+def _running(*ids: str, restart: str = "") -> dict[str, F.Replica]:
+    return {rid: F.Replica(id=rid, model="m", node_id="a", state="ready", restart=restart) for rid in ids}
+
+
+@pytest.mark.parametrize(
+    ("replicas", "asked", "events", "says"),
+    [
+        (_running("r1"), "r1", 1, "replica r1 (m) restarts: a new copy starts first, then it stops"),
+        (_running("r1", restart="queued"), "r1", 0, "replica r1 (m) is already restarting (queued)"),
+        (_running("r1", "r2"), "rx", None, "there is no running replica 'rx' (running: r1, r2)"),
+        ({}, "rx", None, "there is no running replica 'rx' (none is running)"),
+    ],
+)
+def test_a_restart_is_asked_for_a_running_replica_and_an_unknown_one_is_refused_naming_those_that_run(
+    replicas: dict[str, F.Replica], asked: str, events: int | None, says: str
+) -> None:
+    command = R.RestartReplica(replica_id=asked, reason="new weights")
+    if events is None:
+        with pytest.raises(Rejected) as refused:
+            decide_restart(replicas, command)
+        assert str(refused.value).startswith(says) and refused.value.code == "not_found"
+        return
+    payloads, message = decide_restart(replicas, command)
+    assert message == says and len(payloads) == events
+    assert payloads == [R.ReplicaRestartRequested(replica_id=asked, reason="new weights")][:events]

@@ -60,6 +60,8 @@ FLEET_COLUMNS = {
         "reason",
         "placed_at",
         "updated_at",
+        "restart",  # "" | "queued" | "replacing" (SCHED-6)
+        "replaces",
     ],
 }
 
@@ -122,6 +124,8 @@ def shape_model(m: dict[str, Any], active: list[dict[str, Any]]) -> dict[str, An
     mine = [r for r in active if r["model"] == m["name"]]
     m["aliases"] = spec.get("aliases", [])
     m["source"] = spec.get("source")
+    m["capacity_class"] = spec.get("capacity_class") or "default"  # CAT-4
+    m["owner"] = spec.get("owner")  # the scope whose capacity quota it counts against (SCHED-8)
     m["ready"] = sum(1 for r in mine if r["state"] == "ready")
     m["starting"] = sum(1 for r in mine if r["state"] in ("placed", "starting"))
     m["stale"] = sum(1 for r in mine if r["state"] == "ready" and r["spec_hash"] != m["spec_hash"])

@@ -1,4 +1,5 @@
-"""The fleet service: `ctl cordon|uncordon|drain NODE` (SPEC FLEET-4) as node events.
+"""The fleet service: `ctl cordon|uncordon|drain NODE` (SPEC FLEET-4) as node events, and
+`ctl restart REPLICA` (SCHED-6) as a replica event.
 
 The scheduler acts on them: a cordoned node takes no new replicas; a draining node's replicas
 are replaced elsewhere first, then stopped with the drain's grace. :func:`decide` is the rules;
@@ -11,6 +12,8 @@ import msgspec
 
 from llmgw.events import node_fold as NF
 from llmgw.events import nodes as N
+from llmgw.events import replica_fold as F
+from llmgw.events import replicas as R
 from llmgw.events.command_shell import CommandShell, Decision
 from llmgw.events.commands import Command, CommandProcessor, Rejected
 from llmgw.events.envelope import RecordedEvent
@@ -47,21 +50,57 @@ def decide(node_state: NF.Node | None, command: N.FleetCommand) -> tuple[list[ms
     raise Rejected(f"unknown fleet command {type(command).__name__}")
 
 
+# The fleet service's commands: the node ones, and restarting a replica.
+FleetCommand = N.FleetCommand | R.RestartReplica
+
+
+def decide_restart(replicas: dict[str, F.Replica], command: R.RestartReplica) -> tuple[list[msgspec.Struct], str]:
+    """Pure: the running replicas as the shared fold keeps them and a restart → payloads and a message."""
+    rid = command.replica_id
+    r = replicas.get(rid)
+    if r is None:
+        running = sorted(replicas)
+        some = ", ".join(running[:8]) + (f" and {len(running) - 8} more" if len(running) > 8 else "")
+        known = f"running: {some}" if running else "none is running"
+        raise Rejected(f"there is no running replica {rid!r} ({known}): `llmgw ctl replicas` lists them", "not_found")
+    if r.restart:
+        return [], f"replica {rid} ({r.model}) is already restarting ({r.restart})"
+    return (
+        [R.ReplicaRestartRequested(replica_id=rid, reason=command.reason)],
+        f"replica {rid} ({r.model}) restarts: a new copy starts first, then it stops",
+    )
+
+
 class FleetService:
     def __init__(self, store: EventStore, *, folds: FoldRegistry | None = None) -> None:
         self.store = store
         self.nodes: dict[str, NF.Node] = {}  # node id -> the node as the shared fold (events/node_fold.py) keeps it
         self.seqs: dict[str, int] = {}  # node id -> last sequence on its subject
-        self.fold = LogFold(store, {f"{EVENTS_ROOT}.{N.AGGREGATE}.>": "fleet"}, self._apply, registry=folds)
+        # Running replicas (a restart names one), as the shared fold keeps them, and their subjects' sequences.
+        self.replicas: dict[str, F.Replica] = {}
+        self.replica_seqs: dict[str, int] = {}
+        subjects = {f"{EVENTS_ROOT}.{N.AGGREGATE}.>": "fleet", f"{EVENTS_ROOT}.{R.AGGREGATE}.>": "fleet-replicas"}
+        self.fold = LogFold(store, subjects, self._apply, registry=folds)
         self.shell = CommandShell(
-            store, service=N.SERVICE, what="the node", fold=self.fold, decide=self.decide, payload_type=N.FleetCommand
+            store, service=N.SERVICE, what="the fleet", fold=self.fold, decide=self.decide, payload_type=FleetCommand
         )
 
     def _apply(self, event: RecordedEvent) -> None:
-        _, node = aggregate_of(event.subject)
+        aggregate, node = aggregate_of(event.subject)
+        if aggregate == R.AGGREGATE:
+            self._apply_replica(node, event)
+            return
         self.seqs[node] = event.seq  # first: an event the fold raises on (quarantined) is still passed
         if isinstance(event.payload, NF.NODE_EVENTS):
             self.nodes[node] = NF.fold_node(self.nodes.get(node), event.payload, event.envelope.at.timestamp())
+
+    def _apply_replica(self, rid: str, event: RecordedEvent) -> None:
+        r = F.fold_replica(self.replicas.get(rid), event.payload, event.envelope.at.timestamp())
+        if r is not None and r.active:
+            self.replicas[rid], self.replica_seqs[rid] = r, event.seq
+        else:  # only a running replica restarts: the others need not be kept
+            self.replicas.pop(rid, None)
+            self.replica_seqs.pop(rid, None)
 
     def start(self) -> None:
         """Follow the log from now on (the first command would start it otherwise)."""
@@ -70,7 +109,17 @@ class FleetService:
     async def close(self) -> None:
         await self.fold.close()
 
-    def decide(self, command: Command, payload: N.FleetCommand) -> Decision:
+    def decide(self, command: Command, payload: FleetCommand) -> Decision:
+        if isinstance(payload, R.RestartReplica):
+            rid = payload.replica_id
+            payloads, message = decide_restart(self.replicas, payload)
+            return Decision(
+                subject=event_subject(R.AGGREGATE, rid),
+                payloads=payloads,
+                expected=self.replica_seqs.get(rid, 0),
+                message=message,
+                result={"replica": rid},
+            )
         node = payload.node_id
         payloads, message = decide(self.nodes.get(node), payload)
         return Decision(

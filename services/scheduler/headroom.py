@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from llmgw.services.scheduler.quota import stopped_at
 from llmgw.services.scheduler.reconcile import Blocked, Clock, Config, Place, reconcile
 from llmgw.services.scheduler.state import ClusterState
 
@@ -52,6 +53,7 @@ def headroom(state: ClusterState, model: str, clock: Clock, cfg: Config, cap: in
         "more": more,
         "at_least": more >= cap,
         "where": dict(sorted(where.items(), key=lambda item: (-item[1], item[0]))),
-        "why_not_more": blocked.reason if blocked is not None and more < cap else None,
+        # A capacity limit (SCHED-8) reads as where the answer stopped: "stopped at org:acme's capacity limit (…)".
+        "why_not_more": (stopped_at(blocked.reason) or blocked.reason) if blocked is not None and more < cap else None,
         "notes": notes,
     }
