@@ -596,6 +596,10 @@ def explain(ctx: click.Context, name: str, as_json: bool) -> None:
             click.echo(json.dumps(body, indent=2))
             return 0
         click.echo(f"model {name}: min {body['min']}, max {body['max']}; {body['summary']}")
+        if body.get("owner"):
+            click.echo(f"owner {body['owner']}, class {body.get('capacity_class', 'default')}")
+        if body.get("owner_note"):
+            click.echo(f"note: {body['owner_note']}")
         tried = body.get("profiles") or []
         for t in tried[:-1]:  # preferred profiles that fit nowhere now
             click.echo(f"profile {t['profile']} ({t['engine']}) fits no node now")

@@ -25,6 +25,7 @@ from llmgw.cli import (
     jobs_cmd,  # noqa: F401 - registers `ctl model serve` and `ctl job`
     logs,
     nats_cmd,  # noqa: F401 - registers `ctl nats`
+    quota_cmd,  # noqa: F401 - registers `ctl quota`
     usage_cmd,  # noqa: F401 - registers `ctl usage|request`
 )
 from llmgw.cli.agent_cmd import LocalAgent, agent, demo_model

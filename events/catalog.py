@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
-from llmgw.events import access, jobs, mirror, models, nodes, outcomes, people, replicas, scheduler, tenancy
+from llmgw.events import access, jobs, mirror, models, nodes, outcomes, people, quotas, replicas, scheduler, tenancy
 from llmgw.events.registry import EventRegistry, EventType
 
-MODULES = (outcomes, tenancy, access, people, models, nodes, replicas, scheduler, mirror, jobs)
+MODULES = (outcomes, tenancy, access, people, models, nodes, replicas, scheduler, mirror, jobs, quotas)
 
 
 def all_event_types() -> list[EventType]:

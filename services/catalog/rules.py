@@ -14,6 +14,7 @@ import msgspec
 from llmgw.events import models as M
 from llmgw.events.commands import Rejected
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.quotas import owner_shape_error
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
@@ -62,8 +63,11 @@ def validate_spec(spec: M.ModelSpec) -> None:
         raise Rejected(f"model {spec.name}: route {spec.route!r} is not one of {', '.join(M.ROUTES)}", "invalid_spec")
     if spec.capacity_class is not None and spec.capacity_class not in M.CLASSES:
         raise Rejected(
-            f"model {spec.name}: class {spec.capacity_class!r} is not one of {', '.join(M.CLASSES)}", "invalid_spec"
+            f"model {spec.name}: class {spec.capacity_class!r} is not one of {', '.join(M.CLASSES)} (or default)",
+            "invalid_spec",
         )
+    if spec.owner is not None and (why := owner_shape_error(spec.owner)):
+        raise Rejected(f"model {spec.name}: {why}", "invalid_spec")
     s = spec.scaling
     if s.min < 0:
         raise Rejected(f"model {spec.name}: min {s.min} is negative", "invalid_scaling")
@@ -180,6 +184,26 @@ def decide(catalog: Catalog, command: M.CatalogCommand) -> tuple[str, list[msgsp
                 if x
             )
             return name, [M.ModelChanged(spec=spec, what=what)], f"model {name} now reserves {what}"
+        case M.SetClass(name=name, capacity_class=klass):
+            entry = _entry(catalog, name)
+            _not_declared(entry, "change the class of")
+            if klass == "default":
+                klass = None
+            if klass == entry.spec.capacity_class:
+                return name, [], f"model {name} is already of class {klass or 'default'}"
+            spec = msgspec.structs.replace(entry.spec, capacity_class=klass)
+            validate_spec(spec)
+            what = f"class {klass or 'default'}"
+            return name, [M.ModelChanged(spec=spec, what=what)], f"model {name} is now of {what}"
+        case M.SetOwner(name=name, owner=owner):
+            entry = _entry(catalog, name)
+            _not_declared(entry, "change the owner of")
+            if owner == entry.spec.owner:
+                return name, [], f"model {name} already has owner {owner or 'none'}"
+            spec = msgspec.structs.replace(entry.spec, owner=owner)
+            validate_spec(spec)
+            what = f"owner {owner}" if owner else "no owner"
+            return name, [M.ModelChanged(spec=spec, what=what)], f"model {name} now has {what}"
         case M.StopModel(name=name):
             entry = _entry(catalog, name)
             if entry.stopped:

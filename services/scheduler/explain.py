@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmgw.services.scheduler.placement import evaluate, need_of, profile_order
+from llmgw.services.scheduler.quota import Ledger, owner_problem
 from llmgw.services.scheduler.reconcile import Config, candidates
 from llmgw.services.scheduler.state import ClusterState
 
@@ -29,7 +30,11 @@ def explain(state: ClusterState, model: str, cfg: Config, leader: str | None = N
         "last_error": m.last_error,
         "replicas": replicas,
         "answered_by": leader,
+        "capacity_class": m.spec.capacity_class or "default",
+        "owner": m.spec.owner,
     }
+    if (problem := owner_problem(state, m.spec.owner)) is not None:
+        body["owner_note"] = problem
     if not m.spec.profiles:
         body["nodes"] = []
         body["summary"] = "the model has no profile to place"
@@ -55,10 +60,17 @@ def explain(state: ClusterState, model: str, cfg: Config, leader: str | None = N
         "node_selector": need.node_selector,
     }
     body["nodes"] = [{"node": v.node_id, "fits": v.fits, "lacks": v.reasons, "score": v.score} for v in verdicts]
+    limit = Ledger(state).block_all(model, [need_of(m.spec.profiles[k]) for k in profile_order(m.spec.profiles)])
+    if limit is not None:
+        body["quota"] = limit  # SCHED-8: no more replicas, whatever the nodes have
     if m.stopped:
         body["summary"] = "stopped by an administrator: `llmgw ctl model start` runs it again"
     elif m.parked:
         body["summary"] = f"parked: {m.parked}; fix the cause, then `llmgw ctl retry {model}`"
+    elif limit is not None:
+        body["summary"] = (
+            f"{limit}: no more replicas until it holds less or its limit is raised (`llmgw ctl quota list`)"
+        )
     elif not verdicts:
         body["summary"] = "no nodes have registered"
     else:

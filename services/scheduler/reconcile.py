@@ -33,6 +33,7 @@ from llmgw.services.scheduler.placement import (
     reserve,
     summarise,
 )
+from llmgw.services.scheduler.quota import Ledger
 from llmgw.services.scheduler.state import ClusterState, ModelState, ReplicaState, capacity_of
 
 
@@ -240,6 +241,14 @@ class _Pass:
         self.draining_nodes = {n.id for n in state.nodes.values() if n.draining}
         self._view: dict[str, Candidate] | None = None
         self._weights: dict[str, set[str]] = {}
+        self._quota: Ledger | None = None
+
+    @property
+    def quota(self) -> Ledger:
+        """What each scope holds, counting this pass's placements (SCHED-8): built on the first placement."""
+        if self._quota is None:
+            self._quota = Ledger(self.state)
+        return self._quota
 
     @property
     def view(self) -> dict[str, Candidate]:
@@ -402,6 +411,9 @@ def _model(
     order = profile_order(m.spec.profiles)
     needs = {k: need_of(m.spec.profiles[k]) for k in order}
     for i in range(missing):
+        if (limit := p.quota.block_all(m.name, list(needs.values()))) is not None:  # SCHED-8, before preempting
+            out.append(Blocked(model=m.name, reason=limit, wanted=missing - i))
+            break
         cs = p.candidates(m.name)
         # Count this model's replicas already planned in this pass, so they spread too.
         for d in out:
@@ -426,6 +438,9 @@ def _model(
             break
         # The cores as they are on the chosen node (the threads rule's share when the profile names none).
         placed = msgspec.structs.replace(needs[k], cores=cores_on(needs[k], cs[choice.node_id].cpus))
+        if (limit := p.quota.admit(m.name, placed)) is not None:  # SCHED-8: the owner's capacity limits
+            out.append(Blocked(model=m.name, reason=limit, wanted=missing - i))
+            break
         p.reserve(choice.node_id, placed, choice.gpus)
         why = f"{len(staying) + i} of {lower} wanted; best of {sum(1 for v in verdicts if v.fits)} fitting nodes"
         if len(order) > 1:

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from llmgw.events import models as M
 from llmgw.events import nodes as N
+from llmgw.events import quotas as Q
 from llmgw.events import scheduler as SCH
 from llmgw.events import subjects as S
 from llmgw.events.buckets import open_bucket
@@ -37,6 +38,7 @@ from llmgw.events.tasks import cancel_and_wait
 from llmgw.services.scheduler.explain import explain
 from llmgw.services.scheduler.headroom import headroom
 from llmgw.services.scheduler.metrics import FleetCollector
+from llmgw.services.scheduler.quota import quota_view
 from llmgw.services.scheduler.reconcile import (
     Blocked,
     Clock,
@@ -45,6 +47,7 @@ from llmgw.services.scheduler.reconcile import (
     MarkLost,
     Park,
     Place,
+    Preempt,
     Stop,
     Waiting,
     event_of,
@@ -58,7 +61,7 @@ LEASE_BUCKET = "llmgw_leases"
 LEASE_KEY = "scheduler"
 BLOCKED_REPEAT_S = 600.0
 FORGET_EVERY_S = 60.0  # how often long-inactive replicas are dropped from the state (a full scan)
-FOLDED = ("model", "node", "replica")
+FOLDED = ("model", "node", "replica", "tenancy", "quota")  # tenancy and quota: capacity quotas (SCHED-8)
 
 
 class SchedulerService:
@@ -339,6 +342,15 @@ class SchedulerService:
                     log.info("replica placed", model=d.model, node=d.node_id, replica=rid, why=d.why)
                 case Stop(short=True):
                     log.warning("replica stopped without a replacement", replica=d.replica_id, reason=d.reason)
+                case Preempt():
+                    log.warning(
+                        "replicas preempted",
+                        model=d.model,
+                        replicas=d.replicas,
+                        node=d.node_id,
+                        for_model=d.for_model,
+                        reason=d.reason,
+                    )
         return out
 
     async def _follow_demand(self) -> None:
@@ -378,7 +390,12 @@ class SchedulerService:
             body = headroom(self.state, name, clock, self.cfg)
             await msg.respond(msgspec.json.encode({**body, "answered_by": self.instance}))  # type: ignore[attr-defined]
 
+        async def on_quotas(msg: object) -> None:  # `ctl quota list` (SCHED-8)
+            body = quota_view(self.state)
+            await msg.respond(msgspec.json.encode({**body, "answered_by": self.instance}))  # type: ignore[attr-defined]
+
         subs = [
+            await self.store.nc.subscribe(Q.QUOTAS_SUBJECT, queue="scheduler", cb=on_quotas),
             await self.store.nc.subscribe(SCH.EXPLAIN_SUBJECT, queue="scheduler", cb=on_explain),
             await self.store.nc.subscribe(SCH.HEADROOM_SUBJECT, queue="scheduler", cb=on_headroom),
         ]

@@ -12,6 +12,7 @@ import msgspec
 import structlog
 
 from llmgw.events import access as A
+from llmgw.events import quotas as Q
 from llmgw.events import tenancy as T
 from llmgw.events.command_shell import CommandShell, Decision
 from llmgw.events.commands import Command, CommandProcessor
@@ -19,7 +20,8 @@ from llmgw.events.envelope import RecordedEvent
 from llmgw.events.live_fold import FoldRegistry
 from llmgw.events.log_fold import LogFold
 from llmgw.events.store import EventStore
-from llmgw.events.subjects import EVENTS_ROOT, event_subject
+from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
+from llmgw.services.tenancy.quotas import decide_quota, need_quota
 from llmgw.services.tenancy.tree import TenancyTree, decide, need
 
 log = structlog.get_logger("llmgw.services.tenancy")
@@ -31,11 +33,18 @@ class TenancyService:
         self.tree = TenancyTree()
         self.subject = event_subject(T.AGGREGATE, T.TREE_ID)
         self.keys_subject = f"{EVENTS_ROOT}.{A.KEY_AGGREGATE}.>"
+        # Capacity quotas name scopes, so the service that folds the tree decides them (SCHED-8).
+        self.quotas_subject = f"{EVENTS_ROOT}.{Q.AGGREGATE}.>"
+        self.quotas: dict[str, Q.Quota] = {}
+        self.quota_seqs: dict[str, int] = {}  # scope id -> last sequence on its quota subject
         # A key is created only while the tree is unchanged (the access service fences on it), so a key
         # for a project deleted meanwhile is refused; a key created between this read and the delete's
         # append is the one race left, milliseconds wide (docs/decisions.md).
         self.fold = LogFold(
-            store, {self.subject: "tenancy", self.keys_subject: "tenancy-keys"}, self._apply, registry=folds
+            store,
+            {self.subject: "tenancy", self.keys_subject: "tenancy-keys", self.quotas_subject: "tenancy-quotas"},
+            self._apply,
+            registry=folds,
         )
         self.shell = CommandShell(
             store,
@@ -43,13 +52,23 @@ class TenancyService:
             what="the tenancy tree",
             fold=self.fold,
             decide=self.decide,
-            payload_type=T.TenancyCommand,
-            authorize=lambda command, payload: need(payload),
+            payload_type=T.TenancyCommand | Q.QuotaCommand,
+            authorize=lambda command, payload: (
+                need_quota(self.tree, payload) if isinstance(payload, Q.QuotaCommand) else need(payload)
+            ),
         )
 
     def _apply(self, event: RecordedEvent) -> None:
         if event.subject == self.subject:
             self.tree.apply(event)
+        elif isinstance(event.payload, Q.QUOTA_EVENTS):
+            sid = aggregate_of(event.subject)[1]
+            self.quota_seqs[sid] = event.seq
+            quota = Q.fold_quota(self.quotas.get(sid), event.payload)
+            if quota is None:
+                self.quotas.pop(sid, None)
+            else:
+                self.quotas[sid] = quota
         else:
             self.tree.apply_key(event)
 
@@ -63,7 +82,16 @@ class TenancyService:
     async def catch_up(self) -> None:
         await self.fold.catch_up()
 
-    def decide(self, command: Command, payload: T.TenancyCommand) -> Decision:
+    def decide(self, command: Command, payload: T.TenancyCommand | Q.QuotaCommand) -> Decision:
+        if isinstance(payload, Q.QuotaCommand):
+            sid, quota_payloads, message = decide_quota(self.tree, self.quotas, payload)
+            return Decision(
+                subject=event_subject(Q.AGGREGATE, sid),
+                payloads=quota_payloads,
+                expected=self.quota_seqs.get(sid, 0),
+                message=message,
+                result={"scope_id": sid},
+            )
         payloads = decide(self.tree, payload)
         return Decision(
             subject=self.subject,

@@ -1,0 +1,341 @@
+"""Capacity quotas over the tenancy tree (SPEC SCHED-8): holdings, limits, guarantees. Pure.
+
+A model's ``owner`` (``acme``, ``acme/ml``, ``team:acme/ml``…) names the scope its replicas use the
+capacity of. A scope **holds** what the active and draining replicas of every model owned by it or
+by a scope below it reserve (GPUs, cores, memory), summed up the tree: a team's replicas count for
+its org too. A scope's **limit** is what it may not exceed: the pass places no replica that would
+take any scope on its owner's chain over a limit (:func:`limit_block`). A scope's **guarantee** is
+what it may keep whatever others want: a replica within its owner's (or an ancestor's) guarantee is
+*protected* and must never be taken for another scope; an owned replica beyond every guarantee is
+*borrowed* and is taken back first (:func:`protected_replicas`, :func:`borrowed_replicas`, for
+preemption). A model without an owner, or whose owner names no scope, is held to no quota.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import msgspec
+
+from llmgw.events import quotas as Q
+from llmgw.services.scheduler.placement import Need
+from llmgw.services.scheduler.state import ClusterState, ReplicaState
+
+GiB = 1024**3
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    gpus: int = 0
+    cores: int = 0
+    memory_bytes: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            gpus=self.gpus + other.gpus,
+            cores=self.cores + other.cores,
+            memory_bytes=self.memory_bytes + other.memory_bytes,
+        )
+
+
+ZERO = Usage()
+
+
+def usage_of(r: ReplicaState) -> Usage:
+    return Usage(gpus=len(r.gpus), cores=r.cores, memory_bytes=r.memory_bytes)
+
+
+def usage_of_need(need: Need) -> Usage:
+    return Usage(gpus=need.gpus, cores=need.cores, memory_bytes=need.memory_bytes)
+
+
+def holds(r: ReplicaState) -> bool:
+    """Whether a replica's reservation counts: placed, starting, ready or draining."""
+    return r.active or r.state == "draining"
+
+
+# -- owners ----------------------------------------------------------------------------------------
+
+
+def owner_chain(state: ClusterState, owner: str | None) -> list[str]:
+    """The scopes a model with ``owner`` uses the capacity of, as on the log, nearest first
+    (``team:<id>``, ``org:<id>``); empty when it has no owner or its owner names no scope."""
+    if not owner:
+        return []
+    try:
+        scope = Q.resolve_scope(state.tree, owner)
+    except Q.ScopeNotFound:
+        return []
+    return [f"{scope.kind}:{scope.id}", *state.tree.scopes_above(scope.id)]
+
+
+def owner_problem(state: ClusterState, owner: str | None) -> str | None:
+    """Why a model's owner counts against no quota (it names no scope, or several); None when it does."""
+    if not owner:
+        return None
+    try:
+        Q.resolve_scope(state.tree, owner)
+    except Q.ScopeNotFound as exc:
+        return f"owner {owner!r} is held to no quota: {exc}"
+    return None
+
+
+def chains(state: ClusterState) -> dict[str, list[str]]:
+    """Model name → its owner's chain, for every model whose owner names a scope."""
+    cache: dict[str, list[str]] = {}
+    out: dict[str, list[str]] = {}
+    for name, m in state.models.items():
+        owner = m.spec.owner
+        if not owner:
+            continue
+        chain = cache.get(owner)
+        if chain is None:
+            chain = cache[owner] = owner_chain(state, owner)
+        if chain:
+            out[name] = chain
+    return out
+
+
+def quotas_by_scope(state: ClusterState) -> dict[str, Q.Quota]:
+    """Quotas keyed as chains name scopes (``team:<id>``)."""
+    return {q.scope: q for q in state.quotas.values()}
+
+
+def holdings(state: ClusterState, model_chains: dict[str, list[str]] | None = None) -> dict[str, Usage]:
+    """Scope (``team:<id>``) → what the replicas of models it (or a scope below it) owns reserve now."""
+    model_chains = chains(state) if model_chains is None else model_chains
+    out: dict[str, Usage] = {}
+    for model, chain in model_chains.items():
+        total = ZERO
+        for r in state.replicas_of(model):
+            if holds(r):
+                total = total + usage_of(r)
+        if total == ZERO:
+            continue
+        for scope in chain:
+            out[scope] = out.get(scope, ZERO) + total
+    return out
+
+
+# -- limits --------------------------------------------------------------------------------------------
+
+
+def _amount(resource: str, n: int) -> str:
+    if resource == "gpus":
+        return f"{n} GPU" + ("" if n == 1 else "s")
+    if resource == "cores":
+        return f"{n} core" + ("" if n == 1 else "s")
+    return f"{n / GiB:.4g} GB of memory"
+
+
+def limit_block(
+    chain: list[str],
+    held: dict[str, Usage],
+    need: Usage,
+    quotas: dict[str, Q.Quota],
+    label: Callable[[str], str],
+) -> str | None:
+    """The sentence for a replica reserving ``need`` that would take a scope on ``chain`` over its
+    limit ("org:acme is at its capacity limit (16 GPUs of 16; a replica needs 2 more)"), nearest
+    scope first; None when it fits every limit. A resource the replica does not use never blocks it,
+    even in a scope already over its limit (lowered since)."""
+    for scope in chain:
+        q = quotas.get(scope)
+        if q is None:
+            continue
+        h = held.get(scope, ZERO)
+        for resource in Q.RESOURCES:
+            cap = getattr(q.limit, resource)
+            want = getattr(need, resource)
+            if cap is None or want <= 0:
+                continue
+            have = getattr(h, resource)
+            if have + want > cap:
+                return (
+                    f"{label(scope)} is at its capacity limit ({_amount(resource, have)} of {_amount(resource, cap)}"
+                    f" held; a replica needs {_amount(resource, want)} more)"
+                )
+    return None
+
+
+_BLOCK = re.compile(r"^(\S+) is at its capacity limit \((.*)\)$")
+
+
+def stopped_at(reason: str) -> str | None:
+    """A :func:`limit_block` sentence as headroom says it ("stopped at org:acme's capacity limit (…)");
+    None for any other reason."""
+    found = _BLOCK.match(reason)
+    return f"stopped at {found.group(1)}'s capacity limit ({found.group(2)})" if found else None
+
+
+class Ledger:
+    """What one pass has placed so far, per scope, on top of what the scopes held when it began: each
+    placement is checked against every limit on its owner's chain, then counted (so one pass never
+    takes a scope over its limit, however many replicas it places)."""
+
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+        self.quotas = {s: q for s, q in quotas_by_scope(state).items() if not q.limit.is_empty()}
+        self.chains: dict[str, list[str]] = {}
+        self.held: dict[str, Usage] = {}
+        if self.quotas:
+            self.chains = chains(state)
+            self.held = holdings(state, self.chains)
+
+    def block_all(self, model: str, needs: list[Need]) -> str | None:
+        """Why no profile of ``model`` may place another replica under its owner's limits (the first
+        profile's reason), checked before placement (and preemption) is tried; None when one may."""
+        if not self.quotas or not (chain := self.chains.get(model)):
+            return None
+        reasons = [limit_block(chain, self.held, usage_of_need(n), self.quotas, self.state.tree.label) for n in needs]
+        return reasons[0] if reasons and all(reasons) else None
+
+    def admit(self, model: str, need: Need) -> str | None:
+        """None, and the replica counted, when it fits every limit on its owner's chain; else why not."""
+        if not self.quotas:
+            return None
+        chain = self.chains.get(model)
+        if not chain:
+            return None
+        use = usage_of_need(need)
+        reason = limit_block(chain, self.held, use, self.quotas, self.state.tree.label)
+        if reason is None:
+            for scope in chain:
+                self.held[scope] = self.held.get(scope, ZERO) + use
+        return reason
+
+
+# -- guarantees ------------------------------------------------------------------------------------
+
+
+def _within(total: Usage, guarantee: Q.Resources, use: Usage) -> bool:
+    """Whether a replica using ``use`` fits what is left of ``guarantee`` after ``total``: within every
+    resource the guarantee sets, and using one of them (a GPU guarantee covers GPU replicas, whatever
+    cores and memory they reserve, and no CPU-only replica)."""
+    covers = False
+    for resource in Q.RESOURCES:
+        g = getattr(guarantee, resource)
+        if g is None:
+            continue
+        want = getattr(use, resource)
+        if getattr(total, resource) + want > g:
+            return False
+        covers = covers or want > 0
+    return covers
+
+
+def guarantee_shares(state: ClusterState) -> tuple[dict[str, str], set[str]]:
+    """(protected replica id → "within org:acme's guarantee", borrowed replica ids).
+
+    Each scope with a guarantee covers the replicas under it in a stable order — ready before not
+    yet ready, oldest first — while they fit what it guarantees; a replica is protected by the nearest
+    scope on its chain that covers it. An owned replica no guarantee covers is borrowed."""
+    quotas = {s: q for s, q in quotas_by_scope(state).items() if not q.guarantee.is_empty()}
+    model_chains = chains(state)
+    under: dict[str, list[ReplicaState]] = {}
+    owned: list[tuple[ReplicaState, list[str]]] = []
+    for model, chain in model_chains.items():
+        for r in state.replicas_of(model):
+            if not holds(r):
+                continue
+            owned.append((r, chain))
+            for scope in chain:
+                if scope in quotas:
+                    under.setdefault(scope, []).append(r)
+    covered: dict[str, set[str]] = {}
+    for scope, rs in under.items():
+        g = quotas[scope].guarantee
+        total = ZERO
+        ids = covered[scope] = set()
+        for r in sorted(rs, key=lambda r: (r.state != "ready", r.placed_at, r.id)):
+            use = usage_of(r)
+            if _within(total, g, use):
+                total = total + use
+                ids.add(r.id)
+    protected: dict[str, str] = {}
+    borrowed: set[str] = set()
+    for r, chain in owned:
+        scope = next((s for s in chain if r.id in covered.get(s, ())), None)
+        if scope is None:
+            borrowed.add(r.id)
+        else:
+            protected[r.id] = f"within {state.tree.label(scope)}'s guarantee"
+    return protected, borrowed
+
+
+def protected_replicas(state: ClusterState) -> dict[str, str]:
+    """Replica id → why it may not be taken for another scope ("within org:acme's guarantee")."""
+    return guarantee_shares(state)[0]
+
+
+def borrowed_replicas(state: ClusterState) -> set[str]:
+    """Owned replicas beyond every guarantee on their owner's chain: taken back first."""
+    return guarantee_shares(state)[1]
+
+
+# -- the view `ctl quota list` shows -------------------------------------------------------------------
+
+
+def _shown(r: Q.Resources | Usage) -> dict[str, float | int | None]:
+    mem = r.memory_bytes
+    return {"gpus": r.gpus, "cores": r.cores, "memory_gb": None if mem is None else round(mem / GiB, 2)}
+
+
+def quota_view(state: ClusterState) -> dict[str, object]:
+    """Every scope with a quota or holdings: its guarantee, limit, what it holds, and its replicas'
+    shares (protected, borrowed); models whose owner counts against nothing, and why."""
+    model_chains = chains(state)
+    held = holdings(state, model_chains)
+    quotas = quotas_by_scope(state)
+    protected, borrowed = guarantee_shares(state)
+    per_scope_p: dict[str, int] = {}
+    per_scope_b: dict[str, int] = {}
+    for model, chain in model_chains.items():
+        for r in state.replicas_of(model):
+            for scope in chain:
+                if r.id in protected:
+                    per_scope_p[scope] = per_scope_p.get(scope, 0) + 1
+                elif r.id in borrowed:
+                    per_scope_b[scope] = per_scope_b.get(scope, 0) + 1
+    rows = []
+    for scope in sorted(set(quotas) | set(held), key=state.tree.label):
+        q = quotas.get(scope)
+        rows.append(
+            {
+                "scope": state.tree.label(scope),
+                "scope_id": scope.partition(":")[2],
+                "guarantee": _shown(q.guarantee) if q else None,
+                "limit": _shown(q.limit) if q else None,
+                "holds": _shown(held.get(scope, ZERO)),
+                "protected_replicas": per_scope_p.get(scope, 0),
+                "borrowed_replicas": per_scope_b.get(scope, 0),
+            }
+        )
+    unowned = {
+        name: why for name, m in sorted(state.models.items()) if (why := owner_problem(state, m.spec.owner)) is not None
+    }
+    return {"scopes": rows, "unresolved_owners": unowned}
+
+
+CAPACITY_SERIES = {
+    "llmgw_capacity_holds": "What a scope's models (and those of the scopes below it) reserve now",
+    "llmgw_capacity_guarantee": "What a scope is guaranteed (set resources only)",
+    "llmgw_capacity_limit": "What a scope may not exceed (set resources only)",
+}
+
+
+def capacity_samples(state: ClusterState) -> list[tuple[str, tuple[str, str], float]]:
+    """(series, (scope, resource), value) for every scope with a quota, as a person names the scope
+    (``team:acme/ml``); resource is ``gpus``, ``cores`` or ``memory_bytes``. Pure."""
+    held = holdings(state)
+    out: list[tuple[str, tuple[str, str], float]] = []
+    for scope, q in sorted(quotas_by_scope(state).items()):
+        label = state.tree.label(scope)
+        h = held.get(scope, ZERO)
+        for resource in Q.RESOURCES:
+            out.append(("llmgw_capacity_holds", (label, resource), float(getattr(h, resource))))
+            for series, amount in (("llmgw_capacity_guarantee", q.guarantee), ("llmgw_capacity_limit", q.limit)):
+                value = getattr(amount, resource)
+                if value is not None:
+                    out.append((series, (label, resource), float(value)))
+    return out
