@@ -135,6 +135,21 @@ class ModelRetried(msgspec.Struct, frozen=True, kw_only=True):
     """Unparked by `ctl retry`: placement is tried again at once."""
 
 
+class ModelPreempted(msgspec.Struct, frozen=True, kw_only=True):
+    """Replicas of this model gave way to a model of a higher class, or of its own class below its
+    minimum (SCHED-7). Written by the scheduler beside the stop requests of those replicas; the model
+    is then held back from placement until ``held_until`` or until ``for_model`` is placed."""
+
+    replicas: list[str]
+    node_id: str
+    capacity_class: str  # this model's class when it gave way
+    for_model: str
+    for_class: str
+    reason: str
+    at: float  # the scheduler's clock (epoch seconds) when it decided: the hold counts from it
+    held_until: float
+
+
 class PurgeStarted(msgspec.Struct, frozen=True, kw_only=True):
     """The mirror service took on a ``model.removed{purge}``: what it will delete, and what stays and why."""
 
@@ -175,6 +190,8 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     stopped: bool = False
     saved: tuple[int, int] | None = None  # the scaling a stop keeps for the start
     parked: str | None = None
+    preempted: ModelPreempted | None = None  # the last time it gave way (SCHED-7)
+    preemptions: int = 0  # replicas it has given way, over its life
 
 
 class ModelStatusView:
@@ -212,6 +229,10 @@ class ModelStatusView:
     def parked(self) -> str | None:
         return self.status.parked
 
+    @property
+    def preempted(self) -> ModelPreempted | None:
+        return self.status.preempted
+
 
 MODEL_EVENTS = (
     ModelAdded,
@@ -222,6 +243,7 @@ MODEL_EVENTS = (
     ModelRemoved,
     ModelParked,
     ModelRetried,
+    ModelPreempted,
 )
 
 
@@ -245,6 +267,10 @@ def fold_model(status: ModelStatus | None, payload: msgspec.Struct) -> ModelStat
             return msgspec.structs.replace(status, parked=payload.reason)
         case ModelRetried():
             return msgspec.structs.replace(status, parked=None)
+        case ModelPreempted():
+            return msgspec.structs.replace(
+                status, preempted=payload, preemptions=status.preemptions + len(payload.replicas)
+            )
     return status
 
 
@@ -257,6 +283,13 @@ EVENTS = (
     EventType("model.removed", 1, ModelRemoved, "A model left the catalog."),
     EventType("model.parked", 1, ModelParked, "The scheduler stopped placing a model after repeated start failures."),
     EventType("model.retried", 1, ModelRetried, "A parked model is to be placed again (`ctl retry`)."),
+    EventType(
+        "model.preempted",
+        1,
+        ModelPreempted,
+        "Replicas of the model gave way to a model of higher class (or of its class, below its minimum); "
+        "the model is held back until the winner is placed or the hold ends.",
+    ),
     EventType(
         "model.purge_started",
         1,

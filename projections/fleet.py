@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import msgspec
 
 from llmgw.events import models as M
@@ -63,7 +65,8 @@ class FleetProjection(Projection):
     # 2: replicas and failure counts folded by events/replica_fold.py; rows folded before are rebuilt from the log
     # 3: nodes folded by events/node_fold.py (draining keeps the reason a node was cordoned for)
     # 4: a replica's restart (SCHED-6): restart and replaces
-    version = 4
+    # 5: a model's last preemption (SCHED-7): gave_room_to, held_until, preemptions
+    version = 5
     subject = f"{EVENTS_ROOT}.>"
     tables = {
         "nodes": "id TEXT PRIMARY KEY, address TEXT, cpus INTEGER, memory_total_bytes BIGINT, gpus TEXT, "
@@ -71,7 +74,7 @@ class FleetProjection(Projection):
         "draining INTEGER NOT NULL, cordon_reason TEXT, registered_at TEXT, updated_at TEXT",
         "models": "name TEXT PRIMARY KEY, spec TEXT NOT NULL, declared INTEGER NOT NULL, min_replicas INTEGER, "
         "max_replicas INTEGER, stopped INTEGER NOT NULL, parked TEXT, failures INTEGER NOT NULL, last_error TEXT, "
-        "unplaceable TEXT, spec_hash TEXT, updated_at TEXT",
+        "unplaceable TEXT, spec_hash TEXT, gave_room_to TEXT, held_until TEXT, preemptions INTEGER, updated_at TEXT",
         "replicas": "id TEXT PRIMARY KEY, model TEXT NOT NULL, node_id TEXT NOT NULL, state TEXT NOT NULL, "
         "spec_hash TEXT, pid INTEGER, port INTEGER, url TEXT, reason TEXT, placed_at TEXT, updated_at TEXT, "
         "restart TEXT, replaces TEXT",
@@ -94,6 +97,7 @@ class FleetProjection(Projection):
         "model.removed": "model_edit",
         "model.parked": "model_edit",
         "model.retried": "model_edit",
+        "model.preempted": "model_edit",
         "scheduler.unplaceable": "model_unplaceable",
         "replica.placed": "replica_placed",
         "replica.starting": "replica_state",
@@ -179,6 +183,16 @@ class FleetProjection(Projection):
         p = e.payload
         at = e.envelope.at.isoformat()
         match p:
+            case M.ModelPreempted():
+                await tx.execute(
+                    "UPDATE {models} SET gave_room_to = ?, held_until = ?, "
+                    "preemptions = COALESCE(preemptions, 0) + ?, updated_at = ? WHERE name = ?",
+                    p.reason,
+                    datetime.fromtimestamp(p.held_until, UTC).isoformat(),
+                    len(p.replicas),
+                    at,
+                    name,
+                )
             case M.ModelScaled():
                 await tx.execute(
                     "UPDATE {models} SET min_replicas = ?, max_replicas = ?, updated_at = ? WHERE name = ?",

@@ -35,6 +35,7 @@ from llmgw.services.scheduler.reconcile import (
     MarkReturned,
     Park,
     Place,
+    Preempt,
     RegisterNode,
     Stop,
     Waiting,
@@ -255,6 +256,8 @@ def spec(
     engine: str = "llamacpp",
     selector: dict[str, str] | None = None,
     disk: float | None = None,
+    cls: str | None = None,
+    owner: str | None = None,
 ) -> M.ModelSpec:
     profile = M.Profile(
         engine=engine,
@@ -265,7 +268,12 @@ def spec(
         min_disk_gb=disk,
     )
     return M.ModelSpec(
-        name=name, source=f"/models/{name}.gguf", scaling=M.Scaling(min=min, max=max), profiles=[profile]
+        name=name,
+        source=f"/models/{name}.gguf",
+        scaling=M.Scaling(min=min, max=max),
+        profiles=[profile],
+        capacity_class=cls,
+        owner=owner,
     )
 
 
@@ -389,5 +397,7 @@ def said(d: Decision) -> str:
         case Blocked():
             return f"blocked {d.model} ({d.wanted} wanted): {d.reason}"
         case Waiting():
-            return f"waiting {d.model} until t={d.until - T0:g}"
+            return f"waiting {d.model} until t={d.until - T0:g}" + (f": {d.why}" if d.why else "")
+        case Preempt():
+            return f"preempt {','.join(d.replicas)} of {d.model} ({d.capacity_class}) for {d.for_model}: {d.reason}"
     raise AssertionError(f"unknown decision {d!r}")

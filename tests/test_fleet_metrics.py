@@ -93,6 +93,7 @@ def test_every_series_an_alert_reads_is_one_the_system_publishes() -> None:
     assert {"ModelHasNothingServing", "ModelParked", "ModelFailingToStart", "ModelCannotBePlaced"} <= names
     assert {"ControlPlaneLeadership", "NodeLost", "ProjectionLagging", "PoolSaturated"} <= names
     assert {"CertificateExpiresSoon", "CertificateExpiresVerySoon"} <= names
+    assert {"ModelPreempted"} <= names
     for rule in rules:
         used = set(re.findall(r"\bllmgw_[a-z_]+", rule["expr"]))
         assert used, f"{rule['alert']} reads no llmgw series"

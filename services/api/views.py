@@ -6,7 +6,7 @@ moment reads exactly as it would have then.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -46,6 +46,9 @@ FLEET_COLUMNS = {
         "last_error",
         "unplaceable",
         "spec_hash",
+        "gave_room_to",
+        "held_until",
+        "preemptions",
         "updated_at",
     ],
     "replicas": [
@@ -91,13 +94,18 @@ ACCESS_COLUMNS = {
 }
 
 
-def model_status(m: dict[str, Any]) -> str:
+def model_status(m: dict[str, Any], now: datetime | None = None) -> str:
     """The one phrase `ctl models` shows: why a model is not serving, or how it is serving."""
     if m["stopped"]:
         return "stopped by an administrator"
     if m["parked"]:
         return f"parked: {m['parked']}"
-    if m["unplaceable"] and m["ready"] + m["starting"] < (m["min_replicas"] or 0):
+    short = m["ready"] + m["starting"] < (m["min_replicas"] or 0)
+    held_until = m.get("held_until")
+    if short and m.get("gave_room_to") and held_until:
+        if datetime.fromisoformat(held_until) > (now or datetime.now(UTC)):
+            return f"{m['gave_room_to']}; held back until {held_until[11:19]} UTC or until the winner is placed"
+    if m["unplaceable"] and short:
         return f"unplaceable: {m['unplaceable']}"
     if (m["min_replicas"] or 0) == 0 and m["ready"] == 0:
         return "on demand (no replica)"

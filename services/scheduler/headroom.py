@@ -35,7 +35,8 @@ def headroom(state: ClusterState, model: str, clock: Clock, cfg: Config, cap: in
         **state.models,
         model: msgspec.structs.replace(m, status=ghost_status, starts=msgspec.structs.replace(m.starts, count=0)),
     }
-    decisions = reconcile(ghost, clock, cfg)
+    # What fits as the fleet stands: headroom never counts room that only taking others' replicas would make.
+    decisions = reconcile(ghost, clock, msgspec.structs.replace(cfg, preempt=False))
     where: dict[str, int] = {}
     for d in decisions:
         if isinstance(d, Place) and d.model == model:

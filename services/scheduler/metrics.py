@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from llmgw.services.scheduler.preemption import class_of
 from llmgw.services.scheduler.quota import CAPACITY_SERIES, capacity_samples
 from llmgw.services.scheduler.reconcile import Config, wanted_replicas
 from llmgw.services.scheduler.state import ClusterState
@@ -171,6 +172,16 @@ class FleetCollector:
             ):
                 models[name].add_metric([f.model], float(value))
         yield from models.values()
+        # Folded from the log (each model.preempted counts its replicas), so a new leader counts on
+        # from where the last one stopped.
+        preempted = CounterMetricFamily(
+            "llmgw_model_preempted",
+            "Replicas of the model that gave way to another (SCHED-7)",
+            labels=["model", "class"],
+        )
+        for name, m in sorted(state.models.items()):
+            preempted.add_metric([name, class_of(m.spec, m.min)], float(m.status.preemptions))
+        yield preempted
         nodes = GaugeMetricFamily("llmgw_nodes", "Registered nodes by state (ready, cordoned, lost)", labels=["state"])
         for node_state, count in figures.nodes.items():
             nodes.add_metric([node_state], float(count))

@@ -22,6 +22,7 @@ from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events import replicas as R
 from llmgw.events.models import mirror_ref
+from llmgw.services.scheduler import preemption as PRE
 from llmgw.services.scheduler.placement import (
     Candidate,
     Need,
@@ -48,6 +49,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # A scheduler that has heard from no node yet (`llmgw up`'s agent starts a moment after it) waits
     # this long for one before it calls a model unplaceable for want of nodes.
     first_node_wait_s: float = 30.0
+    # Preemption (SCHED-7); off for the headroom question, which asks what fits without taking anything.
+    preempt: bool = True
+    preempt_min_age_s: float = PRE.MIN_AGE_S
+    preempt_max_victims: int = PRE.MAX_VICTIMS
+    preempt_grace_s: float = PRE.GRACE_S
+    preempt_hold_s: float = PRE.HOLD_S
+    preempt_idle_s: float = 60.0  # an on-demand model with no request for this long: its replicas go first
 
 
 def wanted_replicas(m: ModelState, demand_at: float | None, now_epoch: float, cfg: Config) -> tuple[int, int]:
@@ -123,13 +131,29 @@ class Blocked(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Waiting(msgspec.Struct, frozen=True, kw_only=True):
-    """A model backing off between failed starts; nothing to do until ``until``."""
+    """A model backing off between failed starts, held back after giving way, or waiting for the
+    replicas that give way to it to drain; nothing to do until ``until``."""
 
     model: str
     until: float
+    why: str = ""
 
 
-Decision = RegisterNode | MarkLost | MarkReturned | Place | Stop | Fail | Park | Blocked | Waiting
+class Preempt(msgspec.Struct, frozen=True, kw_only=True):
+    """Replicas of ``model`` give way to ``for_model`` (SCHED-7); each also gets its own :class:`Stop`."""
+
+    model: str
+    replicas: list[str]
+    node_id: str
+    capacity_class: str
+    for_model: str
+    for_class: str
+    reason: str
+    at: float
+    held_until: float
+
+
+Decision = RegisterNode | MarkLost | MarkReturned | Place | Stop | Fail | Park | Blocked | Waiting | Preempt
 
 
 def backoff_s(failures: int, cfg: Config) -> float:
@@ -241,6 +265,9 @@ class _Pass:
         self.draining_nodes = {n.id for n in state.nodes.values() if n.draining}
         self._view: dict[str, Candidate] | None = None
         self._weights: dict[str, set[str]] = {}
+        self.preempted: set[str] = set()  # replicas given way in this pass: not taken twice
+        self._holders: tuple[list[PRE.Holder], dict[str, PRE.ModelSide]] | None = None
+        self._gave_way: dict[str, list[M.ModelPreempted]] | None = None
         self._quota: Ledger | None = None
 
     @property
@@ -266,6 +293,50 @@ class _Pass:
 
     def reserve(self, node_id: str, need: Need, gpus: list[int]) -> None:
         self.view[node_id] = reserve(self.view[node_id], need, gpus, model_replica=False)
+
+    def holders(self, clock: Clock, cfg: Config) -> tuple[list[PRE.Holder], dict[str, PRE.ModelSide]]:
+        """Every running replica as a possible victim, and its model's side: built once a pass, on the
+        first preemption tried (most passes try none)."""
+        if self._holders is None:
+            holders: list[PRE.Holder] = []
+            sides: dict[str, PRE.ModelSide] = {}
+            for name in self.state.replica_models():
+                live = [r for r in self.state.replicas_of(name) if r.active and r.id not in self.failed_now]
+                m = self.state.models.get(name)
+                if not live or m is None:
+                    continue
+                used = self.state.demand.get(name)
+                sides[name] = PRE.ModelSide(
+                    name=name,
+                    capacity_class=PRE.class_of(m.spec, m.min),
+                    extras=max(len(live) - m.min, 0),
+                    on_demand_idle=m.min == 0 and (used is None or clock.epoch - used >= cfg.preempt_idle_s),
+                    last_used=used or 0.0,
+                )
+                holders += [
+                    PRE.Holder(
+                        replica_id=r.id,
+                        model=name,
+                        node_id=r.node_id,
+                        age_s=clock.epoch - r.placed_at,
+                        cores=r.cores,
+                        memory_bytes=r.memory_bytes,
+                        gpus=list(r.gpus),
+                    )
+                    for r in live
+                ]
+            self._holders = (holders, sides)
+        return self._holders
+
+    def gave_way_to(self, model: str, now: float) -> list[M.ModelPreempted]:
+        """The preemptions made for ``model`` whose hold still lasts."""
+        if self._gave_way is None:
+            self._gave_way = {}
+            for m in self.state.models.values():
+                pre = m.preempted
+                if pre is not None and now < pre.held_until:
+                    self._gave_way.setdefault(pre.for_model, []).append(pre)
+        return self._gave_way.get(model, [])
 
 
 def reconcile(state: ClusterState, clock: Clock, cfg: Config) -> list[Decision]:
@@ -408,6 +479,8 @@ def _model(
             return [*out, Waiting(model=m.name, until=until)]
     if not m.spec.profiles:
         return [*out, Blocked(model=m.name, reason=f"model {m.name} has no profile", wanted=missing)]
+    if (held := _held_back(state, m, clock)) is not None:
+        return [*out, held]
     order = profile_order(m.spec.profiles)
     needs = {k: need_of(m.spec.profiles[k]) for k in order}
     for i in range(missing):
@@ -434,6 +507,11 @@ def _model(
             if not first and waited < cfg.first_node_wait_s:  # no node yet: the fleet is still starting
                 out.append(Waiting(model=m.name, until=clock.epoch + cfg.first_node_wait_s - waited))
                 break
+            if cfg.preempt:
+                taking = _preempt(state, m, len(staying) + i, [(k, needs[k]) for k in order], cs, seed, clock, cfg, p)
+                if taking:
+                    out += taking
+                    break
             out.append(Blocked(model=m.name, reason=_unplaceable(m, tried), wanted=missing - i, verdicts=first))
             break
         # The cores as they are on the chosen node (the threads rule's share when the profile names none).
@@ -448,6 +526,84 @@ def _model(
                 f" (preferred {m.spec.profiles[t].name} fits nowhere: {_first_reason(v)})" for t, v in tried
             )
         out.append(Place(model=m.name, node_id=choice.node_id, gpus=choice.gpus, need=placed, why=why, profile=k))
+    return out
+
+
+def _held_back(state: ClusterState, m: ModelState, clock: Clock) -> Waiting | None:
+    """A model that gave way waits until the winner is placed or its hold ends, so that its replicas
+    do not take back the room they just gave (SCHED-7)."""
+    pre = m.preempted
+    if pre is None or clock.epoch >= pre.held_until:
+        return None
+    if any(r.placed_at >= pre.at for r in state.replicas_of(pre.for_model)):
+        return None  # the winner is placed: the hold has done its work
+    return Waiting(model=m.name, until=pre.held_until, why=f"gave room to {pre.for_model}")
+
+
+def _preempt(
+    state: ClusterState,
+    m: ModelState,
+    have: int,
+    needs: list[tuple[int, Need]],
+    cs: dict[str, Candidate],
+    seed: str,
+    clock: Clock,
+    cfg: Config,
+    p: _Pass,
+) -> list[Decision]:
+    """Stops that make room for one more replica of ``m`` (tried once plain placement failed), or,
+    while replicas that gave way to it still drain, a wait for them; empty when nothing may give way."""
+    waiting = [
+        rid
+        for pre in p.gave_way_to(m.name, clock.epoch)
+        for rid in pre.replicas
+        if (r := state.replicas.get(rid)) is not None and (r.active or r.state == "draining")
+    ]
+    if waiting:
+        until = min(pre.held_until for pre in p.gave_way_to(m.name, clock.epoch))
+        return [Waiting(model=m.name, until=until, why=f"waiting for {len(waiting)} replicas that gave way to drain")]
+    holders, sides = p.holders(clock, cfg)
+    cls = PRE.class_of(m.spec, m.min)
+    winner = PRE.Winner(model=m.name, capacity_class=cls, below_minimum=have < m.min)
+    for _, need in needs:  # the profiles in order of preference, as plain placement tried them
+        found = PRE.find(
+            cs,
+            need,
+            winner,
+            holders,
+            sides,
+            seed=seed,
+            taken=p.preempted,
+            max_victims=cfg.preempt_max_victims,
+            min_age_s=cfg.preempt_min_age_s,
+        )
+        if found is not None:
+            break
+    else:
+        return []
+    out: list[Decision] = []
+    by_model: dict[str, list[PRE.Victim]] = {}
+    for v in found.victims:
+        by_model.setdefault(v.holder.model, []).append(v)
+        p.preempted.add(v.holder.replica_id)
+    for name, victims in sorted(by_model.items()):
+        ids = [v.holder.replica_id for v in victims]
+        words = sorted({PRE.TIER_WORDS[v.tier] for v in victims})
+        reason = f"gave room to {m.name} ({cls}) on {found.node_id}: {', '.join(words)}"
+        out.append(
+            Preempt(
+                model=name,
+                replicas=ids,
+                node_id=found.node_id,
+                capacity_class=victims[0].capacity_class,
+                for_model=m.name,
+                for_class=cls,
+                reason=reason,
+                at=clock.epoch,
+                held_until=clock.epoch + cfg.preempt_hold_s,
+            )
+        )
+        out += [Stop(replica_id=rid, reason=f"preempted: {reason}", grace_s=cfg.preempt_grace_s) for rid in ids]
     return out
 
 
@@ -493,6 +649,21 @@ def event_of(
             )
         case Park():
             return M.AGGREGATE, d.model, M.ModelParked(reason=d.reason, failures=d.failures)
+        case Preempt():
+            return (
+                M.AGGREGATE,
+                d.model,
+                M.ModelPreempted(
+                    replicas=d.replicas,
+                    node_id=d.node_id,
+                    capacity_class=d.capacity_class,
+                    for_model=d.for_model,
+                    for_class=d.for_class,
+                    reason=d.reason,
+                    at=d.at,
+                    held_until=d.held_until,
+                ),
+            )
         case Place():
             m = state.models[d.model]
             return (

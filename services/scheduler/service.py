@@ -47,6 +47,7 @@ from llmgw.services.scheduler.reconcile import (
     MarkLost,
     Park,
     Place,
+    Preempt,
     Stop,
     Waiting,
     event_of,
@@ -341,6 +342,15 @@ class SchedulerService:
                     log.info("replica placed", model=d.model, node=d.node_id, replica=rid, why=d.why)
                 case Stop(short=True):
                     log.warning("replica stopped without a replacement", replica=d.replica_id, reason=d.reason)
+                case Preempt():
+                    log.warning(
+                        "replicas preempted",
+                        model=d.model,
+                        replicas=d.replicas,
+                        node=d.node_id,
+                        for_model=d.for_model,
+                        reason=d.reason,
+                    )
         return out
 
     async def _follow_demand(self) -> None:

@@ -1,0 +1,231 @@
+"""Preemption (SPEC SCHED-7): which running replicas give way so that a model that fits nowhere can be
+placed. Pure functions over plain data, tried by the reconcile pass only after plain placement failed.
+
+The rules, each where it is decided:
+
+- **who may give way to whom** (:func:`tier_of`): a lower class to a higher one, extras and minimums
+  alike; within a class only a replica above its model's minimum, and only for a model below its
+  own minimum; a higher class never to a lower. Never a critical model's minimum, a replica younger
+  than :data:`MIN_AGE_S`, a replica of the winner's own model, nor one a quota guarantee protects.
+  (llmgw places no replica across nodes, so "never a multi-node replica" has nothing to exclude.)
+- **the order victims are taken in** (the tier, then :func:`_victim_order`): idle on-demand replicas,
+  lower classes' extras, the same class's extras, lower classes' minimums; within a tier capacity a
+  scope borrowed beyond its guarantee first, then the longest unused, then the smallest.
+- **the set** (:func:`find`): victims live on one node (freeing room elsewhere helps no one); at most
+  :data:`MAX_VICTIMS`, tried on a copy of the node — nothing is stopped unless the whole set makes
+  room — then pruned to what the placement needs. Of the nodes where a set works, the one giving up
+  least wins: fewest victims, then the lowest tiers, then the placement's own score.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from llmgw.events.models import ModelSpec
+from llmgw.services.scheduler.placement import Candidate, Choice, Need, check, place
+
+RANK = {"opportunistic": 0, "standard": 1, "critical": 2}
+MIN_AGE_S = 300.0  # a replica younger than this is never taken: it has not yet served its start's cost
+MAX_VICTIMS = 3
+HOLD_S = 300.0  # a victim's model waits this long (or until the winner is placed) before it is placed again
+GRACE_S = 30.0  # the drain a victim gets
+
+# The tiers, in the order victims are taken.
+IDLE_ON_DEMAND, LOWER_EXTRA, SAME_EXTRA, LOWER_MINIMUM = range(4)
+TIER_WORDS = ("idle on-demand", "extra replica of a lower class", "extra replica of its class", "lower class")
+
+
+def class_of(spec: ModelSpec, min_replicas: int) -> str:
+    """A model's capacity class: as declared; unset, on-demand models (min 0) are opportunistic and
+    the rest standard."""
+    if spec.capacity_class:
+        return spec.capacity_class
+    return "opportunistic" if min_replicas == 0 else "standard"
+
+
+class ModelSide(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What preemption needs of a model whose replicas might give way."""
+
+    name: str
+    capacity_class: str
+    extras: int  # how many of its running replicas are above its minimum
+    on_demand_idle: bool = False  # min 0 and no request for a while: its replicas cost nobody a thing
+    last_used: float = 0.0  # epoch seconds of its last request; 0: none seen
+
+
+class Holder(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A running replica as a possible victim."""
+
+    replica_id: str
+    model: str
+    node_id: str
+    age_s: float
+    cores: int = 0
+    memory_bytes: int = 0
+    gpus: list[int] = []
+    protected: str = ""  # why it may not be taken for another scope ("within org:acme's guarantee")
+    borrowed: bool = False  # its scope holds it beyond its guarantee: taken back first
+
+
+class Winner(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    capacity_class: str
+    below_minimum: bool  # fewer replicas than its own minimum (not just an on-demand model in use)
+
+
+class Victim(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    holder: Holder
+    capacity_class: str
+    tier: int
+
+
+class Preemption(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    victims: list[Victim]
+    choice: Choice  # where the winner lands once the victims are gone (on a copy of the node)
+
+
+def tier_of(winner: Winner, model: ModelSide, extra: bool) -> int | None:
+    """The tier a replica of ``model`` gives way to ``winner`` in, or None when it may not.
+    ``extra``: the replica counts above its model's minimum. Age and quota are the caller's filter."""
+    if model.name == winner.model:
+        return None
+    mine, theirs = RANK[model.capacity_class], RANK[winner.capacity_class]
+    if mine > theirs:
+        return None
+    if model.capacity_class == "critical" and not extra:
+        return None
+    if mine == theirs:
+        if not (extra and winner.below_minimum):
+            return None
+        return IDLE_ON_DEMAND if model.on_demand_idle else SAME_EXTRA
+    if model.on_demand_idle:
+        return IDLE_ON_DEMAND
+    return LOWER_EXTRA if extra else LOWER_MINIMUM
+
+
+def _size(h: Holder) -> tuple[int, int, int]:
+    return (len(h.gpus), h.cores, h.memory_bytes)
+
+
+def _victim_order(v: Victim, models: dict[str, ModelSide]) -> tuple[object, ...]:
+    h = v.holder
+    return (v.tier, not h.borrowed, models[h.model].last_used, _size(h), h.replica_id)
+
+
+def _release(c: Candidate, victims: list[Victim]) -> Candidate:
+    """``c`` as it would be with ``victims`` stopped."""
+    if not victims:
+        return c
+    freed_gpus = {g for v in victims for g in v.holder.gpus}
+    return msgspec.structs.replace(
+        c,
+        reserved_cores=c.reserved_cores - sum(v.holder.cores for v in victims),
+        reserved_memory_bytes=c.reserved_memory_bytes - sum(v.holder.memory_bytes for v in victims),
+        reserved_gpus=[g for g in c.reserved_gpus if g not in freed_gpus],
+        replicas=c.replicas - len(victims),
+        model_replicas=c.model_replicas,
+    )
+
+
+def _eligible_on(
+    node_holders: list[Holder], winner: Winner, models: dict[str, ModelSide], taken: set[str], min_age_s: float
+) -> list[Victim]:
+    """The replicas on one node that may give way to ``winner``, in the order they are taken.
+
+    Which of a model's replicas count as its extras is decided per node: as many as the model has
+    extras, the oldest first (the young are not taken anyway).
+    """
+    extras_left = {name: side.extras for name, side in models.items()}
+    out: list[Victim] = []
+    for h in sorted(node_holders, key=lambda h: (-h.age_s, h.replica_id)):
+        side = models.get(h.model)
+        if side is None:
+            continue
+        extra = extras_left.get(h.model, 0) > 0
+        if extra:
+            extras_left[h.model] -= 1
+        if h.replica_id in taken or h.age_s < min_age_s or h.protected:
+            continue
+        tier = tier_of(winner, side, extra)
+        if tier is not None:
+            out.append(Victim(holder=h, capacity_class=side.capacity_class, tier=tier))
+    out.sort(key=lambda v: _victim_order(v, models))
+    return out
+
+
+def _set_for(c: Candidate, need: Need, eligible: list[Victim], max_victims: int) -> list[Victim] | None:
+    """The smallest set, taken in order then pruned, that makes room on ``c``; None when none of
+    at most ``max_victims`` does."""
+    if check(_release(c, eligible), need):
+        return None  # not even all of them would do (or the node lacks something no stop frees)
+    chosen: list[Victim] = []
+    for v in eligible:
+        chosen.append(v)
+        if len(chosen) > max_victims:
+            return None
+        if not check(_release(c, chosen), need):
+            break
+    else:
+        return None
+    # Pruned: a victim taken early (a small idle one, say) may be needless once a bigger one went.
+    for v in list(reversed(chosen)):
+        rest = [x for x in chosen if x is not v]
+        if not check(_release(c, rest), need):
+            chosen = rest
+    return chosen
+
+
+def _tiebreak(seed: str, node_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{node_id}".encode(), digest_size=8).digest(), "big")
+
+
+def find(
+    candidates: dict[str, Candidate],
+    need: Need,
+    winner: Winner,
+    holders: list[Holder],
+    models: dict[str, ModelSide],
+    *,
+    seed: str,
+    taken: set[str] = frozenset(),  # type: ignore[assignment]
+    max_victims: int = MAX_VICTIMS,
+    min_age_s: float = MIN_AGE_S,
+) -> Preemption | None:
+    """The victims whose stopping lets one replica needing ``need`` be placed, or None. Pure.
+
+    ``candidates`` are the nodes as placement sees them now; ``holders`` every running replica that
+    might give way; ``taken`` replicas already given way in this pass.
+    """
+    by_node: dict[str, list[Holder]] = {}
+    for h in holders:
+        if h.node_id in candidates:
+            by_node.setdefault(h.node_id, []).append(h)
+    best: tuple[tuple[object, ...], Preemption] | None = None
+    for node_id in sorted(by_node):
+        c = candidates[node_id]
+        if c.unusable:
+            continue
+        eligible = _eligible_on(by_node[node_id], winner, models, taken, min_age_s)
+        if not eligible:
+            continue
+        victims = _set_for(c, need, eligible, max_victims)
+        if victims is None:
+            continue
+        freed = _release(c, victims)
+        choice, _ = place([freed], need, seed)
+        if choice is None:  # check() said it fits: place() agrees, but never trust one without the other
+            continue
+        score = choice.verdicts[0].score
+        key = (
+            len(victims),
+            max(v.tier for v in victims),
+            sum(v.tier for v in victims),
+            -score,
+            -_tiebreak(seed, node_id),
+        )
+        if best is None or key < best[0]:
+            best = (key, Preemption(node_id=node_id, victims=victims, choice=choice))
+    return best[1] if best else None

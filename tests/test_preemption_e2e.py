@@ -1,0 +1,80 @@
+"""Preemption end to end (SCHED-7): an agent as a process, real llama.cpp engines on the tiny GGUF, the
+gateway in front. A critical model that fits nowhere takes an opportunistic model's room; the
+gateway answers for it; `ctl models` says whom the other gave room to."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from llmgw.events import models as M
+from llmgw.events.store import EventStore
+from tests.fleet import FAST, Fleet
+from tests.gguf_tiny import write_tiny_gguf
+from tests.support import NatsServer, wait_until
+from tests.test_gateway import FAST_ROUTER, GATEWAY, client, make_key, make_tenant
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240)]
+
+# Replicas of any age may give way here: the five minutes a real fleet waits would make a slow test.
+PREEMPTING = msgspec.structs.replace(FAST, preempt_min_age_s=0.0, preempt_grace_s=2.0)
+
+
+@pytest.fixture
+async def gw(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
+    f = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=FAST_ROUTER, scheduler=PREEMPTING)
+    f.agent("n1")  # eight cores offered: one 8-core model fills it
+    yield f
+    await f.stop()
+
+
+async def models(fleet: Fleet) -> dict[str, dict[str, Any]]:
+    async with (
+        aiohttp.ClientSession(headers=fleet.api_headers()) as s,
+        s.get(f"{fleet.admin_url}/api/v1/models") as r,
+    ):
+        assert r.status == 200
+        return {m["name"]: m for m in (await r.json())["models"]}
+
+
+async def test_a_critical_model_takes_an_opportunistic_model_s_room_and_the_gateway_answers_for_it(
+    gw: Fleet, tmp_path: Path
+) -> None:
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    key, _ = await make_key(gw.store, await make_tenant(gw.store))
+    await gw.add_model("batch", tiny, cores=8, capacity_class="opportunistic")
+    [victim] = await gw.wait_ready("batch", 1)
+
+    await gw.add_model("chat", tiny, cores=8, capacity_class="critical")
+    await gw.wait_ready("chat", 1)
+    gone = (await gw.replicas())[victim["id"]]
+    assert gone["state"] == "stopped", "the opportunistic replica gave its room"
+
+    await gw.router_caught_up()
+    chat = await client(gw, key).chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert chat.usage is not None and chat.usage.completion_tokens > 0
+
+    preempted = [
+        e.payload for e in await gw.store.read("llmgw.evt.model.batch") if isinstance(e.payload, M.ModelPreempted)
+    ]
+    assert [(p.replicas, p.for_model, p.for_class, p.capacity_class) for p in preempted] == [
+        ([victim["id"]], "chat", "critical", "opportunistic")
+    ]
+
+    async def said() -> dict[str, Any] | None:
+        m = (await models(gw))["batch"]
+        return m if m["preemptions"] == 1 else None
+
+    batch = await wait_until(said, what="the fleet projection to fold the preemption")
+    # The model that gave way cannot come back (the node is full): it says why, naming the winner
+    # while its hold lasts, and no node has room after.
+    assert "gave room to chat (critical) on n1" in batch["gave_room_to"]
+    assert batch["ready"] == 0
+    assert "gave room to chat" in batch["status"] or batch["status"].startswith("unplaceable")
