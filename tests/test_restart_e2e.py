@@ -11,8 +11,10 @@ from pathlib import Path
 import openai
 import pytest
 
+from llmgw.events import models as M
 from llmgw.events import replicas as R
-from llmgw.events.store import EventStore
+from llmgw.events.store import EventStore, NewEvent
+from llmgw.events.subjects import event_subject
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import NatsServer, wait_until
@@ -97,3 +99,36 @@ async def test_restarting_a_model_under_steady_traffic_fails_no_request_and_repl
     assert sorted(p.replica_id for p in asked) == sorted(before) and {p.reason for p in asked} == {"new weights"}
     code, out, _ = await ctl(gw, "replicas", "--json")
     assert code == 0 and '"restart"' in out
+
+
+async def test_ctl_restart_names_what_runs_when_refused_and_ctl_replicas_shows_the_restart_queued(
+    store: EventStore, nats: NatsServer, tmp_path: Path
+) -> None:
+    # No scheduler: the request stays queued for the views to show.
+    fleet = await Fleet(store, nats.url, tmp_path).start(services=("catalog", "fleet", "projections", "api"))
+    try:
+        await fleet.add_model("m", "/models/m.gguf")
+        placed = R.ReplicaPlaced(
+            replica_id="m-1", model="m", node_id="n1", source="/models/m.gguf", profile=M.Profile(), spec_hash=""
+        )
+        ready = R.ReplicaReady(replica_id="m-1", node_id="n1", pid=7, port=20000, url="http://n1:20000")
+        await store.append(
+            event_subject(R.AGGREGATE, "m-1"), [NewEvent(payload=p, actor="node:n1") for p in (placed, ready)]
+        )
+
+        code, _, err = await ctl(fleet, "restart", "m-9")
+        assert code == 2 and "there is no running replica 'm-9' (running: m-1)" in err
+        code, _, err = await ctl(fleet, "restart")
+        assert code == 2 and "name the replicas, or give --model MODEL, or --all" in err
+        code, out, err = await ctl(fleet, "restart", "m-1", "--reason", "new weights")
+        assert code == 0 and "replica m-1 (m) restarts: a new copy starts first, then it stops" in out, err
+
+        async def shown() -> str | None:
+            code, out, _ = await ctl(fleet, "replicas")
+            return out if code == 0 and "(restart queued)" in out else None
+
+        assert "m-1" in await wait_until(shown, what="ctl replicas to show the restart")
+        code, out, _ = await ctl(fleet, "restart", "--all")
+        assert code == 0 and "replica m-1 (m) is already restarting (queued)" in out
+    finally:
+        await fleet.stop()
