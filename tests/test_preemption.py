@@ -31,6 +31,7 @@ from tests.scheduler_world import (
     said,
     stopped,
 )
+from tests.test_quota_rules import quota, tree
 
 OLD = 600.0  # older than the 5 minutes under which a replica is never taken
 
@@ -302,6 +303,63 @@ RULES: list[tuple[str, list[Fact], list[str]]] = [
             model("hi", cores=8, cls="critical"),
         ],
         ["l1", "l2"],
+    ),
+]
+
+
+# With quotas over the tenancy tree (SCHED-8): acme/ml is guaranteed 8 cores, beta/ml nothing.
+TEAMS = [tree("acme", "acme/ml", "beta", "beta/ml"), quota("acme/ml", cores=8)]
+RULES += [
+    (
+        "a replica within its scope's guarantee is never taken for another scope, even by a critical model",
+        [
+            *TEAMS,
+            full(),
+            model("ours", cores=8, cls="opportunistic", owner="acme/ml"),
+            *running("o1", "ours", "a"),
+            *aged(),
+            model("theirs", cores=8, cls="critical", owner="beta/ml"),
+        ],
+        [],
+    ),
+    (
+        "a scope within its guarantee takes back what another scope borrowed, whatever its class",
+        [
+            *TEAMS,
+            full(),
+            model("lent", cores=8, owner="beta/ml"),
+            *running("b1", "lent", "a"),
+            *aged(),
+            model("ours", cores=8, cls="opportunistic", owner="acme/ml"),
+        ],
+        ["b1"],
+    ),
+    (
+        "a borrowed critical minimum is not taken back",
+        [
+            *TEAMS,
+            full(),
+            model("lent", cores=8, cls="critical", owner="beta/ml"),
+            *running("b1", "lent", "a"),
+            *aged(),
+            model("ours", cores=8, owner="acme/ml"),
+        ],
+        [],
+    ),
+    (
+        "a scope beyond its guarantee takes nothing back",
+        [
+            *TEAMS,
+            full("a"),
+            full("b"),
+            model("ours", cores=8, owner="acme/ml"),
+            model("lent", cores=8, owner="beta/ml"),
+            *running("o1", "ours", "a"),
+            *running("b1", "lent", "b"),
+            *aged(),
+            model("more", cores=8, cls="opportunistic", owner="acme/ml"),
+        ],
+        [],
     ),
 ]
 

@@ -5,12 +5,15 @@ The rules, each where it is decided:
 
 - **who may give way to whom** (:func:`tier_of`): a lower class to a higher one, extras and minimums
   alike; within a class only a replica above its model's minimum, and only for a model below its
-  own minimum; a higher class never to a lower. Never a critical model's minimum, a replica younger
-  than :data:`MIN_AGE_S`, a replica of the winner's own model, nor one a quota guarantee protects.
+  own minimum; a higher class never to a lower — except that a model within its owner's quota
+  guarantee (SCHED-8) takes back capacity other scopes borrowed beyond theirs, whatever its class.
+  Never a critical model's minimum, a replica younger than :data:`MIN_AGE_S`, a replica of the
+  winner's own model, nor one within another scope's guarantee.
   (llmgw places no replica across nodes, so "never a multi-node replica" has nothing to exclude.)
-- **the order victims are taken in** (the tier, then :func:`_victim_order`): idle on-demand replicas,
-  lower classes' extras, the same class's extras, lower classes' minimums; within a tier capacity a
-  scope borrowed beyond its guarantee first, then the longest unused, then the smallest.
+- **the order victims are taken in** (the tier, then :func:`_victim_order`): borrowed capacity taken
+  back, idle on-demand replicas, lower classes' extras, the same class's extras, lower classes'
+  minimums; within a tier capacity a scope borrowed beyond its guarantee first, then the longest
+  unused, then the smallest.
 - **the set** (:func:`find`): victims live on one node (freeing room elsewhere helps no one); at most
   :data:`MAX_VICTIMS`, tried on a copy of the node — nothing is stopped unless the whole set makes
   room — then pruned to what the placement needs. Of the nodes where a set works, the one giving up
@@ -33,8 +36,14 @@ HOLD_S = 300.0  # a victim's model waits this long (or until the winner is place
 GRACE_S = 30.0  # the drain a victim gets
 
 # The tiers, in the order victims are taken.
-IDLE_ON_DEMAND, LOWER_EXTRA, SAME_EXTRA, LOWER_MINIMUM = range(4)
-TIER_WORDS = ("idle on-demand", "extra replica of a lower class", "extra replica of its class", "lower class")
+RECLAIMED, IDLE_ON_DEMAND, LOWER_EXTRA, SAME_EXTRA, LOWER_MINIMUM = range(5)
+TIER_WORDS = (
+    "capacity borrowed beyond its scope's guarantee",
+    "idle on-demand",
+    "extra replica of a lower class",
+    "extra replica of its class",
+    "lower class",
+)
 
 
 def class_of(spec: ModelSpec, min_replicas: int) -> str:
@@ -73,6 +82,9 @@ class Winner(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     capacity_class: str
     below_minimum: bool  # fewer replicas than its own minimum (not just an on-demand model in use)
+    # Within its owner's guarantee (SCHED-8): it takes back what others borrowed, whatever their class.
+    reclaims: bool = False
+    own_guarantees: frozenset[str] = frozenset()  # Holder.protected sentences of its own scopes
 
 
 class Victim(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -87,15 +99,18 @@ class Preemption(msgspec.Struct, frozen=True, kw_only=True):
     choice: Choice  # where the winner lands once the victims are gone (on a copy of the node)
 
 
-def tier_of(winner: Winner, model: ModelSide, extra: bool) -> int | None:
+def tier_of(winner: Winner, model: ModelSide, extra: bool, borrowed: bool = False) -> int | None:
     """The tier a replica of ``model`` gives way to ``winner`` in, or None when it may not.
-    ``extra``: the replica counts above its model's minimum. Age and quota are the caller's filter."""
+    ``extra``: the replica counts above its model's minimum; ``borrowed``: its scope holds it beyond
+    its guarantee. Age and protection are the caller's filter."""
     if model.name == winner.model:
         return None
+    if model.capacity_class == "critical" and not extra:
+        return None
+    if borrowed and winner.reclaims:
+        return RECLAIMED  # a scope within its guarantee takes back what was lent, of any class
     mine, theirs = RANK[model.capacity_class], RANK[winner.capacity_class]
     if mine > theirs:
-        return None
-    if model.capacity_class == "critical" and not extra:
         return None
     if mine == theirs:
         if not (extra and winner.below_minimum):
@@ -147,9 +162,11 @@ def _eligible_on(
         extra = extras_left.get(h.model, 0) > 0
         if extra:
             extras_left[h.model] -= 1
-        if h.replica_id in taken or h.age_s < min_age_s or h.protected:
+        if h.replica_id in taken or h.age_s < min_age_s:
             continue
-        tier = tier_of(winner, side, extra)
+        if h.protected and h.protected not in winner.own_guarantees:
+            continue  # within another scope's guarantee: never taken for this one
+        tier = tier_of(winner, side, extra, h.borrowed)
         if tier is not None:
             out.append(Victim(holder=h, capacity_class=side.capacity_class, tier=tier))
     out.sort(key=lambda v: _victim_order(v, models))

@@ -263,6 +263,31 @@ def guarantee_shares(state: ClusterState) -> tuple[dict[str, str], set[str]]:
     return protected, borrowed
 
 
+def guarantee_room(state: ClusterState, model: str, need: Need) -> str | None:
+    """The scope (as a person reads it) within whose guarantee one more replica of ``model`` needing
+    ``need`` still fits — capacity it may take back from borrowers (SCHED-8) — or None."""
+    m = state.models.get(model)
+    chain = owner_chain(state, m.spec.owner if m else None)
+    if not chain:
+        return None
+    quotas = quotas_by_scope(state)
+    held = holdings(state)
+    use = usage_of_need(need)
+    for scope in chain:
+        q = quotas.get(scope)
+        if q is not None and not q.guarantee.is_empty() and _within(held.get(scope, ZERO), q.guarantee, use):
+            return state.tree.label(scope)
+    return None
+
+
+def guarantee_words(state: ClusterState, model: str) -> frozenset[str]:
+    """The "within …'s guarantee" sentences of the scopes on ``model``'s owner chain: a replica its own
+    scope's guarantee protects may still give way to that scope's models."""
+    m = state.models.get(model)
+    chain = owner_chain(state, m.spec.owner if m else None)
+    return frozenset(f"within {state.tree.label(scope)}'s guarantee" for scope in chain)
+
+
 def protected_replicas(state: ClusterState) -> dict[str, str]:
     """Replica id → why it may not be taken for another scope ("within org:acme's guarantee")."""
     return guarantee_shares(state)[0]

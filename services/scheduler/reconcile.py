@@ -34,7 +34,7 @@ from llmgw.services.scheduler.placement import (
     reserve,
     summarise,
 )
-from llmgw.services.scheduler.quota import Ledger
+from llmgw.services.scheduler.quota import Ledger, guarantee_room, guarantee_shares, guarantee_words
 from llmgw.services.scheduler.state import ClusterState, ModelState, ReplicaState, capacity_of
 
 
@@ -300,6 +300,7 @@ class _Pass:
         if self._holders is None:
             holders: list[PRE.Holder] = []
             sides: dict[str, PRE.ModelSide] = {}
+            protected, borrowed = guarantee_shares(self.state) if self.state.quotas else ({}, set())
             for name in self.state.replica_models():
                 live = [r for r in self.state.replicas_of(name) if r.active and r.id not in self.failed_now]
                 m = self.state.models.get(name)
@@ -322,6 +323,8 @@ class _Pass:
                         cores=r.cores,
                         memory_bytes=r.memory_bytes,
                         gpus=list(r.gpus),
+                        protected=protected.get(r.id, ""),
+                        borrowed=r.id in borrowed,
                     )
                     for r in live
                 ]
@@ -564,8 +567,14 @@ def _preempt(
         return [Waiting(model=m.name, until=until, why=f"waiting for {len(waiting)} replicas that gave way to drain")]
     holders, sides = p.holders(clock, cfg)
     cls = PRE.class_of(m.spec, m.min)
-    winner = PRE.Winner(model=m.name, capacity_class=cls, below_minimum=have < m.min)
     for _, need in needs:  # the profiles in order of preference, as plain placement tried them
+        winner = PRE.Winner(
+            model=m.name,
+            capacity_class=cls,
+            below_minimum=have < m.min,
+            reclaims=bool(state.quotas) and guarantee_room(state, m.name, need) is not None,
+            own_guarantees=guarantee_words(state, m.name) if state.quotas else frozenset(),
+        )
         found = PRE.find(
             cs,
             need,
