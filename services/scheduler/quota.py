@@ -106,14 +106,18 @@ def holdings(state: ClusterState, model_chains: dict[str, list[str]] | None = No
     model_chains = chains(state) if model_chains is None else model_chains
     out: dict[str, Usage] = {}
     for model, chain in model_chains.items():
-        total = ZERO
+        gpus = cores = memory = 0  # plain sums: a pass pays this once, over every replica (docs/benchmarks.md)
         for r in state.replicas_of(model):
-            if holds(r):
-                total = total + usage_of(r)
-        if total == ZERO:
+            if r.active or r.state == "draining":
+                gpus += len(r.gpus)
+                cores += r.cores
+                memory += r.memory_bytes
+        if not (gpus or cores or memory):
             continue
+        total = Usage(gpus=gpus, cores=cores, memory_bytes=memory)
         for scope in chain:
-            out[scope] = out.get(scope, ZERO) + total
+            held = out.get(scope)
+            out[scope] = total if held is None else held + total
     return out
 
 
@@ -208,17 +212,15 @@ class Ledger:
 # -- guarantees ------------------------------------------------------------------------------------
 
 
-def _within(total: Usage, guarantee: Q.Resources, use: Usage) -> bool:
-    """Whether a replica using ``use`` fits what is left of ``guarantee`` after ``total``: within every
-    resource the guarantee sets, and using one of them (a GPU guarantee covers GPU replicas, whatever
-    cores and memory they reserve, and no CPU-only replica)."""
+def _within(total: list[int], guarantee: tuple[int | None, ...], use: tuple[int, ...]) -> bool:
+    """Whether a replica using ``use`` fits what is left of ``guarantee`` after ``total`` (each as
+    (gpus, cores, memory_bytes)): within every resource the guarantee sets, and using one of them (a
+    GPU guarantee covers GPU replicas, whatever cores and memory they reserve, and no CPU-only replica)."""
     covers = False
-    for resource in Q.RESOURCES:
-        g = getattr(guarantee, resource)
+    for g, t, want in zip(guarantee, total, use, strict=True):
         if g is None:
             continue
-        want = getattr(use, resource)
-        if getattr(total, resource) + want > g:
+        if t + want > g:
             return False
         covers = covers or want > 0
     return covers
@@ -230,59 +232,73 @@ def guarantee_shares(state: ClusterState) -> tuple[dict[str, str], set[str]]:
     Each scope with a guarantee covers the replicas under it in a stable order — ready before not
     yet ready, oldest first — while they fit what it guarantees; a replica is protected by the nearest
     scope on its chain that covers it. An owned replica no guarantee covers is borrowed."""
-    quotas = {s: q for s, q in quotas_by_scope(state).items() if not q.guarantee.is_empty()}
-    model_chains = chains(state)
-    under: dict[str, list[ReplicaState]] = {}
-    owned: list[tuple[ReplicaState, list[str]]] = []
-    for model, chain in model_chains.items():
+    guarantees = {
+        s: (q.guarantee.gpus, q.guarantee.cores, q.guarantee.memory_bytes)
+        for s, q in quotas_by_scope(state).items()
+        if not q.guarantee.is_empty()
+    }
+    under: dict[str, list[tuple[bool, float, str, tuple[int, int, int]]]] = {}
+    owned: list[tuple[str, list[str]]] = []
+    for model, chain in chains(state).items():
+        covering = [s for s in chain if s in guarantees]
         for r in state.replicas_of(model):
-            if not holds(r):
+            if not (r.active or r.state == "draining"):
                 continue
-            owned.append((r, chain))
-            for scope in chain:
-                if scope in quotas:
-                    under.setdefault(scope, []).append(r)
+            owned.append((r.id, chain))
+            if covering:
+                key = (r.state != "ready", r.placed_at, r.id, (len(r.gpus), r.cores, r.memory_bytes))
+                for scope in covering:
+                    under.setdefault(scope, []).append(key)
     covered: dict[str, set[str]] = {}
     for scope, rs in under.items():
-        g = quotas[scope].guarantee
-        total = ZERO
+        g = guarantees[scope]
+        total = [0, 0, 0]
         ids = covered[scope] = set()
-        for r in sorted(rs, key=lambda r: (r.state != "ready", r.placed_at, r.id)):
-            use = usage_of(r)
+        rs.sort()
+        for _, _, rid, use in rs:
             if _within(total, g, use):
-                total = total + use
-                ids.add(r.id)
+                total[0] += use[0]
+                total[1] += use[1]
+                total[2] += use[2]
+                ids.add(rid)
     protected: dict[str, str] = {}
     borrowed: set[str] = set()
-    for r, chain in owned:
-        scope = next((s for s in chain if r.id in covered.get(s, ())), None)
+    labels: dict[str, str] = {}
+    for rid, chain in owned:
+        scope = next((s for s in chain if rid in covered.get(s, ())), None)
         if scope is None:
-            borrowed.add(r.id)
+            borrowed.add(rid)
         else:
-            protected[r.id] = f"within {state.tree.label(scope)}'s guarantee"
+            label = labels.get(scope) or labels.setdefault(scope, state.tree.label(scope))
+            protected[rid] = f"within {label}'s guarantee"
     return protected, borrowed
 
 
 def guarantee_room(state: ClusterState, model: str, need: Need) -> str | None:
     """The scope (as a person reads it) within whose guarantee one more replica of ``model`` needing
-    ``need`` still fits — capacity it may take back from borrowers (SCHED-8) — or None."""
+    ``need`` still fits — capacity it may take back from borrowers (SCHED-8) — or None. Used by
+    preemption (services/scheduler/preemption.py, ``Winner.reclaims``)."""
     m = state.models.get(model)
     chain = owner_chain(state, m.spec.owner if m else None)
     if not chain:
         return None
     quotas = quotas_by_scope(state)
     held = holdings(state)
-    use = usage_of_need(need)
+    use = (need.gpus, need.cores, need.memory_bytes)
     for scope in chain:
         q = quotas.get(scope)
-        if q is not None and not q.guarantee.is_empty() and _within(held.get(scope, ZERO), q.guarantee, use):
+        if q is None or q.guarantee.is_empty():
+            continue
+        h = held.get(scope, ZERO)
+        g = (q.guarantee.gpus, q.guarantee.cores, q.guarantee.memory_bytes)
+        if _within([h.gpus, h.cores, h.memory_bytes], g, use):
             return state.tree.label(scope)
     return None
 
 
 def guarantee_words(state: ClusterState, model: str) -> frozenset[str]:
     """The "within …'s guarantee" sentences of the scopes on ``model``'s owner chain: a replica its own
-    scope's guarantee protects may still give way to that scope's models."""
+    scope's guarantee protects may still give way to that scope's models (preemption's ``Winner``)."""
     m = state.models.get(model)
     chain = owner_chain(state, m.spec.owner if m else None)
     return frozenset(f"within {state.tree.label(scope)}'s guarantee" for scope in chain)
