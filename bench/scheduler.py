@@ -36,10 +36,11 @@ from llmgw.events import replicas as R
 from llmgw.events.envelope import Envelope, RecordedEvent
 from llmgw.events.subjects import event_subject
 from llmgw.services.scheduler.placement import GiB, Need, check, need_of, place
-from llmgw.services.scheduler.reconcile import Clock, Config, Place, candidates, reconcile
+from llmgw.services.scheduler.reconcile import Clock, Config, Place, Preempt, candidates, reconcile
 from llmgw.services.scheduler.state import ClusterState, capacity_of
 
 PASS_TARGET_MS = 50.0  # one pass, 1,000 nodes / 5,000 replicas
+PREEMPT_TARGET_MS = 20.0  # a pass that preempts (SCHED-7), same cluster
 PLACE_TARGET_MS = 1.0  # one placement decision over every node
 T0 = 1_700_000_000.0
 NOW = 10_000.0  # monotonic seconds "now": every node reported at NOW
@@ -378,7 +379,67 @@ def bench_scale(n_nodes: int, n_models: int, n_replicas: int, runs: int, echo: C
     for name in picks:
         samples += measure(lambda name=name: candidates(state, name), rounds, min_runs=rounds)
     timings.append(_timing("candidates", "candidates(state, model) for one model", sim, samples))
+
+    victims = preempting(state)
+    echo(f"  timing a pass that preempts ({victims} replicas give way to a critical model)")
+    timings.append(
+        _timing(
+            "pass.preempting",
+            f"reconcile pass that preempts ({victims} replicas give way)",
+            sim,
+            measure(lambda: reconcile(state, clock(), CFG), runs),
+            PREEMPT_TARGET_MS if n_nodes == 1000 else None,
+        )
+    )
     return {"sim": msgspec.to_builtins(sim), "timings": timings}
+
+
+def preempting(state: ClusterState) -> int:
+    """``state`` with a critical model that fits nowhere until other replicas give way: it wants a
+    whole 8-GPU node, and every such node has a GPU in use (a 1-GPU filler replica where one was
+    idle). Returns how many replicas the pass stops for it; raises when it would stop none."""
+    seq = state.position
+    at = datetime.fromtimestamp(T0, UTC)
+
+    def emit(aggregate: str, agg_id: str, payload: msgspec.Struct) -> None:
+        nonlocal seq
+        seq += 1
+        env = Envelope(id=f"p{seq}", type="bench", at=at, actor="system:bench")
+        state.apply(RecordedEvent(envelope=env, payload=payload, subject=event_subject(aggregate, agg_id), seq=seq))
+
+    def gpu_model(name: str, count: int, cls: str | None, lo: int) -> M.ModelSpec:
+        profile = M.Profile(engine="vllm", min_memory_gb=8, gpus=M.GpuRequest(count=count, min_memory_gb=80))
+        spec = M.ModelSpec(
+            name=name, source=f"/models/{name}", scaling=M.Scaling(min=lo), capacity_class=cls, profiles=[profile]
+        )
+        emit(M.AGGREGATE, name, M.ModelAdded(spec=spec))
+        return spec
+
+    big = [n for n in state.nodes.values() if n.capacity and len(n.capacity.gpus) == 8]
+    idle = [n for n in big if not any(r.gpus for r in state.replicas_on(n.id) if r.active)]
+    if idle:
+        filler = gpu_model("filler", 1, None, len(idle))
+        m = state.models[filler.name]
+        for i, n in enumerate(sorted(idle, key=lambda n: n.id)):
+            rid = f"filler-{i:04d}"
+            placed = R.ReplicaPlaced(
+                replica_id=rid,
+                model=filler.name,
+                node_id=n.id,
+                source=filler.source,
+                profile=filler.profiles[0],
+                spec_hash=m.spec_hash,
+                memory_bytes=8 * GiB,
+                gpus=[0],
+            )
+            emit(R.AGGREGATE, rid, placed)
+            emit(R.AGGREGATE, rid, R.ReplicaReady(replica_id=rid, node_id=n.id, pid=1, port=20000, url="http://x"))
+    gpu_model("zz-critical", 8, "critical", 1)
+    decisions = reconcile(state, clock(), CFG)
+    stopped = sum(len(d.replicas) for d in decisions if isinstance(d, Preempt))
+    if not stopped:
+        raise BenchError("the preempting pass stopped nothing: the simulated cluster has no victim set for the model")
+    return stopped
 
 
 def table(rows: list[Timing]) -> str:

@@ -23,6 +23,8 @@ The rules, each where it is decided:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 import msgspec
 
@@ -91,6 +93,7 @@ class Victim(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     holder: Holder
     capacity_class: str
     tier: int
+    last_used: float = 0.0
 
 
 class Preemption(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,51 +128,58 @@ def _size(h: Holder) -> tuple[int, int, int]:
     return (len(h.gpus), h.cores, h.memory_bytes)
 
 
-def _victim_order(v: Victim, models: dict[str, ModelSide]) -> tuple[object, ...]:
+def _victim_order(v: Victim) -> tuple[object, ...]:
     h = v.holder
-    return (v.tier, not h.borrowed, models[h.model].last_used, _size(h), h.replica_id)
+    return (v.tier, not h.borrowed, v.last_used, _size(h), h.replica_id)
 
 
 def _release(c: Candidate, victims: list[Victim]) -> Candidate:
     """``c`` as it would be with ``victims`` stopped."""
-    if not victims:
+    return _release_holders(c, [v.holder for v in victims])
+
+
+def _release_holders(c: Candidate, holders: list[Holder]) -> Candidate:
+    if not holders:
         return c
-    freed_gpus = {g for v in victims for g in v.holder.gpus}
+    freed_gpus = {g for h in holders for g in h.gpus}
     return msgspec.structs.replace(
         c,
-        reserved_cores=c.reserved_cores - sum(v.holder.cores for v in victims),
-        reserved_memory_bytes=c.reserved_memory_bytes - sum(v.holder.memory_bytes for v in victims),
+        reserved_cores=c.reserved_cores - sum(h.cores for h in holders),
+        reserved_memory_bytes=c.reserved_memory_bytes - sum(h.memory_bytes for h in holders),
         reserved_gpus=[g for g in c.reserved_gpus if g not in freed_gpus],
-        replicas=c.replicas - len(victims),
-        model_replicas=c.model_replicas,
+        replicas=c.replicas - len(holders),
     )
 
 
 def _eligible_on(
-    node_holders: list[Holder], winner: Winner, models: dict[str, ModelSide], taken: set[str], min_age_s: float
+    node_holders: list[Holder],
+    winner: Winner,
+    side_of: Callable[[str], ModelSide | None],
+    taken: AbstractSet[str],
+    min_age_s: float,
 ) -> list[Victim]:
     """The replicas on one node that may give way to ``winner``, in the order they are taken.
 
     Which of a model's replicas count as its extras is decided per node: as many as the model has
     extras, the oldest first (the young are not taken anyway).
     """
-    extras_left = {name: side.extras for name, side in models.items()}
+    extras_left: dict[str, int] = {}
     out: list[Victim] = []
     for h in sorted(node_holders, key=lambda h: (-h.age_s, h.replica_id)):
-        side = models.get(h.model)
+        side = side_of(h.model)
         if side is None:
             continue
-        extra = extras_left.get(h.model, 0) > 0
-        if extra:
-            extras_left[h.model] -= 1
+        left = extras_left.get(h.model, side.extras)
+        extra = left > 0
+        extras_left[h.model] = left - 1
         if h.replica_id in taken or h.age_s < min_age_s:
             continue
         if h.protected and h.protected not in winner.own_guarantees:
             continue  # within another scope's guarantee: never taken for this one
         tier = tier_of(winner, side, extra, h.borrowed)
         if tier is not None:
-            out.append(Victim(holder=h, capacity_class=side.capacity_class, tier=tier))
-    out.sort(key=lambda v: _victim_order(v, models))
+            out.append(Victim(holder=h, capacity_class=side.capacity_class, tier=tier, last_used=side.last_used))
+    out.sort(key=_victim_order)
     return out
 
 
@@ -195,6 +205,18 @@ def _set_for(c: Candidate, need: Need, eligible: list[Victim], max_victims: int)
     return chosen
 
 
+def _could_take(c: Candidate, need: Need) -> bool:
+    """Whether ``c`` empty could take the replica, on the plain numbers alone: most nodes of a large
+    fleet fail this (another engine, no GPUs), and it costs nothing next to :func:`check`."""
+    if c.engines is not None and need.engine not in c.engines:
+        return False
+    if need.gpus and len(c.gpus) < need.gpus:
+        return False
+    if c.cpus is not None and need.cores > c.cpus:
+        return False
+    return not (c.memory_total_bytes is not None and need.memory_bytes > c.memory_total_bytes)
+
+
 def _tiebreak(seed: str, node_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}/{node_id}".encode(), digest_size=8).digest(), "big")
 
@@ -203,29 +225,30 @@ def find(
     candidates: dict[str, Candidate],
     need: Need,
     winner: Winner,
-    holders: list[Holder],
-    models: dict[str, ModelSide],
+    holders_on: Callable[[str], list[Holder]],
+    side_of: Callable[[str], ModelSide | None],
     *,
     seed: str,
-    taken: set[str] = frozenset(),  # type: ignore[assignment]
+    taken: AbstractSet[str] = frozenset(),
     max_victims: int = MAX_VICTIMS,
     min_age_s: float = MIN_AGE_S,
 ) -> Preemption | None:
     """The victims whose stopping lets one replica needing ``need`` be placed, or None. Pure.
 
-    ``candidates`` are the nodes as placement sees them now; ``holders`` every running replica that
-    might give way; ``taken`` replicas already given way in this pass.
+    ``candidates`` are the nodes as placement sees them now; ``holders_on(node)`` the running replicas
+    on a node that might give way, ``side_of(model)`` their model's side (both asked only for the
+    nodes that could take the replica at all, so a large fleet is not walked whole); ``taken``
+    replicas already given way in this pass.
     """
-    by_node: dict[str, list[Holder]] = {}
-    for h in holders:
-        if h.node_id in candidates:
-            by_node.setdefault(h.node_id, []).append(h)
     best: tuple[tuple[object, ...], Preemption] | None = None
-    for node_id in sorted(by_node):
+    for node_id in sorted(candidates):
         c = candidates[node_id]
-        if c.unusable:
+        if c.unusable or not _could_take(c, need):
+            continue  # not even an empty node would do (another engine, too small): nothing to weigh
+        held = holders_on(node_id)
+        if not held or check(_release_holders(c, held), need):
             continue
-        eligible = _eligible_on(by_node[node_id], winner, models, taken, min_age_s)
+        eligible = _eligible_on(held, winner, side_of, taken, min_age_s)
         if not eligible:
             continue
         victims = _set_for(c, need, eligible, max_victims)

@@ -266,7 +266,9 @@ class _Pass:
         self._view: dict[str, Candidate] | None = None
         self._weights: dict[str, set[str]] = {}
         self.preempted: set[str] = set()  # replicas given way in this pass: not taken twice
-        self._holders: tuple[list[PRE.Holder], dict[str, PRE.ModelSide]] | None = None
+        self._holders_on: dict[str, list[PRE.Holder]] = {}
+        self._sides: dict[str, PRE.ModelSide | None] = {}
+        self._guarantees: tuple[dict[str, str], set[str]] | None = None
         self._gave_way: dict[str, list[M.ModelPreempted]] | None = None
         self._quota: Ledger | None = None
 
@@ -294,42 +296,48 @@ class _Pass:
     def reserve(self, node_id: str, need: Need, gpus: list[int]) -> None:
         self.view[node_id] = reserve(self.view[node_id], need, gpus, model_replica=False)
 
-    def holders(self, clock: Clock, cfg: Config) -> tuple[list[PRE.Holder], dict[str, PRE.ModelSide]]:
-        """Every running replica as a possible victim, and its model's side: built once a pass, on the
-        first preemption tried (most passes try none)."""
-        if self._holders is None:
-            holders: list[PRE.Holder] = []
-            sides: dict[str, PRE.ModelSide] = {}
-            protected, borrowed = guarantee_shares(self.state) if self.state.quotas else ({}, set())
-            for name in self.state.replica_models():
-                live = [r for r in self.state.replicas_of(name) if r.active and r.id not in self.failed_now]
-                m = self.state.models.get(name)
-                if not live or m is None:
-                    continue
-                used = self.state.demand.get(name)
-                sides[name] = PRE.ModelSide(
-                    name=name,
+    def holders_on(self, node_id: str, clock: Clock) -> list[PRE.Holder]:
+        """The running replicas on a node as possible victims (SCHED-7): built per node, on the first
+        preemption that asks about it (most passes try none, and most nodes cannot take the winner)."""
+        held = self._holders_on.get(node_id)
+        if held is None:
+            if self._guarantees is None:
+                self._guarantees = guarantee_shares(self.state) if self.state.quotas else ({}, set())
+            protected, borrowed = self._guarantees
+            held = self._holders_on[node_id] = [
+                PRE.Holder(
+                    replica_id=r.id,
+                    model=r.model,
+                    node_id=node_id,
+                    age_s=clock.epoch - r.placed_at,
+                    cores=r.cores,
+                    memory_bytes=r.memory_bytes,
+                    gpus=list(r.gpus),
+                    protected=protected.get(r.id, ""),
+                    borrowed=r.id in borrowed,
+                )
+                for r in self.state.replicas_on(node_id)
+                if r.active and r.id not in self.failed_now
+            ]
+        return held
+
+    def side_of(self, model: str, clock: Clock, cfg: Config) -> PRE.ModelSide | None:
+        """What preemption needs of a model whose replicas might give way; None for one not in the catalog."""
+        if model not in self._sides:
+            m = self.state.models.get(model)
+            side = None
+            if m is not None:
+                live = sum(1 for r in self.state.replicas_of(model) if r.active and r.id not in self.failed_now)
+                used = self.state.demand.get(model)
+                side = PRE.ModelSide(
+                    name=model,
                     capacity_class=PRE.class_of(m.spec, m.min),
-                    extras=max(len(live) - m.min, 0),
+                    extras=max(live - m.min, 0),
                     on_demand_idle=m.min == 0 and (used is None or clock.epoch - used >= cfg.preempt_idle_s),
                     last_used=used or 0.0,
                 )
-                holders += [
-                    PRE.Holder(
-                        replica_id=r.id,
-                        model=name,
-                        node_id=r.node_id,
-                        age_s=clock.epoch - r.placed_at,
-                        cores=r.cores,
-                        memory_bytes=r.memory_bytes,
-                        gpus=list(r.gpus),
-                        protected=protected.get(r.id, ""),
-                        borrowed=r.id in borrowed,
-                    )
-                    for r in live
-                ]
-            self._holders = (holders, sides)
-        return self._holders
+            self._sides[model] = side
+        return self._sides[model]
 
     def gave_way_to(self, model: str, now: float) -> list[M.ModelPreempted]:
         """The preemptions made for ``model`` whose hold still lasts."""
@@ -565,7 +573,6 @@ def _preempt(
     if waiting:
         until = min(pre.held_until for pre in p.gave_way_to(m.name, clock.epoch))
         return [Waiting(model=m.name, until=until, why=f"waiting for {len(waiting)} replicas that gave way to drain")]
-    holders, sides = p.holders(clock, cfg)
     cls = PRE.class_of(m.spec, m.min)
     for _, need in needs:  # the profiles in order of preference, as plain placement tried them
         winner = PRE.Winner(
@@ -579,8 +586,8 @@ def _preempt(
             cs,
             need,
             winner,
-            holders,
-            sides,
+            lambda node_id: p.holders_on(node_id, clock),
+            lambda model: p.side_of(model, clock, cfg),
             seed=seed,
             taken=p.preempted,
             max_victims=cfg.preempt_max_victims,
