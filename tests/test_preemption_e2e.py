@@ -13,6 +13,8 @@ import msgspec
 import pytest
 
 from llmgw.events import models as M
+from llmgw.events import quotas as Q
+from llmgw.events import tenancy as T
 from llmgw.events.store import EventStore
 from tests.fleet import FAST, Fleet
 from tests.gguf_tiny import write_tiny_gguf
@@ -78,3 +80,44 @@ async def test_a_critical_model_takes_an_opportunistic_model_s_room_and_the_gate
     assert "gave room to chat (critical) on n1" in batch["gave_room_to"]
     assert batch["ready"] == 0
     assert "gave room to chat" in batch["status"] or batch["status"].startswith("unplaceable")
+
+
+@pytest.fixture
+async def teams(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
+    f = await Fleet(store, nats.url, tmp_path).start(
+        services=(*GATEWAY, "tenancy"), router=FAST_ROUTER, scheduler=PREEMPTING
+    )
+    for kind, path in (("org", "acme"), ("team", "acme/ml"), ("org", "beta"), ("team", "beta/ml")):
+        await f.command("create", T.CreateScope(kind=kind, path=path), service=T.SERVICE)
+    await f.command("quota_set", Q.SetQuota(scope="team:acme/ml", guarantee=Q.Resources(cores=8)), service=T.SERVICE)
+    f.agent("n1")  # eight cores: one 8-core model fills it
+    yield f
+    await f.stop()
+
+
+async def test_capacity_another_team_borrowed_is_taken_back_when_its_owner_needs_it(
+    teams: Fleet, tmp_path: Path
+) -> None:
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    key, _ = await make_key(teams.store, await make_tenant(teams.store))
+    # beta/ml has no guarantee: what its standard model holds, it holds on loan.
+    await teams.add_model("beta-chat", tiny, cores=8, owner="beta/ml")
+    [lent] = await teams.wait_ready("beta-chat", 1)
+
+    # acme/ml is guaranteed 8 cores and holds none: its model, though only opportunistic, takes them back.
+    await teams.add_model("acme-batch", tiny, cores=8, capacity_class="opportunistic", owner="acme/ml")
+    await teams.wait_ready("acme-batch", 1)
+    assert (await teams.replicas())[lent["id"]]["state"] == "stopped"
+
+    [taken] = [
+        e.payload
+        for e in await teams.store.read("llmgw.evt.model.beta-chat")
+        if isinstance(e.payload, M.ModelPreempted)
+    ]
+    assert taken.for_model == "acme-batch" and "borrowed beyond its scope's guarantee" in taken.reason
+
+    await teams.router_caught_up()
+    answer = await client(teams, key).chat.completions.create(
+        model="acme-batch", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert answer.usage is not None and answer.usage.completion_tokens > 0
