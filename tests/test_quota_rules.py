@@ -415,3 +415,112 @@ def test_the_snapshot_keeps_the_tree_and_the_quotas() -> None:
     assert back.tree.label("team:acme.ml") == "team:acme/ml"
     assert back.tree.scopes_above("acme.ml.chat") == ["team:acme.ml", "org:acme"]
     assert msgspec.json.encode(QU.quota_view(back)) == msgspec.json.encode(QU.quota_view(w.state))
+
+
+# -- `ctl model class|owner` (CAT-4): the catalog's decisions -----------------------------------------
+
+
+def _catalog(declared: bool = False) -> object:
+    from llmgw.events.envelope import Envelope, RecordedEvent, utc_now
+    from llmgw.services.catalog.rules import Catalog
+
+    catalog = Catalog()
+    env = Envelope(id="e1", type="model.added", at=utc_now(), actor="user:t")
+    added = M.ModelAdded(spec=spec("chat", 1), declared=declared)
+    catalog.apply("chat", RecordedEvent(envelope=env, payload=added, subject="s", seq=1))
+    return catalog
+
+
+EDITS = [
+    ("a class is set", M.SetClass(name="chat", capacity_class="critical"), "model chat is now of class critical",
+     {"capacity_class": "critical"}),
+    ("default unsets the class", M.SetClass(name="chat", capacity_class="default"),
+     "model chat is already of class default", None),
+    ("an owner is set as a path", M.SetOwner(name="chat", owner="acme/ml"), "model chat now has owner acme/ml",
+     {"owner": "acme/ml"}),
+    ("an owner is set with its kind", M.SetOwner(name="chat", owner="team:acme/ml"),
+     "model chat now has owner team:acme/ml", {"owner": "team:acme/ml"}),
+    ("no owner is no change for a model without one", M.SetOwner(name="chat", owner=None),
+     "model chat already has owner none", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("_name", "command", "message", "changed"), EDITS, ids=[c[0] for c in EDITS])
+def test_model_edit(_name: str, command: M.CatalogCommand, message: str, changed: dict | None) -> None:
+    from llmgw.services.catalog.rules import decide
+
+    name, payloads, said_ = decide(_catalog(), command)  # type: ignore[arg-type]
+    assert (name, said_) == ("chat", message)
+    if changed is None:
+        assert payloads == []
+    else:
+        [payload] = payloads
+        assert isinstance(payload, M.ModelChanged)
+        assert {k: getattr(payload.spec, k) for k in changed} == changed
+
+
+EDIT_REFUSALS = [
+    ("an unknown class is refused naming the classes", M.SetClass(name="chat", capacity_class="gold"),
+     "class 'gold' is not one of critical, standard, opportunistic (or default)"),
+    ("an owner of four parts is refused", M.SetOwner(name="chat", owner="a/b/c/d"),
+     "an owner is org, org/team or org/team/project"),
+    ("an owner of an unknown kind is refused", M.SetOwner(name="chat", owner="user:bob"),
+     "'user' is not org, team or project"),
+    ("an owner with an empty part is refused", M.SetOwner(name="chat", owner="acme//x"), "empty or padded part"),
+    ("an unknown model is refused", M.SetOwner(name="nope", owner="acme"), "there is no model 'nope'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("_name", "command", "says"), EDIT_REFUSALS, ids=[c[0] for c in EDIT_REFUSALS])
+def test_model_edit_refusal(_name: str, command: M.CatalogCommand, says: str) -> None:
+    from llmgw.services.catalog.rules import decide
+
+    with pytest.raises(Rejected) as exc:
+        decide(_catalog(), command)  # type: ignore[arg-type]
+    assert says in str(exc.value)
+
+
+def test_a_declared_models_owner_is_edited_in_its_file() -> None:
+    from llmgw.services.catalog.rules import decide
+
+    with pytest.raises(Rejected) as exc:
+        decide(_catalog(declared=True), M.SetOwner(name="chat", owner="acme"))  # type: ignore[arg-type]
+    assert exc.value.code == "declared" and "change the owner of it there" in str(exc.value)
+
+
+# -- metrics ------------------------------------------------------------------------------------------------
+
+
+def test_capacity_series_show_holdings_beside_the_guarantee_and_the_limit_by_path() -> None:
+    w = World().add(
+        ACME,
+        H100,
+        quota("acme/ml", gpus=1, limit_gpus=4),
+        gpu_model("chat", 2, 1, "acme/ml/chat"),
+        placed("c1", "chat", "h1"),
+    )
+    samples = {(name, labels): value for name, labels, value in QU.capacity_samples(w.state)}
+    assert samples[("llmgw_capacity_holds", ("team:acme/ml", "gpus"))] == 1.0
+    assert samples[("llmgw_capacity_holds", ("team:acme/ml", "memory_bytes"))] == 16.0 * GiB
+    assert samples[("llmgw_capacity_guarantee", ("team:acme/ml", "gpus"))] == 1.0
+    assert samples[("llmgw_capacity_limit", ("team:acme/ml", "gpus"))] == 4.0
+    assert ("llmgw_capacity_limit", ("team:acme/ml", "cores")) not in samples  # unset: no series
+    assert {labels[0] for _, labels in samples} == {"team:acme/ml"}  # only scopes with a quota
+
+
+def test_the_capacity_at_limit_alert_reads_the_series_the_scheduler_publishes() -> None:
+    from pathlib import Path
+
+    import yaml
+    from prometheus_client import CollectorRegistry
+
+    from llmgw.services.scheduler.metrics import FleetCollector
+    from llmgw.services.scheduler.state import ClusterState
+
+    registry = CollectorRegistry()
+    registry.register(FleetCollector("sched-a", ClusterState, lambda: True, list, Config()))
+    published = {f.name for f in registry.collect()}
+    alerts = Path(__file__).resolve().parent.parent / "ops" / "prometheus" / "alerts.yml"
+    [rule] = [r for r in yaml.safe_load(alerts.read_text())["groups"][0]["rules"] if r["alert"] == "CapacityAtLimit"]
+    assert {"llmgw_capacity_holds", "llmgw_capacity_limit"} <= published
+    assert "llmgw_capacity_holds" in rule["expr"] and "llmgw_capacity_limit" in rule["expr"]
