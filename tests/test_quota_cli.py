@@ -128,6 +128,11 @@ async def test_a_model_owned_by_a_team_at_its_limit_is_blocked_with_the_reason_i
     assert "1 GPUs" in row and "2 GPUs" in row  # the guarantee, the limit and what it holds
     assert row.split()[-2:] == ["1", "1"]  # one replica within the guarantee, one borrowed beyond it
 
+    models = await ctl(fleet, "models")
+    assert models.exit_code == 0, models.output
+    [chat] = [line.split() for line in models.output.splitlines() if line.startswith("chat ")]
+    assert chat[4:6] == ["critical", "acme/ml"]  # CLASS and OWNER, after MODEL READY STARTING NODES
+
     # Without an owner the model counts against no quota: the scheduler places the rest.
     freed = await ctl(fleet, "model", "owner", "chat", "--none")
     assert freed.exit_code == 0 and "model chat now has no owner" in freed.output, freed.output

@@ -391,11 +391,11 @@ def worlds(draw: st.DrawFn) -> tuple[World, dict[str, int]]:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(worlds(), st.integers(1, 3))
-def test_no_pass_takes_a_scope_over_its_limit(world: tuple[World, dict[str, int]], passes: int) -> None:
+@given(worlds(), st.integers(1, 3), st.booleans())
+def test_no_pass_takes_a_scope_over_its_limit(world: tuple[World, dict[str, int]], passes: int, preempt: bool) -> None:
     w, _ = world
     for _ in range(passes):
-        decisions = w.run(NO_PREEMPT)
+        decisions = w.run(Config() if preempt else NO_PREEMPT)
         w.commit(decisions)
         held = QU.holdings(w.state)
         for q in w.state.quotas.values():
@@ -524,3 +524,21 @@ def test_the_capacity_at_limit_alert_reads_the_series_the_scheduler_publishes() 
     [rule] = [r for r in yaml.safe_load(alerts.read_text())["groups"][0]["rules"] if r["alert"] == "CapacityAtLimit"]
     assert {"llmgw_capacity_holds", "llmgw_capacity_limit"} <= published
     assert "llmgw_capacity_holds" in rule["expr"] and "llmgw_capacity_limit" in rule["expr"]
+
+
+def test_a_restart_at_its_owners_limit_stops_the_old_replica_first_instead_of_surging_past_it() -> None:
+    from llmgw.events import replicas as R
+    from tests.scheduler_world import on_replica
+
+    w = World().add(
+        ACME,
+        H100,
+        quota("acme/ml", limit_gpus=2),
+        gpu_model("chat", 2, 1, "acme/ml/chat"),
+        placed("c1", "chat", "h1"),
+        placed("c2", "chat", "h2"),
+        ready("c1", "c2"),
+        on_replica("c1", R.ReplicaRestartRequested(replica_id="c1")),
+    )
+    out = [told(d) for d in w.run(NO_PREEMPT)]
+    assert out == ["stop c1: restart of c1: no room for a second copy; model chat is short until it is back"]

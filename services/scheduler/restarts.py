@@ -88,6 +88,8 @@ def step(
         if choice is None:
             continue
         placed = msgspec.structs.replace(needs[k], cores=cores_on(needs[k], cs[choice.node_id].cpus))
+        if p.quota.admit(m.name, placed) is not None:  # SCHED-8: a second copy would take its owner over its limit
+            continue
         p.reserve(choice.node_id, placed, choice.gpus)
         fitting = sum(1 for v in verdicts if v.fits)
         why = f"replaces {old.id} ({why_restart(old, m.spec_hash)}); best of {fitting} fitting nodes"
