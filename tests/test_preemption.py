@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from llmgw.events import models as M
 from llmgw.services.scheduler import preemption as PRE
+from llmgw.services.scheduler.explain import explain
 from llmgw.services.scheduler.headroom import headroom
 from llmgw.services.scheduler.metrics import FleetCollector
 from llmgw.services.scheduler.reconcile import Preempt, Stop
@@ -539,3 +540,32 @@ def test_no_victim_breaks_a_rule_and_every_set_is_needed_and_makes_room(w: World
 @given(fleets())
 def test_the_same_cluster_gives_the_same_preemption(w: World) -> None:
     assert [said(d) for d in w.run()] == [said(d) for d in w.run()]
+
+
+def test_explain_names_the_replicas_that_would_give_way_and_why() -> None:
+    w = World().add(full(), model("low", cores=8, cls="opportunistic"), *running("l1", "low", "a"), *aged())
+    w.add(model("hi", cores=8, cls="critical"))
+    body = explain(w.state, "hi", CFG, clock=w.clock())
+    assert body["preemption"] == "l1 of low would give way: gave room to hi (critical) on a: lower class"
+    assert body["capacity_class"] == "critical"
+
+
+def test_explain_says_when_nothing_may_give_way_naming_the_class() -> None:
+    w = World().add(full(), model("std", cores=8), *running("s1", "std", "a"), *aged())
+    w.add(model("low", cores=8, cls="opportunistic"))
+    body = explain(w.state, "low", CFG, clock=w.clock())
+    assert body["summary"] == (
+        "0 of 1 nodes could take another replica; nothing may give way to a opportunistic model: no replica of "
+        "a lower class, nor an extra of its own class, older than 5 minutes and outside other scopes' guarantees "
+        "makes room on any node"
+    )
+    assert body["capacity_class"] == "opportunistic"
+
+
+def test_explain_says_a_model_that_gave_way_is_held_back_and_for_whom() -> None:
+    w = World().add(full(), model("low", cores=8, cls="opportunistic"), *running("l1", "low", "a"), *aged())
+    w.add(model("hi", cores=8, cls="critical"))
+    w.step()
+    w.add(stopped("l1"), model("other", cores=8, cls="critical"), *running("x1", "other", "a"))
+    body = explain(w.state, "low", CFG, clock=w.clock())
+    assert "it gave room to hi and is held back until that model is placed or the hold ends" in body["summary"]

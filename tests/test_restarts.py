@@ -16,6 +16,7 @@ from tests.scheduler_world import (
     Fact,
     World,
     failed,
+    later,
     model,
     node,
     on_model,
@@ -203,3 +204,9 @@ def test_a_restart_is_asked_for_a_running_replica_and_an_unknown_one_is_refused_
     payloads, message = decide_restart(replicas, command)
     assert message == says and len(payloads) == events
     assert payloads == [R.ReplicaRestartRequested(replica_id=asked, reason="new weights")][:events]
+
+
+def test_a_scale_down_stops_a_replica_waiting_for_its_restart_first() -> None:
+    w = World().add(node("a"), node("b"), model("m", 2), placed("r1", "m", "a", stale=True), ready("r1"))
+    w.add(later(10), placed("r2", "m", "b"), ready("r2"), on_model("m", M.ModelScaled(min=1, max=1)))
+    assert [said(d) for d in w.run()] == ["stop r1: model m scaled to max 1"], "not the newest, the stale one"

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmgw.services.scheduler import preemption as PRE
 from llmgw.services.scheduler.placement import evaluate, need_of, profile_order
 from llmgw.services.scheduler.quota import Ledger, owner_problem
-from llmgw.services.scheduler.reconcile import Config, candidates
+from llmgw.services.scheduler.reconcile import Clock, Config, Preempt, Waiting, candidates, held_back, try_preempt
 from llmgw.services.scheduler.state import ClusterState
 
 
-def explain(state: ClusterState, model: str, cfg: Config, leader: str | None = None) -> dict[str, Any]:
+def explain(
+    state: ClusterState, model: str, cfg: Config, leader: str | None = None, clock: Clock | None = None
+) -> dict[str, Any]:
+    """Pure. ``clock``: what preemption and holds are judged at (without one, they are not explained)."""
     m = state.models.get(model)
     if m is None:
         known = ", ".join(sorted(state.models)) or "none"
@@ -30,7 +34,7 @@ def explain(state: ClusterState, model: str, cfg: Config, leader: str | None = N
         "last_error": m.last_error,
         "replicas": replicas,
         "answered_by": leader,
-        "capacity_class": m.spec.capacity_class or "default",
+        "capacity_class": m.spec.capacity_class or f"default ({PRE.class_of(m.spec, m.min)})",
         "owner": m.spec.owner,
     }
     if (problem := owner_problem(state, m.spec.owner)) is not None:
@@ -75,4 +79,27 @@ def explain(state: ClusterState, model: str, cfg: Config, leader: str | None = N
         body["summary"] = "no nodes have registered"
     else:
         body["summary"] = f"{fitting} of {len(verdicts)} nodes could take another replica"
+        if clock is not None and (held := held_back(state, m, clock)) is not None:
+            body["summary"] += f"; it {held.why} and is held back until that model is placed or the hold ends"
+        elif clock is not None and not fitting and cfg.preempt:
+            body["preemption"] = _preemption(state, m, cfg, clock)
+            body["summary"] += f"; {body['preemption']}"
     return body
+
+
+def _preemption(state: ClusterState, m: Any, cfg: Config, clock: Clock) -> str:
+    """What the next pass's preemption would do for one more replica of ``m`` (SCHED-7), in words."""
+    have = sum(1 for r in state.replicas_of(m.name) if r.active)
+    decisions = try_preempt(state, m, have, clock, cfg)
+    if (wait := next((d for d in decisions if isinstance(d, Waiting)), None)) is not None:
+        return wait.why
+    taken = [d for d in decisions if isinstance(d, Preempt)]
+    if taken:
+        return "; ".join(f"{', '.join(d.replicas)} of {d.model} would give way: {d.reason}" for d in taken)
+    cls = PRE.class_of(m.spec, m.min)
+    return (
+        f"nothing may give way to a {cls} model: no replica of a lower class"
+        + (", nor an extra of its own class," if have < m.min else "")
+        + f" older than {cfg.preempt_min_age_s / 60:g} minutes and outside other scopes' guarantees"
+        + " makes room on any node"
+    )

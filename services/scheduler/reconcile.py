@@ -458,9 +458,9 @@ def _model(
             out.append(Stop(replica_id=r.id, reason=reason, grace_s=cfg.stop_grace_s, short=True))
 
     if len(staying) > upper:
-        # Scale down, placement's scores in reverse: not-yet-ready replicas first, then those on the
-        # node with most of this model's replicas (spread), then on the busiest node (most replicas
-        # of any model), newest first.
+        # Scale down, placement's scores in reverse: not-yet-ready replicas first, then those waiting
+        # for a restart (SCHED-6), then those on the node with most of this model's replicas (spread),
+        # then on the busiest node (most replicas of any model), newest first.
         per_node: dict[str, int] = {}
         for r in staying:
             per_node[r.node_id] = per_node.get(r.node_id, 0) + 1
@@ -470,7 +470,14 @@ def _model(
         }
         order = sorted(
             staying,
-            key=lambda r: (r.state == "ready", -per_node[r.node_id], -load[r.node_id], -r.placed_at, r.id),
+            key=lambda r: (
+                r.state == "ready",
+                not restarts.needs_restart(r, m.spec_hash),
+                -per_node[r.node_id],
+                -load[r.node_id],
+                -r.placed_at,
+                r.id,
+            ),
         )
         for r in order[: len(staying) - upper]:
             why = (
@@ -490,7 +497,7 @@ def _model(
             return [*out, Waiting(model=m.name, until=until)]
     if not m.spec.profiles:
         return [*out, Blocked(model=m.name, reason=f"model {m.name} has no profile", wanted=missing)]
-    if (held := _held_back(state, m, clock)) is not None:
+    if (held := held_back(state, m, clock)) is not None:
         return [*out, held]
     order = profile_order(m.spec.profiles)
     needs = {k: need_of(m.spec.profiles[k]) for k in order}
@@ -540,7 +547,7 @@ def _model(
     return out
 
 
-def _held_back(state: ClusterState, m: ModelState, clock: Clock) -> Waiting | None:
+def held_back(state: ClusterState, m: ModelState, clock: Clock) -> Waiting | None:
     """A model that gave way waits until the winner is placed or its hold ends, so that its replicas
     do not take back the room they just gave (SCHED-7)."""
     pre = m.preempted
@@ -549,6 +556,16 @@ def _held_back(state: ClusterState, m: ModelState, clock: Clock) -> Waiting | No
     if any(r.placed_at >= pre.at for r in state.replicas_of(pre.for_model)):
         return None  # the winner is placed: the hold has done its work
     return Waiting(model=m.name, until=pre.held_until, why=f"gave room to {pre.for_model}")
+
+
+def try_preempt(state: ClusterState, m: ModelState, have: int, clock: Clock, cfg: Config) -> list[Decision]:
+    """What a pass would decide, by preemption, for one more replica of ``m`` that fits nowhere (``ctl
+    explain`` asks; the pass itself calls :func:`_preempt` with what it has built)."""
+    order = profile_order(m.spec.profiles)
+    p = _Pass(state)
+    return _preempt(
+        state, m, have, [(k, need_of(m.spec.profiles[k])) for k in order], p.candidates(m.name), m.name, clock, cfg, p
+    )
 
 
 def _preempt(

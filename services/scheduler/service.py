@@ -381,7 +381,8 @@ class SchedulerService:
 
         async def on_explain(msg: object) -> None:
             name = msg.data.decode()  # type: ignore[attr-defined]
-            body = explain(self.state, name, self.cfg, leader=self.instance if self.leader else None)
+            clock = Clock(monotonic=time.monotonic(), epoch=time.time(), started=self.started)
+            body = explain(self.state, name, self.cfg, leader=self.instance if self.leader else None, clock=clock)
             await msg.respond(msgspec.json.encode(body))  # type: ignore[attr-defined]
 
         async def on_headroom(msg: object) -> None:
