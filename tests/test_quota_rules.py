@@ -542,3 +542,24 @@ def test_a_restart_at_its_owners_limit_stops_the_old_replica_first_instead_of_su
     )
     out = [told(d) for d in w.run(NO_PREEMPT)]
     assert out == ["stop c1: restart of c1: no room for a second copy; model chat is short until it is back"]
+
+
+def test_the_pass_ledger_and_the_plain_function_agree_on_room_within_a_guarantee() -> None:
+    from llmgw.services.scheduler.placement import need_of
+
+    w = World().add(
+        ACME,
+        H100,
+        quota("acme/ml", gpus=2),
+        quota("acme", gpus=3),
+        gpu_model("chat", 3, 1, "acme/ml/chat"),
+        gpu_model("free", 1, 1, None),
+        placed("c1", "chat", "h1"),
+    )
+    need = need_of(w.state.models["chat"].spec.profiles[0])
+    ledger = QU.Ledger(w.state)
+    assert ledger.guarantee_room("chat", need) == QU.guarantee_room(w.state, "chat", need) == "team:acme/ml"
+    assert ledger.guarantee_room("free", need) is QU.guarantee_room(w.state, "free", need) is None
+    w.add(placed("c2", "chat", "h2"))  # the team's guarantee is full; the org's still has room
+    ledger = QU.Ledger(w.state)
+    assert ledger.guarantee_room("chat", need) == QU.guarantee_room(w.state, "chat", need) == "org:acme"

@@ -179,12 +179,27 @@ class Ledger:
 
     def __init__(self, state: ClusterState) -> None:
         self.state = state
-        self.quotas = {s: q for s, q in quotas_by_scope(state).items() if not q.limit.is_empty()}
+        every = quotas_by_scope(state)
+        self.quotas = {s: q for s, q in every.items() if not q.limit.is_empty()}
+        self.guarantees = {s: q.guarantee for s, q in every.items() if not q.guarantee.is_empty()}
         self.chains: dict[str, list[str]] = {}
         self.held: dict[str, Usage] = {}
-        if self.quotas:
+        if every:
             self.chains = chains(state)
             self.held = holdings(state, self.chains)
+
+    def guarantee_room(self, model: str, need: Need) -> str | None:
+        """:func:`guarantee_room` over this pass's holdings (what it placed so far counted), without
+        summing every replica again: the scope, as a person reads it, or None."""
+        use = (need.gpus, need.cores, need.memory_bytes)
+        for scope in self.chains.get(model, ()):
+            g = self.guarantees.get(scope)
+            if g is None:
+                continue
+            h = self.held.get(scope, ZERO)
+            if _within([h.gpus, h.cores, h.memory_bytes], (g.gpus, g.cores, g.memory_bytes), use):
+                return self.state.tree.label(scope)
+        return None
 
     def block_all(self, model: str, needs: list[Need]) -> str | None:
         """Why no profile of ``model`` may place another replica under its owner's limits (the first
