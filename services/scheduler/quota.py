@@ -19,6 +19,7 @@ from collections.abc import Callable
 import msgspec
 
 from llmgw.events import quotas as Q
+from llmgw.events import replicas as R
 from llmgw.services.scheduler.placement import Need
 from llmgw.services.scheduler.state import ClusterState, ReplicaState
 
@@ -49,9 +50,12 @@ def usage_of_need(need: Need) -> Usage:
     return Usage(gpus=need.gpus, cores=need.cores, memory_bytes=need.memory_bytes)
 
 
+HOLDING = frozenset((*R.ACTIVE, "draining"))  # the states whose reservation counts
+
+
 def holds(r: ReplicaState) -> bool:
     """Whether a replica's reservation counts: placed, starting, ready or draining."""
-    return r.active or r.state == "draining"
+    return r.state in HOLDING
 
 
 # -- owners ----------------------------------------------------------------------------------------
@@ -108,7 +112,7 @@ def holdings(state: ClusterState, model_chains: dict[str, list[str]] | None = No
     for model, chain in model_chains.items():
         gpus = cores = memory = 0  # plain sums: a pass pays this once, over every replica (docs/benchmarks.md)
         for r in state.replicas_of(model):
-            if r.active or r.state == "draining":
+            if r.state in HOLDING:
                 gpus += len(r.gpus)
                 cores += r.cores
                 memory += r.memory_bytes
@@ -257,7 +261,7 @@ def guarantee_shares(state: ClusterState) -> tuple[dict[str, str], set[str]]:
     for model, chain in chains(state).items():
         covering = [s for s in chain if s in guarantees]
         for r in state.replicas_of(model):
-            if not (r.active or r.state == "draining"):
+            if r.state not in HOLDING:
                 continue
             owned.append((r.id, chain))
             if covering:
