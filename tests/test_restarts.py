@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmgw.events import models as M
 from llmgw.events import replica_fold as F
 from llmgw.events import replicas as R
 from llmgw.events.outcomes import Rejected
 from llmgw.services.fleet.service import decide_restart
+from llmgw.services.scheduler import restarts
 from llmgw.services.scheduler.reconcile import Place, Stop, Waiting
 from tests.scheduler_world import (
     CFG,
@@ -210,3 +213,48 @@ def test_a_scale_down_stops_a_replica_waiting_for_its_restart_first() -> None:
     w = World().add(node("a"), node("b"), model("m", 2), placed("r1", "m", "a", stale=True), ready("r1"))
     w.add(later(10), placed("r2", "m", "b"), ready("r2"), on_model("m", M.ModelScaled(min=1, max=1)))
     assert [said(d) for d in w.run()] == ["stop r1: model m scaled to max 1"], "not the newest, the stale one"
+
+
+# -- a property: restarts never leave a model short while there is room, nor surge by more than one ----
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    min_=st.integers(1, 3),
+    asked=st.lists(st.integers(0, 2), max_size=3),
+    change=st.booleans(),
+    moves=st.lists(st.sampled_from(["ready", "fail", "stop", "pass"]), min_size=5, max_size=40),
+)
+def test_restarts_keep_a_model_at_strength_and_surge_by_one_at_most(
+    min_: int, asked: list[int], change: bool, moves: list[str]
+) -> None:
+    w = World().add(node("a"), node("b"), node("c"), model("m", min_))
+    w.step()
+    w.add(ready(*w.active("m")))
+    first = w.active("m")
+    w.add(restart(*sorted({first[i] for i in asked if i < len(first)})))
+    if change:
+        w.add(on_model("m", M.ModelChanged(spec=spec("m", min_, mem=2.0), what="resources")))
+    for move in moves:
+        rs = list(w.state.replicas_of("m"))
+        match move:
+            case "ready":
+                w.add(ready(*[r.id for r in rs if r.state == "placed"]))
+            case "fail":  # a replacement fails to start
+                w.add(*[failed(r.id) for r in rs if r.state == "placed" and r.replaces])
+            case "stop":
+                w.add(*[stopped(r.id) for r in rs if r.state == "draining"])
+        w.advance(60).beat()  # past any backoff
+        w.step()
+        live = [r for r in w.state.replicas_of("m") if r.active]
+        assert len(live) <= min_ + 1, "one surge replica at a time"
+        assert sum(r.state == "ready" for r in live) >= min_, "a restart never takes a serving replica first"
+    # Left to finish, every restart completes.
+    for _ in range(3 * min_ + 3):
+        w.add(ready(*[r.id for r in w.state.replicas_of("m") if r.state == "placed"]))
+        w.add(*[stopped(r.id) for r in w.state.replicas_of("m") if r.state == "draining"])
+        w.advance(60).beat()
+        w.step()
+    live = [r for r in w.state.replicas_of("m") if r.active]
+    spec_hash = w.state.models["m"].spec_hash
+    assert len(live) == min_ and not any(restarts.needs_restart(r, spec_hash) for r in live)
