@@ -256,39 +256,33 @@ def guarantee_shares(state: ClusterState) -> tuple[dict[str, str], set[str]]:
         for s, q in quotas_by_scope(state).items()
         if not q.guarantee.is_empty()
     }
-    under: dict[str, list[tuple[bool, float, str, tuple[int, int, int]]]] = {}
-    owned: list[tuple[str, list[str]]] = []
+    # Every owned replica once, in the one order every scope takes its own in: sorting them all once is
+    # each scope's order too, and cheaper than a list per scope.
+    rows: list[tuple[bool, float, str, int, int, int, tuple[str, ...]]] = []
     for model, chain in chains(state).items():
-        covering = [s for s in chain if s in guarantees]
+        covering = tuple(s for s in chain if s in guarantees)
         for r in state.replicas_of(model):
-            if r.state not in HOLDING:
-                continue
-            owned.append((r.id, chain))
-            if covering:
-                key = (r.state != "ready", r.placed_at, r.id, (len(r.gpus), r.cores, r.memory_bytes))
-                for scope in covering:
-                    under.setdefault(scope, []).append(key)
-    covered: dict[str, set[str]] = {}
-    for scope, rs in under.items():
-        g = guarantees[scope]
-        total = [0, 0, 0]
-        ids = covered[scope] = set()
-        rs.sort()
-        for _, _, rid, use in rs:
-            if _within(total, g, use):
-                total[0] += use[0]
-                total[1] += use[1]
-                total[2] += use[2]
-                ids.add(rid)
+            if r.state in HOLDING:
+                rows.append((r.state != "ready", r.placed_at, r.id, len(r.gpus), r.cores, r.memory_bytes, covering))
+    rows.sort()
+    totals = {s: [0, 0, 0] for s in guarantees}
     protected: dict[str, str] = {}
     borrowed: set[str] = set()
     labels: dict[str, str] = {}
-    for rid, chain in owned:
-        scope = next((s for s in chain if rid in covered.get(s, ())), None)
-        if scope is None:
+    for _, _, rid, gpus, cores, memory, covering in rows:
+        use = (gpus, cores, memory)
+        nearest = None
+        for scope in covering:  # nearest first; each scope counts what fits its own guarantee
+            total = totals[scope]
+            if _within(total, guarantees[scope], use):
+                total[0] += gpus
+                total[1] += cores
+                total[2] += memory
+                nearest = nearest or scope
+        if nearest is None:
             borrowed.add(rid)
         else:
-            label = labels.get(scope) or labels.setdefault(scope, state.tree.label(scope))
+            label = labels.get(nearest) or labels.setdefault(nearest, state.tree.label(nearest))
             protected[rid] = f"within {label}'s guarantee"
     return protected, borrowed
 
