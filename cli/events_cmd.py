@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import click
 import msgspec
@@ -249,6 +250,15 @@ def replay(ctx: click.Context, until: str, keys_limit: int, keys_after: str | No
         click.echo(f"\norgs, teams and projects ({len(c['scopes'])})")
         for sc in c["scopes"]:
             click.echo(f"  {sc['kind']:<8} {sc['path']}")
+        if c.get("quotas"):
+            click.echo(f"\ncapacity quotas ({len(c['quotas'])})")
+            for q in c["quotas"]:
+                holds, guarantee, limit = (
+                    _capacity(q["holds"], held=True),
+                    _capacity(q["guarantee"]),
+                    _capacity(q["limit"]),
+                )
+                click.echo(f"  {q['scope']:<28} holds {holds}; guarantee {guarantee}; limit {limit}")
         k = c["counts"]["keys"]
         click.echo(
             f"\nkeys ({k['total']}: {k['active']} active, {k['revoked']} revoked, {k['expired']} expired"
@@ -264,6 +274,18 @@ def replay(ctx: click.Context, until: str, keys_limit: int, keys_after: str | No
             )
 
     run(ctx, go)
+
+
+def _capacity(r: dict[str, Any], held: bool = False) -> str:
+    """``2 GPUs, 16 cores, 64 GB`` for what is set (what is ``held``: no GPUs unless some); ``—`` for nothing."""
+    parts = []
+    if r.get("gpus") is not None and (r["gpus"] or not held):
+        parts.append(f"{r['gpus']} GPU" + ("" if r["gpus"] == 1 else "s"))
+    if r.get("cores") is not None:
+        parts.append(f"{r['cores']} cores")
+    if r.get("memory_bytes") is not None:
+        parts.append(f"{r['memory_bytes'] / 1024**3:g} GB")
+    return ", ".join(parts) or "—"
 
 
 @events.command("verify")

@@ -11,6 +11,7 @@ import msgspec
 
 from llmgw.events import access as A
 from llmgw.events import key_fold as K
+from llmgw.events import quotas as Q
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.subjects import EVENTS_ROOT
 from llmgw.projections.backends import Backend
@@ -33,6 +34,14 @@ _PRICE_UPSERT = (
     "ON CONFLICT (model) DO UPDATE SET input_usd_per_m = excluded.input_usd_per_m, "
     "output_usd_per_m = excluded.output_usd_per_m, updated_at = excluded.updated_at, updated_by = excluded.updated_by"
 )
+_QUOTA_UPSERT = (
+    "INSERT INTO {quotas} (scope, guarantee_gpus, guarantee_cores, guarantee_memory_bytes, limit_gpus, limit_cores, "
+    "limit_memory_bytes, updated_at, updated_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (scope) DO UPDATE SET "
+    "guarantee_gpus = excluded.guarantee_gpus, guarantee_cores = excluded.guarantee_cores, "
+    "guarantee_memory_bytes = excluded.guarantee_memory_bytes, limit_gpus = excluded.limit_gpus, "
+    "limit_cores = excluded.limit_cores, limit_memory_bytes = excluded.limit_memory_bytes, "
+    "updated_at = excluded.updated_at, updated_by = excluded.updated_by"
+)
 _BUDGET_UPSERT = (
     "INSERT INTO {budgets} (scope, usd, period, updated_at, updated_by) VALUES (?, ?, ?, ?, ?) ON CONFLICT (scope) "
     "DO UPDATE SET usd = excluded.usd, period = excluded.period, updated_at = excluded.updated_at, "
@@ -43,7 +52,8 @@ _BUDGET_UPSERT = (
 class AccessProjection(Projection):
     name = "access"
     # 2: rows folded by events/key_fold.py (a key is created once; revoking is final); rows folded before are rebuilt
-    version = 2
+    # 3: capacity quotas (SCHED-8), so a replay shows each scope's guarantee and limit at a moment
+    version = 3
     subject = f"{EVENTS_ROOT}.>"
     tables = {
         "keys": "id TEXT PRIMARY KEY, prefix TEXT NOT NULL, project_id TEXT NOT NULL, name TEXT NOT NULL, "
@@ -55,8 +65,11 @@ class AccessProjection(Projection):
         "output_usd_per_m DOUBLE PRECISION NOT NULL, updated_at TEXT NOT NULL, updated_by TEXT NOT NULL",
         "budgets": "scope TEXT PRIMARY KEY, usd DOUBLE PRECISION NOT NULL, period TEXT NOT NULL, "
         "updated_at TEXT NOT NULL, updated_by TEXT NOT NULL",
+        "quotas": "scope TEXT PRIMARY KEY, guarantee_gpus INTEGER, guarantee_cores INTEGER, "
+        "guarantee_memory_bytes BIGINT, limit_gpus INTEGER, limit_cores INTEGER, limit_memory_bytes BIGINT, "
+        "updated_at TEXT NOT NULL, updated_by TEXT NOT NULL",
     }
-    primary_keys = {"keys": ["id"], "limits": ["scope"], "prices": ["model"], "budgets": ["scope"]}
+    primary_keys = {"keys": ["id"], "limits": ["scope"], "prices": ["model"], "budgets": ["scope"], "quotas": ["scope"]}
     indexes = {"keys": [["project_id"], ["prefix"]]}
     handlers = {
         "key.created": "key_created",
@@ -64,6 +77,8 @@ class AccessProjection(Projection):
         "limit.set": "limit_set",
         "price.set": "price_set",
         "budget.set": "budget_set",
+        "quota.set": "quota_changed",
+        "quota.cleared": "quota_changed",
     }
 
     async def key_created(self, tx: Tx, e: RecordedEvent) -> None:
@@ -120,6 +135,16 @@ class AccessProjection(Projection):
         price = K.fold_price(p)
         at = e.envelope.at.isoformat()
         await tx.execute(_PRICE_UPSERT, p.model, price.input_usd_per_m, price.output_usd_per_m, at, e.envelope.actor)
+
+    async def quota_changed(self, tx: Tx, e: RecordedEvent) -> None:
+        """A scope's capacity quota, as the shared fold (``Q.fold_quota``) leaves it."""
+        p: Q.QuotaSet | Q.QuotaCleared = e.payload  # type: ignore[assignment]
+        quota = Q.fold_quota(None, p)
+        values = None
+        if quota is not None:
+            g, lim = quota.guarantee, quota.limit
+            values = (g.gpus, g.cores, g.memory_bytes, lim.gpus, lim.cores, lim.memory_bytes)
+        await _set_scope(tx, e, "quotas", _QUOTA_UPSERT, f"{p.kind}:{p.scope_id}", values)
 
     async def budget_set(self, tx: Tx, e: RecordedEvent) -> None:
         p: A.BudgetSet = e.payload  # type: ignore[assignment]

@@ -36,7 +36,8 @@ _MODEL_UPSERT = (
 )
 _REPLICA_INSERT = (
     "INSERT INTO {replicas} (id, model, node_id, state, spec_hash, pid, port, url, reason, placed_at, updated_at, "
-    "restart, replaces) VALUES (?, ?, ?, 'placed', ?, NULL, NULL, NULL, '', ?, ?, '', ?) ON CONFLICT (id) DO NOTHING"
+    "restart, replaces, cores, memory_bytes, gpus) VALUES (?, ?, ?, 'placed', ?, NULL, NULL, NULL, '', ?, ?, '', ?, "
+    "?, ?, ?) ON CONFLICT (id) DO NOTHING"
 )
 _REPLICA_SELECT = (
     "SELECT model, node_id, state, spec_hash, pid, port, url, reason, restart, replaces FROM {replicas} WHERE id = ?"
@@ -66,7 +67,8 @@ class FleetProjection(Projection):
     # 3: nodes folded by events/node_fold.py (draining keeps the reason a node was cordoned for)
     # 4: a replica's restart (SCHED-6): restart and replaces
     # 5: a model's last preemption (SCHED-7): gave_room_to, held_until, preemptions
-    version = 5
+    # 6: what each replica reserves (cores, memory_bytes, gpus), so a replay can say what each scope held
+    version = 6
     subject = f"{EVENTS_ROOT}.>"
     tables = {
         "nodes": "id TEXT PRIMARY KEY, address TEXT, cpus INTEGER, memory_total_bytes BIGINT, gpus TEXT, "
@@ -77,7 +79,7 @@ class FleetProjection(Projection):
         "unplaceable TEXT, spec_hash TEXT, gave_room_to TEXT, held_until TEXT, preemptions INTEGER, updated_at TEXT",
         "replicas": "id TEXT PRIMARY KEY, model TEXT NOT NULL, node_id TEXT NOT NULL, state TEXT NOT NULL, "
         "spec_hash TEXT, pid INTEGER, port INTEGER, url TEXT, reason TEXT, placed_at TEXT, updated_at TEXT, "
-        "restart TEXT, replaces TEXT",
+        "restart TEXT, replaces TEXT, cores INTEGER, memory_bytes BIGINT, gpus INTEGER",
     }
     primary_keys = {"nodes": ["id"], "models": ["name"], "replicas": ["id"]}
     indexes = {"replicas": [["model"], ["node_id"]]}
@@ -240,7 +242,19 @@ class FleetProjection(Projection):
     async def replica_placed(self, tx: Tx, e: RecordedEvent) -> None:
         p = e.payload
         at = e.envelope.at.isoformat()
-        await tx.execute(_REPLICA_INSERT, p.replica_id, p.model, p.node_id, p.spec_hash, at, at, p.replaces)
+        await tx.execute(
+            _REPLICA_INSERT,
+            p.replica_id,
+            p.model,
+            p.node_id,
+            p.spec_hash,
+            at,
+            at,
+            p.replaces,
+            p.cores,
+            p.memory_bytes,
+            len(p.gpus),
+        )
         await tx.execute("UPDATE {models} SET unplaceable = NULL WHERE name = ?", p.model)
         if p.replaces:
             placed = F.Replica(id=p.replica_id, model=p.model, node_id=p.node_id, replaces=p.replaces)

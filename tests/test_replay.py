@@ -15,6 +15,7 @@ import pytest
 from llmgw.events import access as A
 from llmgw.events import models as M
 from llmgw.events import nodes as N
+from llmgw.events import quotas as Q
 from llmgw.events import tenancy as T
 from llmgw.events.envelope import utc_now
 from llmgw.events.store import EventStore
@@ -63,8 +64,10 @@ async def test_the_cluster_is_shown_as_it_was_before_later_changes(tenants_fleet
     await fleet.command(
         "key.create", A.CreateKey(project="acme/ml/chat", prefix=prefix, secret_sha256=digest, name="ci"), A.SERVICE
     )
+    quota = Q.SetQuota(scope="team:acme/ml", guarantee=Q.Resources(cores=2), limit=Q.Resources(cores=4))
+    await fleet.command("quota_set", quota, service=T.SERVICE)
     fleet.agent("n1")
-    await fleet.add_model("tiny", write_tiny_gguf(tmp_path / "tiny.gguf"))
+    await fleet.add_model("tiny", write_tiny_gguf(tmp_path / "tiny.gguf"), owner="acme/ml")
     [replica] = await fleet.wait_ready("tiny", 1)
     then = utc_now()
 
@@ -72,6 +75,7 @@ async def test_the_cluster_is_shown_as_it_was_before_later_changes(tenants_fleet
     await fleet.command("key.revoke", A.RevokeKey(key=prefix, reason="leaked"), A.SERVICE)
     await fleet.command("cordon", N.CordonNode(node_id="n1", reason="maintenance"), N.SERVICE)
     await fleet.command("remove", M.RemoveModel(name="tiny"))
+    await fleet.command("quota_clear", Q.ClearQuota(scope="acme/ml"), service=T.SERVICE)
     await wait_until(lambda: _stopped(fleet, replica["id"]), deadline_s=60, what="the replica to stop")
 
     status, past = await replay(fleet, then.isoformat())
@@ -83,11 +87,20 @@ async def test_the_cluster_is_shown_as_it_was_before_later_changes(tenants_fleet
         (prefix, "acme/ml/chat", "ci", "active")
     ]
     assert [s["path"] for s in past["scopes"]] == ["acme", "acme/ml", "acme/ml/chat"]
+    # Capacity quotas and who held what (SCHED-8): the team's one-core replica against its quota.
+    assert past["quotas"] == [
+        {
+            "scope": "team:acme/ml",
+            "guarantee": {"gpus": None, "cores": 2, "memory_bytes": None},
+            "limit": {"gpus": None, "cores": 4, "memory_bytes": None},
+            "holds": {"gpus": 0, "cores": 1, "memory_bytes": int(0.05 * 1024**3)},
+        }
+    ]
     assert 0 < past["position"] and past["last_event_at"] <= then.isoformat()
 
     status, now = await replay(fleet, utc_now().isoformat())
     assert status == 200
-    assert now["models"] == [] and now["replicas"] == []
+    assert now["models"] == [] and now["replicas"] == [] and now["quotas"] == []
     assert [(n["id"], n["cordoned"]) for n in now["nodes"]] == [("n1", 1)]
     assert [k["state"] for k in now["keys"]] == ["revoked"]
     assert now["position"] > past["position"]
@@ -98,6 +111,7 @@ async def test_the_cluster_is_shown_as_it_was_before_later_changes(tenants_fleet
     # The CLI prints the same moment.
     text = await cli(fleet, "events", "replay", "--until", then.isoformat())
     assert "tiny" in text and "1/1 ready" in text and "serving" in text and f"{prefix}" in text and "active" in text
+    assert "team:acme/ml" in text and "holds 1 cores" in text and "guarantee 2 cores; limit 4 cores" in text
 
 
 async def test_keys_at_a_moment_are_all_counted_by_state_and_listed_a_page_at_a_time(tenants_fleet: Fleet) -> None:

@@ -153,6 +153,8 @@ async def _views(backend: Backend, when: datetime, keys_limit: int | None, keys_
     by_path = sorted(paths.items(), key=lambda item: item[1][1])
     scopes = [{"id": sid, "kind": kind, "path": path} for sid, (kind, path) in by_path]
     keys, keys_next = await _keys_page(backend, paths, when, keys_limit, keys_after)
+    quotas = await rows("access", "quotas", ACCESS_COLUMNS["quotas"], "ORDER BY scope")
+    held = quota_holdings(quotas, paths, models, active)
     counts = {"nodes": len(nodes), "models": len(models), "replicas": len(active), "scopes": len(scopes)}
     return {
         "counts": {**counts, "keys": await _keys_count(backend, when)},
@@ -160,9 +162,42 @@ async def _views(backend: Backend, when: datetime, keys_limit: int | None, keys_
         "models": models,
         "replicas": active,
         "scopes": scopes,
+        "quotas": held,
         "keys": keys,
         "keys_next": keys_next,
     }
+
+
+def quota_holdings(
+    quotas: list[dict[str, Any]],
+    paths: dict[str, tuple[str, str]],
+    models: list[dict[str, Any]],
+    active: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Each quota at the moment, named by path, with what its scope held then: the reservations of the
+    active replicas of models whose owner is the scope or below it (SCHED-8). Pure."""
+    owner_of = {m["name"]: (m.get("owner") or "").split(":", 1)[-1].strip("/") for m in models}
+    out = []
+    for q in quotas:
+        kind, _, sid = q["scope"].partition(":")
+        found = paths.get(sid)
+        path = found[1] if found is not None else ""
+        holds = {"gpus": 0, "cores": 0, "memory_bytes": 0}
+        for r in active:
+            owner = owner_of.get(r["model"], "")
+            if path and owner and (owner == path or owner.startswith(path + "/")):
+                holds["gpus"] += r.get("gpus") or 0
+                holds["cores"] += r.get("cores") or 0
+                holds["memory_bytes"] += r.get("memory_bytes") or 0
+        out.append(
+            {
+                "scope": f"{kind}:{path}" if path else f"{q['scope']} (deleted)",
+                "guarantee": {k: q[f"guarantee_{k}"] for k in ("gpus", "cores", "memory_bytes")},
+                "limit": {k: q[f"limit_{k}"] for k in ("gpus", "cores", "memory_bytes")},
+                "holds": holds,
+            }
+        )
+    return out
 
 
 async def _keys_page(

@@ -65,6 +65,9 @@ FLEET_COLUMNS = {
         "updated_at",
         "restart",  # "" | "queued" | "replacing" (SCHED-6)
         "replaces",
+        "cores",  # what the replica reserves (SCHED-8 counts it against its model's owner)
+        "memory_bytes",
+        "gpus",
     ],
 }
 
@@ -91,6 +94,17 @@ ACCESS_COLUMNS = {
     "limits": ["scope", "rpm", "tpm", "updated_at", "updated_by"],
     "prices": ["model", "input_usd_per_m", "output_usd_per_m", "updated_at", "updated_by"],
     "budgets": ["scope", "usd", "period", "updated_at", "updated_by"],
+    "quotas": [
+        "scope",
+        "guarantee_gpus",
+        "guarantee_cores",
+        "guarantee_memory_bytes",
+        "limit_gpus",
+        "limit_cores",
+        "limit_memory_bytes",
+        "updated_at",
+        "updated_by",
+    ],
 }
 
 
@@ -132,6 +146,8 @@ def shape_model(m: dict[str, Any], active: list[dict[str, Any]]) -> dict[str, An
     mine = [r for r in active if r["model"] == m["name"]]
     m["aliases"] = spec.get("aliases", [])
     m["source"] = spec.get("source")
+    m["owner"] = spec.get("owner")
+    m["capacity_class"] = spec.get("capacity_class")
     m["capacity_class"] = spec.get("capacity_class") or "default"  # CAT-4
     m["owner"] = spec.get("owner")  # the scope whose capacity quota it counts against (SCHED-8)
     m["ready"] = sum(1 for r in mine if r["state"] == "ready")
