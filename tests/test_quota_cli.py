@@ -144,3 +144,50 @@ async def test_a_model_owned_by_a_team_at_its_limit_is_blocked_with_the_reason_i
 
 async def _four(fleet: Fleet) -> bool:
     return await _placed(fleet, "chat") == 4
+
+
+async def _person(store: EventStore, name: str, role: str, scope: str) -> str:
+    """A person with ``role`` over ``scope`` and a personal token, written as the people service writes
+    them; the token, which the CLI signs with."""
+    from llmgw.events import people as P
+    from llmgw.events.store import NewEvent
+
+    token, issue = P.issue(name, "personal", label="tests")
+    payloads = [
+        P.UserAdded(name=name),
+        P.RoleGranted(name=name, role=role, scope=scope),
+        P.TokenIssued(
+            name=name,
+            token_id=f"t-{issue.prefix}",
+            prefix=issue.prefix,
+            secret_sha256=issue.secret_sha256,
+            kind="personal",
+            label=issue.label,
+            signing_key=issue.signing_key,
+        ),
+    ]
+    await store.append(event_subject(P.AGGREGATE, name), [NewEvent(payload=p, actor="system:tests") for p in payloads])
+    return token
+
+
+async def test_an_org_admin_sets_its_teams_quota_but_not_its_orgs_and_a_team_admin_neither(
+    quota_fleet: Fleet,
+) -> None:
+    fleet = quota_fleet
+    ids = {}
+    for kind, path in (("org", "acme"), ("team", "acme/ml")):
+        done = await fleet.command("create", T.CreateScope(kind=kind, path=path), service=T.SERVICE)
+        ids[path] = done.result["id"]
+    ann = await _person(fleet.store, "ann", "org-admin", f"org:{ids['acme']}")
+    bob = await _person(fleet.store, "bob", "team-admin", f"team:{ids['acme/ml']}")
+
+    async def as_(token: str, *args: str) -> Result:
+        argv = ["--nats", fleet.nats_url, "--api", fleet.admin_url, "ctl", *args]
+        return await asyncio.to_thread(CliRunner().invoke, main, argv, env={**fleet.cli_env(), "LLMGW_TOKEN": token})
+
+    team = await as_(ann, "quota", "set", "team:acme/ml", "--limit-gpus", "4")
+    assert team.exit_code == 0 and "quota of team:acme/ml set" in team.output, team.output
+    org = await as_(ann, "quota", "set", "org:acme", "--limit-gpus", "64")
+    assert org.exit_code == 2 and "needs cluster-admin of the cluster" in org.output, org.output
+    own = await as_(bob, "quota", "set", "team:acme/ml", "--limit-gpus", "64")
+    assert own.exit_code == 2 and "needs org-admin of team:acme/ml" in own.output, own.output
