@@ -16,6 +16,8 @@ from llmgw.services.scheduler import restarts
 from llmgw.services.scheduler.reconcile import Place, Stop, Waiting
 from tests.scheduler_world import (
     CFG,
+    CPU_8C_32G,
+    GPU_L4X1,
     Fact,
     World,
     failed,
@@ -27,9 +29,11 @@ from tests.scheduler_world import (
     placed,
     ready,
     said,
+    shaped,
     spec,
     stopped,
 )
+from tests.test_reconcile import two_profiles
 
 
 def restart(*replica_ids: str) -> Fact:
@@ -258,3 +262,23 @@ def test_restarts_keep_a_model_at_strength_and_surge_by_one_at_most(
     live = [r for r in w.state.replicas_of("m") if r.active]
     spec_hash = w.state.models["m"].spec_hash
     assert len(live) == min_ and not any(restarts.needs_restart(r, spec_hash) for r in live)
+
+
+def test_a_replica_on_a_fallback_profile_moves_back_with_surge_once_the_preferred_one_fits_again() -> None:
+    w = World().add(shaped("c", CPU_8C_32G), two_profiles("m"))
+    w.step()
+    [old] = w.active("m")
+    w.add(ready(old))
+    assert w.state.replicas[old].profile.name == "cpu"
+    assert w.run() == []  # nothing better fits: it stays where it is
+
+    w.add(shaped("g", GPU_L4X1))  # a GPU node joins: the preferred profile fits again
+    [place] = [d for d in w.step() if isinstance(d, Place)]
+    assert (place.node_id, place.replaces, w.state.models["m"].spec.profiles[place.profile].name) == ("g", old, "gpu")
+    assert "on fallback profile cpu; preferred gpu fits again" in place.why
+    [new] = [r for r in w.active("m") if r != old]
+    assert w.run() == [], "the fallback copy serves until the preferred one is ready"
+    w.add(ready(new))
+    assert [said(d) for d in w.step()] == [f"stop {old}: restarted: replaced by {new}"]
+    w.add(stopped(old))
+    assert w.run() == [], "on its preferred profile, it stays"

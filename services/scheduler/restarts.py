@@ -72,14 +72,19 @@ def step(
     due = sorted(
         (r for r in staying if r.state == "ready" and needs_restart(r, m.spec_hash)), key=lambda r: (r.placed_at, r.id)
     )
-    if not due or not m.spec.profiles:
+    if not m.spec.profiles:
         return []
-    old = due[0]
+    order = profile_order(m.spec.profiles)
+    if due:
+        old, why = due[0], why_restart(due[0], m.spec_hash)
+    elif (back := _back_to_preferred(state, m, staying, p)) is not None:
+        old, why, order = back  # only a profile it prefers is worth the move
+    else:
+        return []
     if m.failures and m.last_failure_at is not None:
         until = m.last_failure_at + backoff_s(m.failures, cfg)
         if clock.epoch < until:
             return [Waiting(model=m.name, until=until)]
-    order = profile_order(m.spec.profiles)
     needs = {k: need_of(m.spec.profiles[k]) for k in order}
     cs = p.candidates(m.name)
     seed = f"{m.name}/restart/{old.id}/{state.position}"
@@ -92,7 +97,7 @@ def step(
             continue
         p.reserve(choice.node_id, placed, choice.gpus)
         fitting = sum(1 for v in verdicts if v.fits)
-        why = f"replaces {old.id} ({why_restart(old, m.spec_hash)}); best of {fitting} fitting nodes"
+        why = f"replaces {old.id} ({why}); best of {fitting} fitting nodes"
         if len(order) > 1:
             why += f"; profile {m.spec.profiles[k].name}"
         return [
@@ -106,6 +111,8 @@ def step(
                 replaces=old.id,
             )
         ]
+    if not due:
+        return []  # moving back to a preferred profile is never worth an outage
     # No second copy fits anywhere. Would one fit in the old one's place?
     freed = dict(cs)
     if old.node_id in freed:
@@ -114,6 +121,30 @@ def step(
         return []  # not even there: the old one keeps serving, its restart queued
     reason = f"restart of {old.id}: no room for a second copy; model {m.name} is short until it is back"
     return [Stop(replica_id=old.id, reason=reason, grace_s=cfg.stop_grace_s, short=True)]
+
+
+def _back_to_preferred(
+    state: ClusterState, m: ModelState, staying: list[ReplicaState], p: _Pass
+) -> tuple[ReplicaState, str, list[int]] | None:
+    """The oldest ready replica running a fallback profile while a profile the model prefers fits now
+    somewhere (CAT-2), with the reason it moves and the profiles it prefers (in order); None when
+    there is none. It moves back with surge, like any restart: the preferred copy first, then the
+    fallback one stops."""
+    profiles = m.spec.profiles
+    if len(profiles) < 2:
+        return None
+    order = profile_order(profiles)
+    for r in sorted((r for r in staying if r.state == "ready"), key=lambda r: (r.placed_at, r.id)):
+        if r.profile not in profiles:
+            continue  # a definition since edited: the stale-profile rule restarts it
+        rank = order.index(profiles.index(r.profile))
+        if rank == 0:
+            continue
+        cs = list(p.candidates(m.name).values())
+        for k in order[:rank]:
+            if place(cs, need_of(profiles[k]), f"{m.name}/back/{r.id}")[0] is not None:
+                return r, f"on fallback profile {r.profile.name}; preferred {profiles[k].name} fits again", order[:rank]
+    return None
 
 
 def _without(c: Candidate, r: ReplicaState) -> Candidate:
