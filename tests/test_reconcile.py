@@ -374,9 +374,22 @@ PASSES: list[tuple[str, list[Fact], list[str]]] = [
         ["stop r1: model m stopped by an administrator"],
     ),
     (
-        "a parked model's replicas are stopped",
+        "a parked model's replicas that have not started are stopped",
         [node("a"), model("m"), placed("r1", "m", "a"), on_model("m", M.ModelParked(reason="boom", failures=5))],
         ["stop r1: model m parked: boom"],
+    ),
+    (
+        "a parked model's ready replicas of an earlier definition keep serving",
+        [
+            node("a"),
+            model("m"),
+            placed("r1", "m", "a"),
+            ready("r1"),
+            on_model("m", M.ModelChanged(spec=spec("m", mem=2.0), what="resources")),
+            placed("r2", "m", "a"),
+            on_model("m", M.ModelParked(reason="boom", failures=5)),
+        ],
+        ["stop r2: model m parked: boom"],
     ),
     (
         "the replicas of a removed model are stopped",

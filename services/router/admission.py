@@ -169,7 +169,7 @@ def servable(model: ModelInfo, ready: int, starting: int) -> Refusal | None:
     or one starting); else why not. ``ready`` and ``starting``: its replicas in those states."""
     if model.stopped:
         return Refusal(status=503, code="model_stopped", message=f"model {model.name} was stopped by an administrator")
-    if model.parked:
+    if model.parked and not ready:  # ready replicas of an earlier definition still serve
         return Refusal(
             status=503,
             code="model_parked",

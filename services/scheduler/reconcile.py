@@ -423,9 +423,12 @@ def _model(
     grace = cfg.stop_grace_s
     if m.stopped or m.parked:
         why = "stopped by an administrator" if m.stopped else f"parked: {m.parked}"
+        # Parking stops what cannot start, not what serves: replicas of an earlier definition that are
+        # ready keep answering while the new one fails (a bad edit must not take a model down).
+        going = live if m.stopped else [r for r in live if r.state != "ready"]
         return [
             Stop(replica_id=r.id, reason=f"model {m.name} {why}", grace_s=grace)
-            for r in sorted(live, key=lambda r: r.id)
+            for r in sorted(going, key=lambda r: r.id)
         ]
     if m.failures >= cfg.park_after:
         return [
