@@ -46,7 +46,16 @@ from llmgw.events import models as M
 from llmgw.events import replicas as R
 from llmgw.services.scheduler import quota as QU
 from llmgw.services.scheduler.placement import need_of
-from llmgw.services.scheduler.reconcile import Blocked, Config, Preempt, Stop, reconcile, wanted_replicas
+from llmgw.services.scheduler.reconcile import (
+    Blocked,
+    Config,
+    Decision,
+    Preempt,
+    Stop,
+    Waiting,
+    reconcile,
+    wanted_replicas,
+)
 from tests.scheduler_world import (
     CPU_8C_32G,
     CPU_16C_64G,
@@ -150,6 +159,7 @@ class TenantRow(msgspec.Struct, kw_only=True):
     minutes_below: float = 0.0
     longest_below_s: float = 0.0
     models_below: dict[str, float] = {}  # model -> seconds it was the one short within the guarantee
+    causes: dict[str, float] = {}  # why (see Churn._cause) -> seconds
 
 
 class Report(msgspec.Struct, kw_only=True):
@@ -239,16 +249,18 @@ class Churn:
                 self._add_model(path, want_gpus, want_cores, at_start=True)
 
     def _add_model(self, tenant: str, want_gpus: float, want_cores: float, *, at_start: bool = False) -> None:
-        """A model for ``tenant``: its base load a share of the tenant's want, the GPU models a third."""
+        """A model for ``tenant``: its base load a share of the tenant's want; about a third are GPU models
+        (fewer on a fleet with few GPUs, where even one replica each would want more than there is)."""
         self._model_n += 1
         kind = _pick(self.rnd, CLASSES)
-        gpu = self.rnd.random() < 0.35 and kind != "on-demand"
-        shape = self.rnd.choice(GPU_SHAPES if gpu else CPU_SHAPES)
         per = self.p.models_per_tenant
+        gpu_share = min(0.35, want_gpus / (per * 2.5))
+        gpu = self.rnd.random() < gpu_share and kind != "on-demand"
+        shape = self.rnd.choice(GPU_SHAPES if gpu else CPU_SHAPES)
         if kind == "on-demand":
             base = 0
         elif gpu:
-            base = max(1, round(want_gpus / (per * 0.35) / shape.gpus * self.rnd.uniform(0.5, 1.2)))
+            base = max(1, round(want_gpus / (per * gpu_share) / shape.gpus * self.rnd.uniform(0.5, 1.2)))
         else:
             base = max(1, round(want_cores / (per * 0.65) / shape.cores * self.rnd.uniform(0.7, 1.5)))
         name = f"{tenant.replace('/', '-')}-{shape.name}-{self._model_n}"
@@ -373,7 +385,7 @@ class Churn:
         self._check_nodes()
         self._check_winners()
         if w.t >= self.p.warmup_s:
-            self._check_guarantees()
+            self._check_guarantees(decisions)
         if int(w.t / self.p.tick_s) % 60 == 0:
             w.state.forget_inactive(CFG.forget_after_s, T0 + w.t)
         w.advance(self.p.tick_s)
@@ -447,8 +459,8 @@ class Churn:
             if wrong:
                 self.overcommits.append(f"t={w.t:.0f}s {n.id}: " + ", ".join(wrong))
 
-    def _check_guarantees(self) -> None:
-        """Which tenants are below their guarantee after this pass (see the module's doc)."""
+    def _check_guarantees(self, decisions: list[Decision]) -> None:
+        """Which tenants are below their guarantee after this pass (see the module's doc), and why."""
         w = self.w
         now = T0 + w.t
         held = QU.holdings(w.state)
@@ -478,6 +490,7 @@ class Churn:
             if QU._within([h.gpus, h.cores, h.memory_bytes], g, (need.gpus, need.cores, need.memory_bytes)):
                 below[chain[0]] = name
         self.wanted.append((wanted_gpus / self.fleet_gpus, wanted_cores / self.fleet_cores))
+        what_if: dict[str, list[Decision]] = {}
         for path, row in self.rows.items():
             scope = f"team:{path.replace('/', '.')}"
             if scope in below:
@@ -486,8 +499,32 @@ class Churn:
                 row.longest_below_s = max(row.longest_below_s, w.t - since + self.p.tick_s)
                 model = below[scope]
                 row.models_below[model] = row.models_below.get(model, 0.0) + self.p.tick_s
+                cause = self._cause(model, decisions, what_if)
+                row.causes[cause] = row.causes.get(cause, 0.0) + self.p.tick_s
             else:
                 self._below_since.pop(path, None)
+
+    def _cause(self, model: str, decisions: list[Decision], what_if: dict[str, list[Decision]]) -> str:
+        """Why a model whose tenant is below its guarantee is short after this pass: what the pass decided
+        for it and, when it was blocked, whether a looser rule would have made room (the committed state
+        asked again, with replicas of any age and up to 20 victims on a node)."""
+        for d in decisions:
+            if isinstance(d, Preempt) and d.for_model == model:
+                return "preempting"
+            if isinstance(d, Waiting) and d.model == model:
+                return "victims draining" if d.why.startswith("waiting for") else f"waiting: {d.why or 'backoff'}"
+        if not any(isinstance(d, Blocked) and d.model == model for d in decisions):
+            return "not tried"
+        w = self.w
+        for label, cfg in (
+            ("only replicas under 5 minutes old could give way", Config(preempt_min_age_s=0.0)),
+            ("more than 3 victims on one node needed", Config(preempt_min_age_s=0.0, preempt_max_victims=20)),
+        ):
+            if label not in what_if:
+                what_if[label] = reconcile(w.state, w.clock(), cfg)
+            if any(isinstance(d, Preempt) and d.for_model == model for d in what_if[label]):
+                return label
+        return "nothing may give way"
 
     # -- the day -----------------------------------------------------------------------------------------
 
@@ -590,6 +627,15 @@ def render(r: Report) -> str:
         g = f"{row.guarantee_gpus} GPUs {row.guarantee_cores} c"
         most = f"{worst[0]} ({worst[1] / 60:.1f} min)" if worst[0] else ""
         lines.append(f"  {row.tenant:<8} {g:>18} {row.minutes_below:>10.1f} {row.longest_below_s:>10.0f}  {most}")
+    causes: dict[str, float] = {}
+    for row in r.tenant_rows:
+        for k, v in row.causes.items():
+            causes[k] = causes.get(k, 0.0) + v
+    if causes:
+        lines.append(
+            "  below guarantee, by cause (minutes): "
+            + ", ".join(f"{k} {v / 60:.1f}" for k, v in sorted(causes.items(), key=lambda kv: -kv[1]))
+        )
     lines.append(f"  overcommits: {len(r.overcommits)}" + "".join(f"\n    {o}" for o in r.overcommits[:5]))
     return "\n".join(lines)
 
