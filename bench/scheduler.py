@@ -394,10 +394,10 @@ def bench_scale(n_nodes: int, n_models: int, n_replicas: int, runs: int, echo: C
     return {"sim": msgspec.to_builtins(sim), "timings": timings}
 
 
-def preempting(state: ClusterState) -> int:
-    """``state`` with a critical model that fits nowhere until other replicas give way: it wants a
-    whole 8-GPU node, and every such node has a GPU in use (a 1-GPU filler replica where one was
-    idle). Returns how many replicas the pass stops for it; raises when it would stop none."""
+def preempting(state: ClusterState, owner: str | None = None) -> int:
+    """``state`` with a critical model (owned by ``owner``) that fits nowhere until other replicas give
+    way: it wants a whole 8-GPU node, and every such node has a GPU in use (a 1-GPU filler replica
+    where one was idle). Returns how many replicas the pass stops for it; raises when it would stop none."""
     seq = state.position
     at = datetime.fromtimestamp(T0, UTC)
 
@@ -407,10 +407,15 @@ def preempting(state: ClusterState) -> int:
         env = Envelope(id=f"p{seq}", type="bench", at=at, actor="system:bench")
         state.apply(RecordedEvent(envelope=env, payload=payload, subject=event_subject(aggregate, agg_id), seq=seq))
 
-    def gpu_model(name: str, count: int, cls: str | None, lo: int) -> M.ModelSpec:
+    def gpu_model(name: str, count: int, cls: str | None, lo: int, owner: str | None = None) -> M.ModelSpec:
         profile = M.Profile(engine="vllm", min_memory_gb=8, gpus=M.GpuRequest(count=count, min_memory_gb=80))
         spec = M.ModelSpec(
-            name=name, source=f"/models/{name}", scaling=M.Scaling(min=lo), capacity_class=cls, profiles=[profile]
+            name=name,
+            source=f"/models/{name}",
+            scaling=M.Scaling(min=lo),
+            capacity_class=cls,
+            owner=owner,
+            profiles=[profile],
         )
         emit(M.AGGREGATE, name, M.ModelAdded(spec=spec))
         return spec
@@ -434,7 +439,7 @@ def preempting(state: ClusterState) -> int:
             )
             emit(R.AGGREGATE, rid, placed)
             emit(R.AGGREGATE, rid, R.ReplicaReady(replica_id=rid, node_id=n.id, pid=1, port=20000, url="http://x"))
-    gpu_model("zz-critical", 8, "critical", 1)
+    gpu_model("zz-critical", 8, "critical", 1, owner)
     decisions = reconcile(state, clock(), CFG)
     stopped = sum(len(d.replicas) for d in decisions if isinstance(d, Preempt))
     if not stopped:

@@ -16,6 +16,7 @@ The pipeline, and why each stage sits where it does:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import msgspec
 
@@ -94,6 +95,7 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     node_id: str
     gpus: list[int]
     verdicts: list[Verdict]
+    fitting: int = 0  # how many of the verdicts fit
 
 
 def cores_on(need: Need, cpus: int | None) -> int:
@@ -261,18 +263,32 @@ def evaluate(candidates: list[Candidate], need: Need) -> list[Verdict]:
 def place(candidates: list[Candidate], need: Need, seed: str) -> tuple[Choice | None, list[Verdict]]:
     """The node (and GPUs) for one replica, or None; with every node's verdict either way."""
     verdicts = evaluate(candidates, need)
-    fitting = [v for v in verdicts if not v.reasons]
-    if not fitting:
-        return None, verdicts
-    # Highest score, ties broken by the seeded hash — hashed only for the nodes that tie.
-    top = max(v.score for v in fitting)
-    tied = [v for v in fitting if v.score == top]
+    return pick(verdicts, lambda node_id: next(c for c in candidates if c.node_id == node_id), need, seed), verdicts
+
+
+def pick(verdicts: list[Verdict], node_of: Callable[[str], Candidate], need: Need, seed: str) -> Choice | None:
+    """The best of ``verdicts`` (highest score, ties broken by the seeded hash), and its GPUs; None when
+    no node fits. Apart from :func:`evaluate`, so that placing many replicas of one model in a pass
+    re-evaluates only the node the last one took (``node_of`` finds a verdict's candidate)."""
+    top = -1.0
+    tied: list[Verdict] = []
+    fitting = 0
+    for v in verdicts:
+        if v.reasons:
+            continue
+        fitting += 1
+        if v.score > top:
+            top, tied = v.score, [v]
+        elif v.score == top:
+            tied.append(v)
+    if not tied:
+        return None
+    # Hashed only for the nodes that tie.
     best = tied[0] if len(tied) == 1 else max(tied, key=lambda v: _tiebreak(seed, v.node_id))
     gpus: list[int] = []
     if need.gpus:
-        node = next(c for c in candidates if c.node_id == best.node_id)
-        gpus = node.free_gpus(need.gpu_min_memory_mb)[: need.gpus]
-    return Choice(node_id=best.node_id, gpus=gpus, verdicts=verdicts), verdicts
+        gpus = node_of(best.node_id).free_gpus(need.gpu_min_memory_mb)[: need.gpus]
+    return Choice(node_id=best.node_id, gpus=gpus, verdicts=verdicts, fitting=fitting)
 
 
 def reserve(c: Candidate, need: Need, gpus: list[int], model_replica: bool = True) -> Candidate:

@@ -28,13 +28,14 @@ from llmgw.services.scheduler.placement import (
     Need,
     Verdict,
     cores_on,
+    evaluate,
     need_of,
-    place,
+    pick,
     profile_order,
     reserve,
     summarise,
 )
-from llmgw.services.scheduler.quota import Ledger, guarantee_room, guarantee_shares, guarantee_words
+from llmgw.services.scheduler.quota import Ledger, guarantee_shares, guarantee_words
 from llmgw.services.scheduler.state import ClusterState, ModelState, ReplicaState, capacity_of
 
 
@@ -504,21 +505,23 @@ def _model(
         return [*out, held]
     order = profile_order(m.spec.profiles)
     needs = {k: need_of(m.spec.profiles[k]) for k in order}
+    cs: dict[str, Candidate] | None = None  # the nodes as this model's placements see them, kept up to date
+    verdicts_of: dict[int, dict[str, Verdict]] = {}  # profile -> node -> verdict, redone only where it changed
     for i in range(missing):
         if (limit := p.quota.block_all(m.name, list(needs.values()))) is not None:  # SCHED-8, before preempting
             out.append(Blocked(model=m.name, reason=limit, wanted=missing - i))
             break
-        cs = p.candidates(m.name)
-        # Count this model's replicas already planned in this pass, so they spread too.
-        for d in out:
-            if isinstance(d, Place) and d.node_id in cs:
-                cs[d.node_id] = msgspec.structs.replace(cs[d.node_id], model_replicas=cs[d.node_id].model_replicas + 1)
+        if cs is None:
+            cs = p.candidates(m.name)
         seed = f"{m.name}/{len(staying) + i}/{state.position}"
         # The profiles in order of preference: the first that fits anywhere is placed (CAT-2).
         tried: list[tuple[int, list[Verdict]]] = []
         choice = None
         for k in order:
-            choice, verdicts = place(list(cs.values()), needs[k], seed)
+            if (judged := verdicts_of.get(k)) is None:
+                judged = verdicts_of[k] = {v.node_id: v for v in evaluate(list(cs.values()), needs[k])}
+            verdicts = list(judged.values())
+            choice = pick(verdicts, cs.__getitem__, needs[k], seed)
             if choice is not None:
                 break
             tried.append((k, verdicts))
@@ -541,7 +544,11 @@ def _model(
             out.append(Blocked(model=m.name, reason=limit, wanted=missing - i))
             break
         p.reserve(choice.node_id, placed, choice.gpus)
-        why = f"{len(staying) + i} of {lower} wanted; best of {sum(1 for v in verdicts if v.fits)} fitting nodes"
+        # Only the node it took changes for this model's next replica: its verdicts alone are redone.
+        cs[choice.node_id] = reserve(cs[choice.node_id], placed, choice.gpus)
+        for j, judged in verdicts_of.items():
+            [judged[choice.node_id]] = evaluate([cs[choice.node_id]], needs[j])
+        why = f"{len(staying) + i} of {lower} wanted; best of {choice.fitting} fitting nodes"
         if len(order) > 1:
             why += f"; profile {m.spec.profiles[k].name}" + "".join(
                 f" (preferred {m.spec.profiles[t].name} fits nowhere: {_first_reason(v)})" for t, v in tried
@@ -599,7 +606,7 @@ def _preempt(
             model=m.name,
             capacity_class=cls,
             below_minimum=have < m.min,
-            reclaims=bool(state.quotas) and guarantee_room(state, m.name, need) is not None,
+            reclaims=bool(state.quotas) and p.quota.guarantee_room(m.name, need) is not None,
             own_guarantees=guarantee_words(state, m.name) if state.quotas else frozenset(),
         )
         found = PRE.find(
