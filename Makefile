@@ -26,6 +26,7 @@ up: $(STAMP)
 	$(VENV)/bin/llmgw up $(ARGS)
 
 test: $(STAMP)
+	@sh ops/install-test-tools.sh
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)

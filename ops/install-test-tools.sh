@@ -1,0 +1,17 @@
+#!/usr/bin/env sh
+# Tools the test suite uses beyond Python wheels: promtool (Debian's `prometheus` package) checks the
+# alert rules and runs their unit tests (tests/test_alert_rules.py). Installed when missing and this
+# machine can (root, or sudo without a password, with apt); otherwise say how, and the tests that
+# need it are skipped with that reason.
+command -v promtool >/dev/null 2>&1 && exit 0
+if command -v apt-get >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
+  if [ "$SUDO" != none ]; then
+    echo "installing promtool (Debian's prometheus package) for the alert-rule tests"
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1 \
+      || { $SUDO apt-get update >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1; } \
+      || echo "warning: could not install prometheus (promtool); the alert-rule tests will be skipped"
+    exit 0
+  fi
+fi
+echo "note: promtool not found; install Debian's 'prometheus' package (or put promtool on PATH) to run the alert-rule tests"
