@@ -1,4 +1,4 @@
-"""structlog set up for JSON lines on stderr: one event per line (SPEC OBS-4)."""
+"""structlog set up on stderr: JSON lines, or readable lines on a terminal; one event per line (SPEC OBS-4)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import logging
 import sys
 from typing import Any
 
+import click
 import msgspec
 import structlog
+
+from llmgw.events import log_context
 
 _encoder = msgspec.json.Encoder(enc_hook=str)  # a field of another type (a path, an id object) as its text
 
@@ -22,16 +25,37 @@ def _dumps(event: dict[str, Any], **kw: Any) -> str:
         return json.dumps(event, default=str)
 
 
-def configure(level: str = "info", json_lines: bool = True, extra: list | None = None) -> None:
+def chosen_format() -> str:
+    """``llmgw --log-format`` of the command running (auto when none is)."""
+    ctx = click.get_current_context(silent=True)
+    obj = ctx.find_root().obj if ctx is not None else None
+    return (obj or {}).get("log_format") or "auto"
+
+
+def json_wanted(chosen: str | None = None, stream: Any = None) -> bool:
+    """JSON lines unless a person reads them: ``console`` asked for, or ``auto`` on a terminal."""
+    chosen = chosen or chosen_format()
+    if chosen == "auto":
+        return not (stream or sys.stderr).isatty()
+    return chosen == "json"
+
+
+def configure(level: str = "info", json_lines: bool | None = None, extra: list | None = None) -> None:
+    """Logging for one process: structlog to stderr, each line with the request's or command's ids.
+    ``json_lines`` None: as ``--log-format`` chose (:func:`json_wanted`)."""
+    if json_lines is None:
+        json_lines = json_wanted()
     lvl = getattr(logging, level.upper(), logging.INFO)
     logging.basicConfig(stream=sys.stderr, level=lvl, format="%(message)s")
     renderer = structlog.processors.JSONRenderer(serializer=_dumps) if json_lines else structlog.dev.ConsoleRenderer()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            log_context.add_context,  # the request's or command's ids (events/log_context.py)
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
+            # JSON carries the traceback as text; the console renderer prints it readably itself.
+            *([structlog.processors.format_exc_info] if json_lines else []),
             *(extra or []),
             renderer,
         ],

@@ -66,11 +66,32 @@ from llmgw.services.router.app import RouterConfig
     "DATA_DIR/nats/users/operator.json).",
 )
 @click.pass_context
+@click.option(
+    "--log-format",
+    type=click.Choice(["auto", "console", "json"]),
+    envvar="LLMGW_LOG_FORMAT",
+    default="auto",
+    show_default=True,
+    help="Log lines of up, server and agent: readable on a terminal and JSON otherwise (auto), or as said.",
+)
 def main(
-    ctx: click.Context, nats: str | None, api: str | None, data_dir: str | None, ca: str | None, nats_creds: str | None
+    ctx: click.Context,
+    nats: str | None,
+    api: str | None,
+    data_dir: str | None,
+    ca: str | None,
+    nats_creds: str | None,
+    log_format: str,
 ) -> None:
     """llmgw: one OpenAI-compatible gateway in front of a fleet of inference engines."""
-    ctx.obj = {"nats": nats, "api": api, "data_dir": data_dir, "ca": ca, "nats_creds": nats_creds}
+    ctx.obj = {
+        "nats": nats,
+        "api": api,
+        "data_dir": data_dir,
+        "ca": ca,
+        "nats_creds": nats_creds,
+        "log_format": log_format,
+    }
 
 
 main.add_command(bench)

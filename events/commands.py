@@ -24,7 +24,7 @@ import nats.js.errors
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from llmgw.events import signing
+from llmgw.events import log_context, signing
 from llmgw.events import subjects as S
 from llmgw.events.codec import decode_event
 from llmgw.events.command_auth import CommandVerifier, ServiceSigner, Signer, sign_command
@@ -325,6 +325,16 @@ class CommandProcessor:
             await msg.ack()
             return
         kept = {"signer": command.signer, "command_seq": seq, "command": msgspec.Raw(msg.data)}
+        # Every line logged while this command is handled names it (OBS-4): id, kind, correlation.
+        bound = log_context.bind(
+            ("command_id", command.id), ("command", command.kind), ("correlation_id", command.thread or "")
+        )
+        try:
+            await self._decide(msg, command, seq, kept, outcome_subject)
+        finally:
+            log_context.unbind(bound)
+
+    async def _decide(self, msg: Any, command: Command, seq: int, kept: dict[str, Any], outcome_subject: str) -> None:
         outcome: msgspec.Struct
         try:
             verified = await self.verifier.verify(command)  # raises Rejected: unsigned, forged, unknown…

@@ -30,6 +30,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from llmgw.events import log_context
 from llmgw.events import subjects as S
 from llmgw.events.ids import new_id
 from llmgw.events.live_fold import FoldRegistry, LiveFold, health_body
@@ -304,6 +305,7 @@ class Router:
             at=datetime.fromtimestamp(self.clock(), UTC),
             endpoint=endpoint,
         )
+        bound = log_context.bind(("request_id", call.request_id), ("client_request_id", call.client_request_id or ""))
         try:
             # The key before the body: without one nothing is read, so a stranger learns no more than
             # 401 (not which body would be too large or malformed) and costs no body's read.
@@ -332,6 +334,7 @@ class Router:
             ).response(call.request_id, call.client_request_id)
         finally:
             await self._finish(call)
+            log_context.unbind(bound)
 
     async def _body(self, request: web.Request, endpoint: str) -> tuple[dict[str, Any], bytes]:
         encoding = request.headers.get("content-encoding", "identity")
