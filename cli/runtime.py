@@ -26,11 +26,14 @@ from llmgw.events.metrics import StoreMetrics
 from llmgw.events.models import ModelSpec
 from llmgw.events.pki import CertificateExpiry, PkiError, client_context, load_cert, server_context
 from llmgw.events.secrets import engine_key_secret, signing_secret
+from llmgw.events.snapshots import EVERY_EVENTS as SNAPSHOT_EVERY_EVENTS
+from llmgw.events.snapshots import EVERY_S as SNAPSHOT_EVERY_S
 from llmgw.events.store import EventStore
 from llmgw.projections.access import AccessProjection
 from llmgw.projections.backends import open_backend
 from llmgw.projections.eventlog import EventLogProjection
 from llmgw.projections.fleet import FleetProjection
+from llmgw.projections.replay_snapshots import EVERY_EVENTS as REPLAY_EVERY_EVENTS
 from llmgw.projections.replay_snapshots import ReplaySnapshotter
 from llmgw.projections.runner import ProjectionRunner
 from llmgw.projections.tenancy import TenancyProjection
@@ -38,7 +41,7 @@ from llmgw.projections.usage import UsageProjection
 from llmgw.services.access.bootstrap import DEMO_KEY_FILE as DEMO_KEY_FILE  # for `up`'s message
 from llmgw.services.access.bootstrap import ensure_demo_key
 from llmgw.services.access.service import AccessService
-from llmgw.services.accountant.service import RETENTION_DAYS, AccountantService
+from llmgw.services.accountant.service import PRUNE_EVERY_S, RETENTION_DAYS, AccountantService
 from llmgw.services.api.app import AdminApi
 from llmgw.services.api.exposure import exposure_refusal
 from llmgw.services.api.signin import SignIn
@@ -73,6 +76,14 @@ ALL_SERVICES = (
 )
 
 
+class SnapshotsConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How often folded state is saved, so that a start folds only a tail (docs/operations.md#snapshots)."""
+
+    every_events: int = SNAPSHOT_EVERY_EVENTS  # the router's and the scheduler's, after this many events…
+    every_s: float = SNAPSHOT_EVERY_S  # …or this many seconds (0 turns a trigger off)
+    replay_every_events: int = REPLAY_EVERY_EVENTS  # the replayed projections' tables (`events replay`)
+
+
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str
     db_dsn: str
@@ -90,6 +101,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     first_admin_dir: str | None = None  # the first time, user admin with DIR/admin-password and DIR/admin-token
     scheduler: SchedulerConfig = SchedulerConfig()
     usage_retention_days: float = RETENTION_DAYS  # requests and rollups older than this are deleted
+    usage_prune_every_s: float = PRUNE_EVERY_S  # how often the accountant deletes them
+    snapshots: SnapshotsConfig = SnapshotsConfig()
     router: RouterConfig = RouterConfig()
     mirror_dir: str | None = None  # where the mirror keeps MODEL/VERSION/FILE; needed when it runs here
     mirror_port: int = 8083  # its file server
@@ -237,7 +250,7 @@ async def serve(
         await signing_secret(store.js)  # what services sign commands with: the control plane's alone
     backend = await open_backend(config.db_dsn)
     # Every 10,000 events the replayed projections' tables are saved, so `events replay` folds only a tail.
-    replay_saver = ReplaySnapshotter(store, backend)
+    replay_saver = ReplaySnapshotter(store, backend, every=config.snapshots.replay_every_events)
     runner = ProjectionRunner(store, backend, projections(), registry=registry, on_batch=replay_saver.folded)
     # The process's live folds: its /healthz answers 503 naming any that is not live.
     folds = FoldRegistry(registry)
@@ -287,14 +300,23 @@ async def serve(
         if "fleet" in config.services:
             commands("fleet-commands", FleetService(store, folds=folds))
         if "scheduler" in config.services:
-            scheduler = SchedulerService(store, config=config.scheduler, registry=registry, folds=folds)
+            scheduler = SchedulerService(
+                store,
+                config=config.scheduler,
+                registry=registry,
+                folds=folds,
+                snapshot_every_events=config.snapshots.every_events,
+                snapshot_every_s=config.snapshots.every_s,
+            )
             handles["scheduler"] = background("scheduler", scheduler)
         if config.bootstrap_dir is not None or config.first_admin_dir is not None:
             await _bootstrap_admin(store, Path(config.first_admin_dir or config.bootstrap_dir or ""), config.services)
         if config.bootstrap_dir is not None:
             await _bootstrap_access(store, Path(config.bootstrap_dir), config.services)
         if "accountant" in config.services:
-            accountant = AccountantService(backend, retention_days=config.usage_retention_days)
+            accountant = AccountantService(
+                backend, retention_days=config.usage_retention_days, prune_every_s=config.usage_prune_every_s
+            )
             handles["accountant"] = background("accountant", accountant)
         # Every process serves health and metrics on its admin port; the API itself runs with "api".
         api = AdminApi(store, backend, runner, registry)
@@ -305,7 +327,14 @@ async def serve(
         admin_app = api.app(full="api" in config.services)
         sites.append(await _site(admin_app, config.admin_host, config.admin_port, tls.https))
         if "router" in config.services:
-            router = Router(store, config.router, registry=registry, folds=folds)
+            router = Router(
+                store,
+                config.router,
+                registry=registry,
+                folds=folds,
+                snapshot_every_events=config.snapshots.every_events,
+                snapshot_every_s=config.snapshots.every_s,
+            )
             await router.start()
             routers.append(router)
             handles["router"] = router
