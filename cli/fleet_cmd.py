@@ -343,6 +343,27 @@ def model_class(ctx: click.Context, name: str, capacity_class: str) -> None:
     run(ctx, go)
 
 
+@model.command("slo")
+@click.argument("name")
+@click.option("--ttft-p95", "ttft_p95_s", type=float, help="Time to first token, 95th percentile, in seconds.")
+@click.option("--tokens-per-sec", "tokens_per_s", type=float, help="Generation speed each request should see.")
+@click.option("--none", "no_slo", is_flag=True, help="No SLO.")
+@click.pass_context
+def model_slo(
+    ctx: click.Context, name: str, ttft_p95_s: float | None, tokens_per_s: float | None, no_slo: bool
+) -> None:
+    """Set what each request of NAME should get (CAT-1): a measurement finds how many concurrent
+    requests one replica serves within it, and autoscaling follows that (SCHED-9, SCHED-10)."""
+    if no_slo == (ttft_p95_s is not None or tokens_per_s is not None):
+        raise click.UsageError("give --ttft-p95 S and/or --tokens-per-sec N, or --none")
+
+    async def go(s: Session) -> None:
+        out = await s.command(M.SERVICE, "slo", M.SetSlo(name=name, ttft_p95_s=ttft_p95_s, tokens_per_s=tokens_per_s))
+        click.echo(out.message)
+
+    run(ctx, go)
+
+
 @model.command("owner")
 @click.argument("name")
 @click.argument("scope", required=False)

@@ -50,7 +50,7 @@ def render_markdown() -> str:
                 if f.default_factory is not msgspec.NODEFAULT:
                     default = repr(f.default_factory())
                 kind = _type_name(f.type).replace("|", "\\|")  # a bare | would end the table cell
-                lines.append(f"| `{f.name}` | `{kind}` | {default} |")
+                lines.append(f"| `{f.encode_name}` | `{kind}` | {default} |")
             lines.append("")
     return "\n".join(lines)
 

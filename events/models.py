@@ -54,6 +54,14 @@ class Scaling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         return self.min if self.max is None else self.max
 
 
+class Slo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a request of the model should get (CAT-1): a measurement (SCHED-10) finds how many
+    concurrent requests one replica serves within it; autoscaling then follows that (SCHED-9)."""
+
+    ttft_p95_s: float | None = None  # time to first token, 95th percentile, seconds
+    tokens_per_s: float | None = None  # generation speed each request should see
+
+
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A model as an operator declares it (CAT-1)."""
 
@@ -69,6 +77,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     capacity_class: str | None = None
     owner: str | None = None
     profiles: list[Profile] = []
+    slo: Slo | None = None
 
 
 MIRROR_SCHEME = "mirror:"
@@ -150,6 +159,18 @@ class ModelPreempted(msgspec.Struct, frozen=True, kw_only=True):
     held_until: float
 
 
+class ModelAutoscaled(msgspec.Struct, frozen=True, kw_only=True):
+    """The scheduler moved the replicas a model holds between its min and max with the load (SCHED-9).
+    ``added`` is how many replicas the load holds above the minimum after this step; it and ``at``
+    are what a new leader needs to go on (one step at a time, the idle window counted from it)."""
+
+    from_: int = msgspec.field(name="from")
+    to: int
+    added: int
+    reason: str  # with the load that caused it: "3 requests waiting on 1 ready replica for 60 s"
+    at: float  # the scheduler's clock (epoch seconds) when it decided
+
+
 class PurgeStarted(msgspec.Struct, frozen=True, kw_only=True):
     """The mirror service took on a ``model.removed{purge}``: what it will delete, and what stays and why."""
 
@@ -192,6 +213,8 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     parked: str | None = None
     preempted: ModelPreempted | None = None  # the last time it gave way (SCHED-7)
     preemptions: int = 0  # replicas it has given way, over its life
+    autoscaled: int = 0  # replicas the load holds above the minimum (SCHED-9)
+    autoscaled_at: float | None = None  # epoch of the last autoscaling step
 
 
 class ModelStatusView:
@@ -244,6 +267,7 @@ MODEL_EVENTS = (
     ModelParked,
     ModelRetried,
     ModelPreempted,
+    ModelAutoscaled,
 )
 
 
@@ -259,8 +283,10 @@ def fold_model(status: ModelStatus | None, payload: msgspec.Struct) -> ModelStat
             return msgspec.structs.replace(status, spec=payload.spec, parked=None)  # a new definition unparks
         case ModelScaled():
             return msgspec.structs.replace(status, min=payload.min, max=payload.max)
-        case ModelStopped():
-            return msgspec.structs.replace(status, stopped=True, saved=(payload.saved_min, payload.saved_max))
+        case ModelStopped():  # a stop ends what the load had added: a start begins from the minimum
+            return msgspec.structs.replace(
+                status, stopped=True, saved=(payload.saved_min, payload.saved_max), autoscaled=0
+            )
         case ModelStarted():
             return msgspec.structs.replace(status, stopped=False, min=payload.min, max=payload.max)
         case ModelParked():
@@ -271,6 +297,8 @@ def fold_model(status: ModelStatus | None, payload: msgspec.Struct) -> ModelStat
             return msgspec.structs.replace(
                 status, preempted=payload, preemptions=status.preemptions + len(payload.replicas)
             )
+        case ModelAutoscaled():
+            return msgspec.structs.replace(status, autoscaled=payload.added, autoscaled_at=payload.at)
     return status
 
 
@@ -289,6 +317,13 @@ EVENTS = (
         ModelPreempted,
         "Replicas of the model gave way to a model of higher class (or of its class, below its minimum); "
         "the model is held back until the winner is placed or the hold ends.",
+    ),
+    EventType(
+        "model.autoscaled",
+        1,
+        ModelAutoscaled,
+        "The scheduler added or removed a replica of the model with its load (between min and max), "
+        "saying which load.",
     ),
     EventType(
         "model.purge_started",
@@ -357,6 +392,23 @@ class SetOwner(msgspec.Struct, frozen=True, kw_only=True, tag="owner", forbid_un
     owner: str | None = None
 
 
+class SetSlo(msgspec.Struct, frozen=True, kw_only=True, tag="slo", forbid_unknown_fields=True):
+    """CAT-1: what each request of the model should get; None for both: no SLO."""
+
+    name: str
+    ttft_p95_s: float | None = None
+    tokens_per_s: float | None = None
+
+
 CatalogCommand = (
-    AddModel | ScaleModel | SetResources | StopModel | StartModel | RemoveModel | RetryModel | SetClass | SetOwner
+    AddModel
+    | ScaleModel
+    | SetResources
+    | StopModel
+    | StartModel
+    | RemoveModel
+    | RetryModel
+    | SetClass
+    | SetOwner
+    | SetSlo
 )

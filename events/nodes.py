@@ -42,6 +42,19 @@ class ReplicaReport(msgspec.Struct, frozen=True, kw_only=True):
     spec_hash: str = ""
     rss_bytes: int | None = None
     cpu_cores_used: float | None = None
+    # The engine's own signals (SCHED-9), scraped from its ``/metrics`` (and ``/slots``) on the
+    # heartbeat's cadence: None where the engine does not say (no metrics yet, an older agent).
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    slots: int | None = None  # concurrent sequences the engine serves (llama.cpp ``--parallel``)
+    kv_cache_usage: float | None = None  # 0..1
+    prompt_tokens_per_s: float | None = None  # since the previous scrape
+    generation_tokens_per_s: float | None = None
+    metrics_at: datetime | None = None  # when the signals above were read
+    metrics_error: str = ""  # why the last scrape failed ("" when it answered)
+    # The engine's metrics stopped answering several scrapes in a row while its process lives: the
+    # routers stop sending it requests before the node itself is called lost.
+    unreachable: bool = False
 
 
 class NodeHeartbeat(msgspec.Struct, frozen=True, kw_only=True):

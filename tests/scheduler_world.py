@@ -26,6 +26,7 @@ from llmgw.events.envelope import Envelope, RecordedEvent
 from llmgw.events.subjects import event_subject
 from llmgw.services.scheduler.placement import Candidate, need_of
 from llmgw.services.scheduler.reconcile import (
+    Autoscale,
     Blocked,
     Clock,
     Config,
@@ -400,4 +401,6 @@ def said(d: Decision) -> str:
             return f"waiting {d.model} until t={d.until - T0:g}" + (f": {d.why}" if d.why else "")
         case Preempt():
             return f"preempt {','.join(d.replicas)} of {d.model} ({d.capacity_class}) for {d.for_model}: {d.reason}"
+        case Autoscale():
+            return f"autoscale {d.model} {d.from_} -> {d.to}: {d.reason}"
     raise AssertionError(f"unknown decision {d!r}")

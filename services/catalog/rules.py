@@ -68,6 +68,10 @@ def validate_spec(spec: M.ModelSpec) -> None:
         )
     if spec.owner is not None and (why := owner_shape_error(spec.owner)):
         raise Rejected(f"model {spec.name}: {why}", "invalid_spec")
+    if spec.slo is not None:
+        for field, value in (("--ttft-p95", spec.slo.ttft_p95_s), ("--tokens-per-sec", spec.slo.tokens_per_s)):
+            if value is not None and not value > 0:
+                raise Rejected(f"model {spec.name}: SLO {field} {value:g} must be above 0", "invalid_spec")
     s = spec.scaling
     if s.min < 0:
         raise Rejected(f"model {spec.name}: min {s.min} is negative", "invalid_scaling")
@@ -204,6 +208,16 @@ def decide(catalog: Catalog, command: M.CatalogCommand) -> tuple[str, list[msgsp
             validate_spec(spec)
             what = f"owner {owner}" if owner else "no owner"
             return name, [M.ModelChanged(spec=spec, what=what)], f"model {name} now has {what}"
+        case M.SetSlo(name=name, ttft_p95_s=ttft, tokens_per_s=tps):
+            entry = _entry(catalog, name)
+            _not_declared(entry, "change the SLO of")
+            slo = None if ttft is None and tps is None else M.Slo(ttft_p95_s=ttft, tokens_per_s=tps)
+            if slo == entry.spec.slo:
+                return name, [], f"model {name} already has {_slo_words(slo)}"
+            spec = msgspec.structs.replace(entry.spec, slo=slo)
+            validate_spec(spec)
+            what = _slo_words(slo)
+            return name, [M.ModelChanged(spec=spec, what=what)], f"model {name} now has {what}"
         case M.StopModel(name=name):
             entry = _entry(catalog, name)
             if entry.stopped:
@@ -228,3 +242,13 @@ def decide(catalog: Catalog, command: M.CatalogCommand) -> tuple[str, list[msgsp
                 raise Rejected(f"model {name} is not parked; nothing to retry", "unchanged")
             return name, [M.ModelRetried()], f"model {name} will be placed again"
     raise Rejected(f"unknown catalog command {type(command).__name__}")
+
+
+def _slo_words(slo: M.Slo | None) -> str:
+    if slo is None:
+        return "no SLO"
+    parts = [
+        f"time to first token p95 {slo.ttft_p95_s:g} s" if slo.ttft_p95_s is not None else "",
+        f"{slo.tokens_per_s:g} tokens/s per request" if slo.tokens_per_s is not None else "",
+    ]
+    return "SLO " + ", ".join(p for p in parts if p)

@@ -22,6 +22,7 @@ from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events import replicas as R
 from llmgw.events.models import mirror_ref
+from llmgw.services.scheduler import autoscale as AS
 from llmgw.services.scheduler import preemption as PRE
 from llmgw.services.scheduler.placement import (
     Candidate,
@@ -57,6 +58,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     preempt_grace_s: float = PRE.GRACE_S
     preempt_hold_s: float = PRE.HOLD_S
     preempt_idle_s: float = 60.0  # an on-demand model with no request for this long: its replicas go first
+    # Autoscaling (SCHED-9, services/scheduler/autoscale.py): between min and max, with the engines' load.
+    scale_up_after_s: float = 60.0  # waiting requests held this long add a replica
+    scale_down_after_s: float = 600.0  # nothing waiting this long removes one the load added
+    scale_up_waiting_per_replica: float = 1.0
+    scale_down_below: float = 0.7  # …if the busiest moment fits in the rest under this share of them
 
 
 def wanted_replicas(m: ModelState, demand_at: float | None, now_epoch: float, cfg: Config) -> tuple[int, int]:
@@ -154,7 +160,11 @@ class Preempt(msgspec.Struct, frozen=True, kw_only=True):
     held_until: float
 
 
-Decision = RegisterNode | MarkLost | MarkReturned | Place | Stop | Fail | Park | Blocked | Waiting | Preempt
+Autoscale = AS.Autoscale
+
+Decision = (
+    RegisterNode | MarkLost | MarkReturned | Place | Stop | Fail | Park | Blocked | Waiting | Preempt | Autoscale
+)
 
 
 def backoff_s(failures: int, cfg: Config) -> float:
@@ -445,6 +455,12 @@ def _model(
     surge = restarts.surge(staying)
     replacements = [r for r in staying if r.id in surge]
     staying = [r for r in staying if r.id not in surge]
+    # The load moves what the model holds between min and max, one step at a time (SCHED-9).
+    lower, upper, scaled = AS.adjust(
+        m, lower, upper, staying, state.load.get(m.name), clock, cfg, AS.measurement_of(m)
+    )
+    if scaled is not None:
+        out.append(scaled)
     # A drain replaces first, then stops the old replica (FLEET-4): it waits for as many ready
     # replicas elsewhere as the model holds now (`lower`, so an on-demand model in use waits too),
     # but no longer than the drain's grace: a node being emptied must empty, even when no other node
@@ -487,6 +503,8 @@ def _model(
             why = (
                 f"idle on-demand model {m.name}: no request for {cfg.idle_s:.0f}s"
                 if m.min == 0 and upper == 0
+                else f"model {m.name} autoscaled to {upper}: {scaled.reason}"
+                if scaled is not None and scaled.to == upper
                 else f"model {m.name} scaled to max {upper}"
             )
             out.append(Stop(replica_id=r.id, reason=why, grace_s=grace))
@@ -692,6 +710,8 @@ def event_of(
             )
         case Park():
             return M.AGGREGATE, d.model, M.ModelParked(reason=d.reason, failures=d.failures)
+        case AS.Autoscale():
+            return M.AGGREGATE, d.model, AS.event_of(d)
         case Preempt():
             return (
                 M.AGGREGATE,

@@ -40,6 +40,7 @@ from llmgw.services.scheduler.headroom import headroom
 from llmgw.services.scheduler.metrics import FleetCollector
 from llmgw.services.scheduler.quota import quota_view
 from llmgw.services.scheduler.reconcile import (
+    Autoscale,
     Blocked,
     Clock,
     Config,
@@ -342,6 +343,8 @@ class SchedulerService:
                     log.info("replica placed", model=d.model, node=d.node_id, replica=rid, why=d.why)
                 case Stop(short=True):
                     log.warning("replica stopped without a replacement", replica=d.replica_id, reason=d.reason)
+                case Autoscale():  # every step logged with the load that caused it (SCHED-9)
+                    log.info("model autoscaled", model=d.model, replicas_from=d.from_, to=d.to, reason=d.reason)
                 case Preempt():
                     log.warning(
                         "replicas preempted",

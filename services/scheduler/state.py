@@ -19,6 +19,7 @@ from llmgw.events import replicas as R
 from llmgw.events import tenancy_fold as TF
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.subjects import aggregate_of
+from llmgw.services.scheduler.autoscale import LoadSample, ModelLoad, fold_load
 
 GiB = 1024**3
 
@@ -141,6 +142,10 @@ class ClusterState:
         self._on_node: dict[str, dict[str, ReplicaState]] = {}
         self._of_model: dict[str, dict[str, ReplicaState]] = {}
         self.demand: dict[str, float] = {}  # model -> epoch of the last request a router saw (on demand)
+        # The engines' load per model (SCHED-9), from the heartbeats: each node's share of it, summed
+        # into a series per model whenever a node reports (an observation, like demand).
+        self.load: dict[str, ModelLoad] = {}
+        self._load_parts: dict[str, dict[str, LoadSample]] = {}  # model -> node -> its ready replicas' load
         # Whose capacity a model's replicas use, and how much each scope is guaranteed and may hold (SCHED-8):
         # the shared folds of the tree and of the quotas.
         self.tree = TF.TenancyTree()
@@ -267,6 +272,45 @@ class ClusterState:
     def observe(self, hb: N.NodeHeartbeat, now: float) -> None:
         n = self.node(hb.node_id)
         n.heartbeat, n.last_seen = hb, now
+        self._observe_load(hb, now)
+
+    def _observe_load(self, hb: N.NodeHeartbeat, now: float) -> None:
+        """Each model's load on this node — its ready replicas whose engines answered — summed with the
+        other nodes' latest into the model's series. A replica whose engine says nothing of its load
+        (an older agent, a first scrape) counts as ready with nothing waiting."""
+        parts: dict[str, LoadSample] = {}
+        for r in hb.replicas:
+            if r.state != "ready" or r.unreachable:
+                continue
+            old = parts.get(r.model)
+            slots = r.slots if old is None else (None if old.slots is None or r.slots is None else old.slots + r.slots)
+            parts[r.model] = LoadSample(
+                at=now,
+                waiting=(old.waiting if old else 0) + (r.requests_waiting or 0),
+                running=(old.running if old else 0) + (r.requests_running or 0),
+                ready=(old.ready if old else 0) + 1,
+                slots=slots,
+            )
+        touched = set(parts)
+        for model, by_node in self._load_parts.items():
+            if hb.node_id in by_node and model not in parts:
+                touched.add(model)
+        for model in touched:
+            by_node = self._load_parts.setdefault(model, {})
+            if model in parts:
+                by_node[hb.node_id] = parts[model]
+            else:
+                by_node.pop(hb.node_id, None)
+            total = LoadSample(
+                at=now,
+                waiting=sum(s.waiting for s in by_node.values()),
+                running=sum(s.running for s in by_node.values()),
+                ready=sum(s.ready for s in by_node.values()),
+                slots=None
+                if any(s.slots is None for s in by_node.values())
+                else sum(s.slots or 0 for s in by_node.values()),
+            )
+            self.load[model] = fold_load(self.load.get(model), total)
 
     def forget_inactive(self, keep_s: float, now_epoch: float) -> None:
         """Drop stopped and failed replicas older than ``keep_s``: state stays small on a long-lived leader."""

@@ -1,0 +1,224 @@
+"""Autoscaling (SPEC SCHED-9): the replicas a model holds follow its load, between min and max.
+
+Pure. The load is what the engines say in the heartbeats (requests running and waiting on each
+ready replica, ``events/nodes.py`` ``ReplicaReport``), folded by the scheduler into a short series
+per model (:class:`LoadSample`, :func:`fold_load`): an observation of this process, like the
+routers' demand, not an event. What must survive a leader change — how many replicas the load
+added, when the last step was — is the ``model.autoscaled`` event, folded by ``fold_model``.
+
+The rules, without a measurement of the model (SCHED-10 not saved):
+
+- **up**: at least ``scale_up_waiting_per_replica`` waiting requests per ready replica, held for
+  ``scale_up_after_s``, adds one replica;
+- **down**: ``scale_down_after_s`` with nothing waiting removes one replica the load added, and only
+  when the requests running at the busiest moment of that window fit in the other replicas' slots
+  under ``scale_down_below`` of them (else a steady load at the threshold would flap: remove, wait,
+  add, …);
+- one step at a time: never while a replica of the model is still starting, and a hold or an idle
+  window counts from the last step.
+
+With a measurement (:class:`Measurement`, a hook until ``ctl bench --save`` exists), the trigger is
+SCHED-9's second sentence: up when requests per ready replica pass the concurrency one replica serves
+within the SLO; down only if the rest stay under ``scale_down_below`` of the measured capacity.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from llmgw.events import models as M
+
+if TYPE_CHECKING:  # the reconciler's settings; it imports this module
+    from llmgw.services.scheduler.reconcile import Clock, Config
+    from llmgw.services.scheduler.state import ModelState, ReplicaState
+
+KEEP_S = 1800.0  # load kept per model: longer than any idle window worth configuring
+KEEP_SAMPLES = 4096  # and at most this many changes of it
+
+
+class LoadSample(msgspec.Struct, frozen=True, kw_only=True):
+    """A model's load from ``at`` (this process's monotonic seconds) until the next sample: the sum
+    over the ready replicas whose engines answered their metrics."""
+
+    at: float
+    waiting: int
+    running: int
+    ready: int
+    slots: int | None = None  # the concurrent requests those replicas serve; None where one did not say
+
+
+class ModelLoad(msgspec.Struct, kw_only=True):
+    """A model's load as a step function: a sample is kept only when the load changes."""
+
+    samples: list[LoadSample] = []
+    seen_at: float | None = None  # the last heartbeat that said anything of the model
+
+
+class Measurement(msgspec.Struct, frozen=True, kw_only=True):
+    """SCHED-10's saved measurement of a model (the hook: nothing saves one yet): the most concurrent
+    requests one replica serves within the model's SLO, and its tokens/s there."""
+
+    concurrency: int
+    tokens_per_s: float = 0.0
+
+
+class Autoscale(msgspec.Struct, frozen=True, kw_only=True):
+    """A step: the model holds ``to`` replicas instead of ``from_`` (a ``model.autoscaled`` event)."""
+
+    model: str
+    from_: int
+    to: int
+    added: int
+    reason: str
+    at: float
+
+
+def fold_load(load: ModelLoad | None, sample: LoadSample) -> ModelLoad:
+    """``load`` with ``sample`` added: a sample equal to the last in all but time moves only ``seen_at``;
+    samples older than :data:`KEEP_S` go, but the newest before that line stays (it holds until the next)."""
+    load = load or ModelLoad()
+    load.seen_at = sample.at
+    last = load.samples[-1] if load.samples else None
+    if last is not None and (last.waiting, last.running, last.ready, last.slots) == (
+        sample.waiting,
+        sample.running,
+        sample.ready,
+        sample.slots,
+    ):
+        return load
+    load.samples.append(sample)
+    cut = 0
+    while cut + 1 < len(load.samples) and (
+        load.samples[cut + 1].at <= sample.at - KEEP_S or len(load.samples) - cut > KEEP_SAMPLES
+    ):
+        cut += 1
+    if cut:
+        del load.samples[:cut]
+    return load
+
+
+def measurement_of(m: ModelState) -> Measurement | None:
+    """The saved measurement the thresholds follow (SCHED-10). None until `ctl bench --save` exists."""
+    return None
+
+
+def _wants_more(s: LoadSample, cfg: Config, measured: Measurement | None) -> bool:
+    if s.ready <= 0:
+        return False
+    if measured is not None:
+        return (s.running + s.waiting) / s.ready > measured.concurrency
+    return s.waiting >= cfg.scale_up_waiting_per_replica * s.ready
+
+
+def _held_since(samples: list[LoadSample], holds: object, ready: int) -> float | None:
+    """Since when every sample up to the newest ``holds`` at ``ready`` replicas or more; None if the newest does not."""
+    since = None
+    for s in reversed(samples):
+        if s.ready < ready or not holds(s):  # type: ignore[operator]
+            break
+        since = s.at
+    return since
+
+
+def adjust(
+    m: ModelState,
+    lower: int,
+    upper: int,
+    live: list[ReplicaState],
+    load: ModelLoad | None,
+    clock: Clock,
+    cfg: Config,
+    measured: Measurement | None = None,
+) -> tuple[int, int, Autoscale | None]:
+    """(lower, upper, step): the replicas the model holds now with its load, and the step that moves
+    it, if one is due. ``lower``/``upper`` are what it holds without autoscaling (min, or an on-demand
+    model's one while used) and its max; ``live`` its active replicas outside restarts and drains.
+
+    A step down returns ``upper`` equal to the new count, so that the pass stops one replica."""
+    added = m.status.autoscaled
+    if upper <= lower:  # no room above the minimum (max = min, or an idle on-demand model)
+        if added:
+            step = Autoscale(
+                model=m.name,
+                from_=lower + added,
+                to=lower,
+                added=0,
+                reason=f"max {upper} leaves no room above min {lower}" if upper else "idle on-demand model",
+                at=clock.epoch,
+            )
+            return lower, upper, step
+        return lower, upper, None
+    target = min(lower + added, upper)
+    if load is None or not load.samples or any(r.state != "ready" for r in live):
+        return target, upper, None  # no signal yet, or a step (or a start) is still under way
+    ready = len(live)
+    offset = clock.epoch - clock.monotonic  # the step's epoch on this process's monotonic clock
+    step_at = m.status.autoscaled_at - offset if m.status.autoscaled_at is not None else float("-inf")
+    now = clock.monotonic
+    newest = load.samples[-1]
+    if target < upper and ready >= target:
+        since = _held_since(load.samples, lambda s: _wants_more(s, cfg, measured), ready)
+        if since is not None and now - max(since, step_at) >= cfg.scale_up_after_s:
+            held = now - max(since, step_at)
+            if measured is not None:
+                why = (
+                    f"{newest.running + newest.waiting} requests on {newest.ready} ready "
+                    f"{_replicas(newest.ready)} for {held:.0f} s, above the {measured.concurrency} "
+                    "one replica serves within its SLO"
+                )
+            else:
+                why = (
+                    f"{newest.waiting} requests waiting on {newest.ready} ready "
+                    f"{_replicas(newest.ready)} for {held:.0f} s"
+                )
+            return (
+                target + 1,
+                upper,
+                Autoscale(
+                    model=m.name, from_=target, to=target + 1, added=target + 1 - lower, reason=why, at=clock.epoch
+                ),
+            )
+    if added > 0 and target > lower:
+        # Nothing waiting since the later of the last busy sample and the last step.
+        quiet = load.samples[0].at
+        for i in range(len(load.samples) - 1, -1, -1):
+            if load.samples[i].waiting > 0:
+                quiet = load.samples[i + 1].at if i + 1 < len(load.samples) else now
+                break
+        quiet = max(quiet, step_at)
+        if now - quiet >= cfg.scale_down_after_s:
+            # The samples of the window: those after its start, and the one that held at its start.
+            window = [*[s for s in load.samples if s.at <= quiet][-1:], *[s for s in load.samples if s.at > quiet]]
+            peak = max(s.running + s.waiting for s in window)
+            per_replica = _capacity_per_replica(window, measured)
+            rest = target - 1
+            if per_replica is not None and peak > cfg.scale_down_below * per_replica * rest:
+                return target, upper, None  # the rest would be busy past the line: a steady load stays
+            load_words = f"at most {peak} running on {newest.ready} ready {_replicas(newest.ready)}"
+            why = f"nothing waiting for {now - quiet:.0f} s; {load_words}"
+            return (
+                target - 1,
+                target - 1,
+                Autoscale(
+                    model=m.name, from_=target, to=target - 1, added=target - 1 - lower, reason=why, at=clock.epoch
+                ),
+            )
+    return target, upper, None
+
+
+def _capacity_per_replica(window: list[LoadSample], measured: Measurement | None) -> float | None:
+    """Requests one replica serves: the measurement's concurrency, else the engines' slots."""
+    if measured is not None:
+        return float(measured.concurrency)
+    known = [s.slots / s.ready for s in window if s.slots is not None and s.ready > 0]
+    return min(known) if known else None
+
+
+def _replicas(n: int) -> str:
+    return "replica" if n == 1 else "replicas"
+
+
+def event_of(d: Autoscale) -> M.ModelAutoscaled:
+    return M.ModelAutoscaled(from_=d.from_, to=d.to, added=d.added, reason=d.reason, at=d.at)
