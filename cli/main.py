@@ -29,6 +29,7 @@ from llmgw.cli import (
     usage_cmd,  # noqa: F401 - registers `ctl usage|request`
 )
 from llmgw.cli.agent_cmd import LocalAgent, agent, demo_model
+from llmgw.cli.backup_cmd import backup, restore
 from llmgw.cli.bench import bench
 from llmgw.cli.client import Session, nats_creds_option, nats_tls_options, run
 from llmgw.cli.context import RUN_FILE, RunInfo, data_dir_problem, default_data_dir, write_run_info
@@ -101,6 +102,8 @@ main.add_command(logout)
 main.add_command(events)
 main.add_command(agent)
 main.add_command(mirror)
+main.add_command(backup)
+main.add_command(restore)
 
 
 @main.group()

@@ -1,0 +1,311 @@
+"""Backup and restore (SPEC OPS-3): a real nats-server backed up, a fresh one restored, services on it."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import sqlite3
+import stat
+import tarfile
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import nats
+import nats.js.errors
+import pytest
+from click.testing import CliRunner
+
+from llmgw.cli.main import main as cli_main
+from llmgw.cli.runtime import projections
+from llmgw.events import backup as B
+from llmgw.events.catalog import default_registry
+from llmgw.events.secrets import engine_key_secret, signing_secret
+from llmgw.events.store import EventStore
+from llmgw.events.usage import UsageRecord
+from llmgw.projections.backends import open_backend
+from llmgw.projections.rebuild import rebuild
+from tests.fleet import Fleet
+from tests.gguf_tiny import write_tiny_gguf
+from tests.support import NatsServer, nats_server
+from tests.test_gateway import FAST_ROUTER, GATEWAY, client, make_key, make_tenant
+
+pytestmark = [pytest.mark.timeout(240)]
+
+LOG_STREAMS = ("LLMGW_EVENTS", "LLMGW_USAGE", "LLMGW_COMMANDS")
+
+
+def data_dir_with_secrets(base: Path) -> Path:
+    """A data directory as `llmgw up` leaves it: a CA, NATS users' credentials, the admin's token."""
+    d = base / "data"
+    (d / "pki").mkdir(parents=True)
+    (d / "pki" / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\nfake\n-----END CERTIFICATE-----\n")
+    (d / "pki" / "ca.key").write_text("secret CA key")
+    (d / "nats" / "users").mkdir(parents=True)
+    (d / "nats" / "users" / "operator.json").write_text('{"user": "operator", "password": "p"}')
+    (d / "admin-token").write_text("llmgw-token")
+    (d / "projections.db").write_text("derived: never in a backup")
+    return d
+
+
+def tables(db: Path) -> dict[str, list[tuple]]:
+    """Every table of a projection database, rows sorted; of the checkpoints, names and versions (a live
+    runner's position is the last event the projection read, a rebuild's the stream's head)."""
+    con = sqlite3.connect(db)
+    try:
+        names = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        out = {
+            n: sorted(con.execute(f'SELECT * FROM "{n}"').fetchall(), key=repr)
+            for n in names
+            if "shadow" not in n and not n.startswith("sqlite_")
+        }
+        out["llmgw_checkpoints"] = [(name, version) for name, _, version in out["llmgw_checkpoints"]]
+        return out
+    finally:
+        con.close()
+
+
+async def rebuilt(store: EventStore, db: Path) -> dict[str, list[tuple]]:
+    """The projections folded from ``store``'s log into a fresh database."""
+    backend = await open_backend(f"sqlite:///{db}")
+    try:
+        for p in projections():
+            await rebuild(store, backend, p)
+    finally:
+        await backend.close()
+    return tables(db)
+
+
+async def messages(store: EventStore, stream: str) -> list[tuple]:
+    """Every message of ``stream``: sequence, subject, headers, data, time."""
+    info = await store.js.stream_info(stream)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            m = await store.js.get_msg(stream, seq)
+        except nats.js.errors.NotFoundError:
+            continue
+        out.append((m.seq, m.subject, m.headers, m.data))
+    return out
+
+
+async def usage(store: EventStore, project: str, n: int) -> None:
+    at = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+    for i in range(n):
+        rec = UsageRecord(request_id=f"r{i}", at=at, status=200, project_id=project, model_asked="tiny", tokens_in=i)
+        await store.js.publish(f"llmgw.usage.{project}", msgspec.json.encode(rec), headers={"Nats-Msg-Id": f"r{i}"})
+
+
+async def verify_clean(fleet: Fleet) -> dict:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{fleet.admin_url}/api/v1/projections/verify", headers=fleet.api_headers()) as r,
+    ):
+        return await r.json()
+
+
+async def test_a_restored_cluster_has_the_same_log_projections_secrets_and_keys(
+    store: EventStore, nats: NatsServer, tmp_path: Path
+) -> None:
+    first = await Fleet(store, nats.url, tmp_path / "a").start(services=GATEWAY, router=FAST_ROUTER)
+    try:
+        tenant = await make_tenant(store)
+        key, _ = await make_key(store, tenant)
+        await first.add_model("tiny", write_tiny_gguf(tmp_path / "tiny.gguf"))
+        await usage(store, tenant.project, 5)
+        await first.router_caught_up()
+        assert [m.id async for m in client(first, key).models.list()] == ["tiny"]
+        runner = first.handles["runner"]
+        for p in projections():
+            head = await store.on_stream(p.stream).stream_last_seq()
+            assert await runner.wait_until(p.name, head, timeout=30)
+    finally:
+        await first.stop()
+    originals = tables(tmp_path / "a" / "projections.db")
+    secret, signing = await engine_key_secret(store.js), await signing_secret(store.js)
+    data = data_dir_with_secrets(tmp_path)
+
+    result = await B.backup(store.nc, tmp_path / "backups", data_dir=data)
+    assert stat.S_IMODE(os.stat(result.path).st_mode) == 0o600
+    assert {f.path for f in result.manifest.files} == {
+        "pki/ca.crt",
+        "pki/ca.key",
+        "nats/users/operator.json",
+        "admin-token",
+    }
+
+    with nats_server(tmp_path / "b") as fresh:
+        restored = await EventStore.connect(fresh.url, default_registry())
+        try:
+            await B.restore(restored.nc, Path(result.path))
+            for stream in LOG_STREAMS:  # the same sequence numbers, subjects, headers (Nats-Msg-Id) and bytes
+                assert await messages(restored, stream) == await messages(store, stream)
+            assert await engine_key_secret(restored.js) == secret
+            assert await signing_secret(restored.js) == signing
+            assert await rebuilt(restored, tmp_path / "rebuilt.db") == originals
+
+            second = await Fleet(restored, fresh.url, tmp_path / "c").start(services=GATEWAY, router=FAST_ROUTER)
+            try:
+                await second.router_caught_up()
+                assert [m.id async for m in client(second, key).models.list()] == ["tiny"]
+                body = await verify_clean(second)
+                assert body["identical"], body
+            finally:
+                await second.stop()
+        finally:
+            await restored.close()
+
+
+async def test_a_restore_into_a_cluster_that_has_streams_is_refused_naming_them(
+    store: EventStore, tmp_path: Path
+) -> None:
+    await store.js.publish("llmgw.usage.p", b"{}")
+    result = await B.backup(store.nc, tmp_path / "backups")
+    before = await B.stream_names(store.nc)
+    with pytest.raises(B.BackupError, match=r"the cluster is not empty: .*LLMGW_USAGE \(1 messages\).*--force"):
+        await B.restore(store.nc, Path(result.path))
+    assert await B.stream_names(store.nc) == before
+
+    replaced = await B.restore(store.nc, Path(result.path), force=True)
+    assert "LLMGW_USAGE" in replaced.replaced
+    assert await B.stream_names(store.nc) == before
+
+
+def truncated(path: Path) -> Path:
+    out = path.with_name("truncated.tar")
+    out.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return out
+
+
+def flipped(path: Path) -> Path:
+    """The archive with one byte of the events stream's snapshot changed (its tar framing intact)."""
+    out = path.with_name("flipped.tar")
+    raw = bytearray(path.read_bytes())
+    with tarfile.open(path) as tar:
+        member = tar.getmember("streams/LLMGW_EVENTS.snap")
+    raw[member.offset_data + member.size // 2] ^= 0xFF
+    out.write_bytes(bytes(raw))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (truncated, r"truncated"),
+        (flipped, r"streams/LLMGW_EVENTS\.snap does not match its sha256"),
+    ],
+)
+async def test_a_damaged_archive_is_refused_naming_the_fault_and_changes_nothing(
+    store: EventStore, tmp_path: Path, damage, reason: str
+) -> None:
+    for i in range(300):
+        await store.js.publish(f"llmgw.evt.x.{i % 3}", b"x" * 100, headers={"Nats-Msg-Id": f"m{i}"})
+    archive = damage(Path((await B.backup(store.nc, tmp_path / "backups")).path))
+    with nats_server(tmp_path / "b") as fresh:
+        nc = await nats.connect(fresh.url)
+        try:
+            with pytest.raises(B.BackupError, match=reason):
+                await B.restore(nc, archive)
+            assert await B.stream_names(nc) == {}
+        finally:
+            await nc.close()
+
+
+async def test_backups_are_private_and_only_the_newest_are_kept(store: EventStore, tmp_path: Path) -> None:
+    out = tmp_path / "backups"
+    out.mkdir()
+    (out / "notes.txt").write_text("not a backup: never deleted")
+    start = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+    paths = [(await B.backup(store.nc, out, keep=2, now=start + dt.timedelta(hours=h))).path for h in range(4)]
+    assert sorted(os.listdir(out)) == sorted([Path(p).name for p in paths[-2:]] + ["notes.txt"])
+    for p in paths[-2:]:
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+        assert B.read_manifest(Path(p)).format == B.FORMAT
+
+
+@pytest.mark.parametrize(
+    ("names", "keep", "deleted"),
+    [
+        ([], 3, []),
+        (["llmgw-backup-20261201T000000000000Z.tar"], 1, []),
+        (
+            ["llmgw-backup-20261203T000000000000Z.tar", "llmgw-backup-20261201T000000000000Z.tar", "other.tar"],
+            1,
+            ["llmgw-backup-20261201T000000000000Z.tar"],
+        ),
+        (
+            [".llmgw-backup-20261201T000000000000Z.tar.partial", "llmgw-backup-20261202T000000000000Z.tar"],
+            1,
+            [],
+        ),
+        # keep 0 still keeps the one just written
+        (
+            ["llmgw-backup-20261201T000000000000Z.tar", "llmgw-backup-20261202T000000000000Z.tar"],
+            0,
+            ["llmgw-backup-20261201T000000000000Z.tar"],
+        ),
+    ],
+)
+def test_rotation_deletes_only_our_archives_older_than_the_newest_n(names, keep, deleted) -> None:
+    assert B.to_prune(names, keep) == deleted
+
+
+@pytest.mark.parametrize(
+    ("existing", "force", "refused"),
+    [
+        ({}, False, False),
+        ({"LLMGW_EVENTS": 0}, False, True),
+        ({"OTHER": 3}, False, True),
+        ({"LLMGW_EVENTS": 10}, True, False),
+    ],
+)
+def test_a_restore_is_for_an_empty_cluster_unless_forced(existing, force, refused) -> None:
+    reason = B.restore_refusal(existing, ["LLMGW_EVENTS"], force)
+    assert (reason is not None) == refused
+    if refused:
+        assert all(name in reason for name in existing) and "--force" in reason
+
+
+def test_the_cli_restores_an_embedded_install_into_a_new_data_directory(tmp_path: Path) -> None:
+    async def make_backup() -> str:
+        with nats_server(tmp_path / "a") as server:
+            store = await EventStore.connect(server.url, default_registry())
+            try:
+                await store.ensure_streams()
+                await store.js.publish("llmgw.usage.p", b"{}", headers={"Nats-Msg-Id": "only"})
+                return (await B.backup(store.nc, tmp_path / "backups", data_dir=data_dir_with_secrets(tmp_path))).path
+            finally:
+                await store.close()
+
+    archive = asyncio.run(make_backup())
+    new = tmp_path / "new"
+    runner = CliRunner()
+    result = runner.invoke(cli_main, ["--data-dir", str(new), "restore", archive], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "restored" in result.output and f"llmgw up --data-dir {new}" in result.output
+    assert (new / "pki" / "ca.key").read_text() == "secret CA key"
+    assert stat.S_IMODE((new / "pki" / "ca.key").stat().st_mode) == 0o600
+    assert (new / "admin-token").read_text() == "llmgw-token"
+    assert not (new / "projections.db").exists()
+
+    again = runner.invoke(cli_main, ["--data-dir", str(new), "restore", archive], catch_exceptions=False)
+    assert again.exit_code == 2
+    assert "the cluster is not empty" in again.output
+
+
+def test_the_cli_refuses_a_damaged_archive_before_it_connects(tmp_path: Path) -> None:
+    bad = tmp_path / "llmgw-backup-20261201T000000000000Z.tar"
+    bad.write_bytes(b"not a tar at all" * 100)
+    result = CliRunner().invoke(cli_main, ["--data-dir", str(tmp_path / "d"), "restore", str(bad)])
+    assert result.exit_code == 2
+    assert "use another backup" in result.output
+    assert not (tmp_path / "d").exists()
+
+
+def test_the_every_option_reads_units_and_refuses_what_is_not_an_interval() -> None:
+    from llmgw.cli.backup_cmd import parse_every
+
+    assert parse_every("90s") == 90 and parse_every("30m") == 1800 and parse_every("24h") == 86400
+    with pytest.raises(Exception, match="no interval"):
+        parse_every("daily")
