@@ -162,15 +162,20 @@ BOUNDS: dict[str, tuple[str, float]] = {
     "router.max_output_tokens": ("≥", 1),
     "router.default_max_tokens": ("≥", 1),
     "router.saturation": ("≥", 1),
+    "router.queue_max_per_model": ("≥", 1),
+    "router.queue_max_per_project": ("≥", 1),
+    "router.queue_wait_s": (">", 0),
 }
 
-# What a setting does, for the fields whose struct says nothing beside them.
+# What a setting does, where its struct says nothing beside it (or says it for another reader).
 DESCRIPTIONS: dict[str, str] = {
     "scheduler.lost_after_s": "a node silent this long is lost, and its replicas are placed elsewhere",
     "scheduler.park_after": "a model whose replicas failed to start this many times in a row is parked",
     "scheduler.backoff_base_s": "the wait after a model's first failed start; it doubles with each failure",
     "scheduler.backoff_cap_s": "the longest wait between a model's failed starts",
     "scheduler.stop_grace_s": "the drain a stopped replica gets before its engine is killed",
+    "scheduler.preempt": "let a model that cannot be placed take replicas of lower classes, or beyond "
+    "their scope's guarantee (SCHED-7, docs/fleet.md)",
     "scheduler.preempt_min_age_s": "a replica younger than this is never taken: it has not yet served its start's cost",
     "scheduler.preempt_max_victims": "the most replicas one placement may take",
     "scheduler.preempt_grace_s": "the drain a replica taken by preemption gets",
@@ -247,7 +252,9 @@ def _field_comments(cls: type) -> dict[str, str]:
             above.insert(0, comments[n])
             n -= 1
         beside = [comments[n] for n in range(node.lineno, (node.end_lineno or node.lineno) + 1) if n in comments]
-        out[node.target.id] = " ".join(above + beside)
+        # A comment beside a field is its own; one above it may open a group of fields, so it is used only
+        # when there is none beside.
+        out[node.target.id] = " ".join(beside or above)
     return out
 
 
@@ -273,7 +280,7 @@ def settings() -> tuple[Setting, ...]:
                 walk(f.type.cls, f.type, path + ".")
                 continue
             default = f.default if f.default is not mi.NODEFAULT else None
-            doc = comments.get(f.name) or DESCRIPTIONS.get(path, "")
+            doc = DESCRIPTIONS.get(path) or comments.get(f.name, "")
             out.append(Setting(path=path, type=f.type, default=default, doc=doc))
 
     walk(Settings, mi.type_info(Settings), "")  # type: ignore[arg-type]
@@ -620,7 +627,7 @@ def render_reference() -> str:
         "|---|---|---|---|---|",
     ]
     for s in settings():
-        doc = (s.doc[:1].upper() + s.doc[1:]).replace("|", "\\|")
+        doc = s.doc.replace("|", "\\|")
         rows.append(
             f"| `{s.path}` | {_words(s.path, s.type)} | {DERIVED.get(s.path) or _default_text(s.default)} "
             f"| `{env_name(s.path)}` | {doc} |"
@@ -663,7 +670,7 @@ def render_example() -> str:
         indent = "  " if head else ""
         if not head:
             out.append("")
-        doc = s.doc[:1].upper() + s.doc[1:] if s.doc else s.path
+        doc = s.doc or s.path
         for line in [*textwrap.wrap(doc, 100), f"{_words(s.path, s.type)}; ${env_name(s.path)}"]:
             out.append(f"{indent}# {line}")
         value = EXAMPLES.get(s.path, s.default)

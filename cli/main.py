@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import click
+import msgspec
 
 from llmgw.agent.supervisor import stop_recorded_engines
 from llmgw.cli import (
     access_cmd,  # noqa: F401 - registers `ctl key|limit|price|budget`
     audit_cmd,  # noqa: F401 - registers `ctl audit`
+    config_cmd,
     fleet_cmd,  # noqa: F401 - registers `ctl model|nodes|…`
     jobs_cmd,  # noqa: F401 - registers `ctl model serve` and `ctl job`
     logs,
@@ -28,6 +30,7 @@ from llmgw.cli import (
     quota_cmd,  # noqa: F401 - registers `ctl quota`
     usage_cmd,  # noqa: F401 - registers `ctl usage|request`
 )
+from llmgw.cli import config_file as config_file_mod
 from llmgw.cli.agent_cmd import LocalAgent, agent, demo_model
 from llmgw.cli.backup_cmd import backup, restore
 from llmgw.cli.bench import bench
@@ -97,6 +100,7 @@ def main(
 
 main.add_command(bench)
 main.add_command(ctl)
+main.add_command(config_cmd.config)
 main.add_command(login)
 main.add_command(logout)
 main.add_command(events)
@@ -472,11 +476,70 @@ async def announce_when_ready(state: Any, model: str, line: str, stop: asyncio.E
     return False
 
 
+# `llmgw server`'s flags and the settings they set (cli/config_file.py): a flag given wins over
+# the environment and the config file; one not given leaves them be.
+SERVER_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "nats_url": ("nats.url", str),
+    "db_dsn": ("db", str),
+    "services": ("services", lambda v: [s.strip() for s in v.split(",") if s.strip()]),
+    "host": ("gateway.host", str),
+    "port": ("gateway.port", int),
+    "admin_port": ("admin.port", int),
+    "admin_host": ("admin.host", str),
+    "insecure": ("admin.insecure", bool),
+    "replicas": ("nats.stream_replicas", int),
+    "catalog_file": ("catalog", str),
+    "mirror_dir": ("mirror.dir", str),
+    "mirror_peer_of": ("mirror.peer_of", str),
+    "mirror_peer_name": ("mirror.peer_name", str),
+    "mirror_urls": ("mirror.urls", lambda v: [u.strip() for part in v for u in part.split(",") if u.strip()]),
+    "usage_journal": ("router.usage_journal", str),
+    "first_admin_dir": ("first_admin_dir", str),
+    "log_level": ("log_level", str),
+    "mirror_port": ("mirror.port", int),
+    "mirror_max_gb": ("mirror.max_gb", float),
+    "hf_endpoint": ("hub.endpoint", str),
+    "hub_allow_private": ("hub.allow_private", bool),
+    "tls_cert": ("tls.cert", str),
+    "tls_key": ("tls.key", str),
+    "nats_ca": ("nats.ca", str),
+    "nats_cert": ("nats.cert", str),
+    "nats_key": ("nats.key", str),
+    "nats_creds": ("nats.creds", str),
+}
+
+
+def given_flags(ctx: click.Context, flags: dict[str, tuple[str, Callable[[Any], Any]]]) -> dict[str, Any]:
+    """The settings the command line gave (``{"gateway.port": 9000}``): flags left at their defaults,
+    or taken from the environment by click, are not among them (the environment is read as a layer of its own)."""
+    out: dict[str, Any] = {}
+    for name, (path, convert) in flags.items():
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
+            out[path] = convert(ctx.params[name])
+    return out
+
+
 @main.command()
 @click.option(
-    "--nats", "nats_url", required=True, envvar="LLMGW_NATS_URL", help="NATS URL (a cluster: comma-separated)."
+    "--config",
+    "config_file",
+    envvar="LLMGW_CONFIG",
+    help="Every setting in one YAML file (ops/llmgw.yaml; docs/operations.md lists the keys). Flags and "
+    "$LLMGW_<SECTION>_<KEY> win over it.",
 )
-@click.option("--db", "db_dsn", required=True, envvar="LLMGW_DB", help="postgresql://… or a SQLite file path.")
+@click.option("--print-config", is_flag=True, help="Print the settings this would run with, as YAML, and exit.")
+@click.option(
+    "--nats",
+    "nats_url",
+    envvar="LLMGW_NATS_URL",
+    help="NATS URL (a cluster: comma-separated). Required, here or in the config file.",
+)
+@click.option(
+    "--db",
+    "db_dsn",
+    envvar="LLMGW_DB",
+    help="postgresql://… or a SQLite file path. Required, here or in the config file.",
+)
 @click.option("--services", default=",".join(ALL_SERVICES), show_default=True, help="Which services to run here.")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address the gateway listens on.")
 @click.option("--port", default=8080, show_default=True)
@@ -520,9 +583,13 @@ async def announce_when_ready(state: Any, model: str, line: str, stop: asyncio.E
 @_tls_options
 @nats_tls_options
 @nats_creds_option
+@click.pass_context
 def server(
-    nats_url: str,
-    db_dsn: str,
+    ctx: click.Context,
+    config_file: str | None,
+    print_config: bool,
+    nats_url: str | None,
+    db_dsn: str | None,
     services: str,
     host: str,
     port: int,
@@ -550,39 +617,26 @@ def server(
     nats_creds: str | None,
 ) -> None:
     """Run services against an external NATS and PostgreSQL (the cluster shape)."""
-    logs.configure(log_level)
-    chosen = tuple(s.strip() for s in services.split(",") if s.strip())
-    _refuse_exposed_admin(admin_host, admin_port, "api" in chosen, insecure, bool(tls_cert))
-    _refuse_bad_certificate(tls_cert, tls_key)
-    config = ServerConfig(
-        nats_url=nats_url,
-        db_dsn=db_dsn,
-        services=chosen,
-        host=host,
-        port=port,
-        admin_host=admin_host,
-        admin_port=admin_port,
-        insecure=insecure,
-        stream_replicas=replicas,
-        declared_models=tuple(load_model_file(catalog_file)) if catalog_file else (),
-        mirror_dir=mirror_dir or str(default_data_dir() / "mirror"),
-        router=RouterConfig(usage_journal=usage_journal or str(default_data_dir() / "usage-journal")),
-        mirror_port=mirror_port or admin_port + 2,
-        mirror_max_bytes=int(mirror_max_gb * 1e9) if mirror_max_gb else None,
-        mirror_peer_of=mirror_peer_of,
-        mirror_peer_name=mirror_peer_name,
-        mirror_urls=",".join(mirror_urls) or None,
-        hub_endpoint=hf_endpoint,
-        hub_token=_hub_token(),
-        hub_allow_private=hub_allow_private,
-        tls_cert=tls_cert,
-        tls_key=tls_key,
-        nats_ca=nats_ca,
-        nats_cert=nats_cert,
-        nats_key=nats_key,
-        nats_creds=nats_creds,
-        first_admin_dir=first_admin_dir,
+    try:
+        settings = config_file_mod.resolve(
+            config_file_mod.load(config_file, os.environ, given_flags(ctx, SERVER_FLAGS)),
+            default_data_dir(),
+            hub_token=_hub_token(),
+        )
+        if print_config:
+            click.echo(config_file_mod.show(settings), nl=False)
+            return
+        config = config_file_mod.server_config(settings)
+    except config_file_mod.ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        ctx.exit(2)
+    logs.configure(settings.log_level)
+    _refuse_exposed_admin(
+        config.admin_host, config.admin_port, "api" in config.services, config.insecure, bool(config.tls_cert)
     )
+    _refuse_bad_certificate(config.tls_cert, config.tls_key)
+    if settings.catalog:
+        config = msgspec.structs.replace(config, declared_models=tuple(load_model_file(settings.catalog)))
 
     async def go() -> None:
         stop = asyncio.Event()
