@@ -16,10 +16,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgspec
 import structlog
 
 from llmgw.agent import discovery
+from llmgw.agent.engines import metrics as EM
 from llmgw.agent.engines.health import EngineStartError
 from llmgw.agent.plan import Desired, ReportFailed, ReportStopped, Start, StopEngine, plan
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig, tail
@@ -58,6 +60,16 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     llama_server_binary: str | None = None
     mirror_url: str | None = None  # the mirror's file server, for `mirror:` sources (FLEET-8)
     model_dirs: tuple[Path, ...] = ()  # where this node keeps weights outside its cache (FLEET-8)
+
+
+class EngineWatch(msgspec.Struct, kw_only=True):
+    """What the agent last read of one engine's load (SCHED-9), and how its scrapes have gone."""
+
+    last: EM.Signals | None = None
+    rates: tuple[float | None, float | None] = (None, None)  # prompt, generation tokens/s
+    read_at: datetime | None = None
+    failures: int = 0  # scrapes failed in a row
+    error: str = ""
 
 
 class LogRing:
@@ -106,6 +118,7 @@ class Agent:
         self._tasks: set[asyncio.Task] = set()
         self._gpus_cache: tuple[float, list[N.GpuInfo]] | None = None
         self._cpu_seen: dict[str, tuple[float, float]] = {}
+        self._watch: dict[str, EngineWatch] = {}  # replica id -> its engine's load signals
         self.weights = WeightsCache(cfg.data_dir / "weights", cfg.mirror_url, lambda: mirror_token(self._secret))
         self.weights_in_use: dict[str, str] = {}  # replica id -> the mirror file its engine runs
         self.model_dirs = ModelDirs(cfg.model_dirs)
@@ -337,6 +350,8 @@ class Agent:
                 self._cpu_seen[rid] = (now, cpu_s)
                 if prev and now > prev[0]:
                     cores = round((cpu_s - prev[1]) / (now - prev[0]), 3)
+            watch = self._watch.get(rid, EngineWatch())
+            sig = watch.last
             reports.append(
                 N.ReplicaReport(
                     replica_id=rid,
@@ -347,6 +362,15 @@ class Agent:
                     spec_hash=rec.spec_hash,
                     rss_bytes=rss,
                     cpu_cores_used=cores,
+                    requests_running=sig.requests_running if sig else None,
+                    requests_waiting=sig.requests_waiting if sig else None,
+                    slots=sig.slots if sig else None,
+                    kv_cache_usage=sig.kv_cache_usage if sig else None,
+                    prompt_tokens_per_s=watch.rates[0],
+                    generation_tokens_per_s=watch.rates[1],
+                    metrics_at=watch.read_at,
+                    metrics_error=watch.error,
+                    unreachable=watch.failures >= EM.UNREACHABLE_AFTER,
                 )
             )
         return N.NodeHeartbeat(
@@ -368,8 +392,39 @@ class Agent:
             weights=self.weights.held() + self.model_dirs.held(),
         )
 
+    async def _scrape_engines(self) -> None:
+        """Read each ready engine's load from its own /metrics, all at once, each within a short timeout:
+        the heartbeat carries it (SCHED-9). Failures in a row make the replica unreachable, so the
+        routers stop sending it requests before the node is called lost."""
+        ready = {rid: rec for rid, rec in self.supervisor.engines.items() if rec.state == "ready"}
+        for rid in [r for r in self._watch if r not in ready]:
+            del self._watch[rid]
+        if not ready:
+            return
+        host = "127.0.0.1" if self.cfg.host in ("", "0.0.0.0", "::") else self.cfg.host
+
+        async def one(session: aiohttp.ClientSession, rid: str, port: int) -> None:
+            watch = self._watch.setdefault(rid, EngineWatch())
+            try:
+                sig = await EM.scrape(session, f"http://{host}:{port}", self.key(rid), time.monotonic())
+            except EM.NoMetrics as exc:  # it answers: reachable, only silent about its load
+                watch.failures, watch.error = 0, str(exc)
+                return
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                watch.failures += 1
+                watch.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                if watch.failures == EM.UNREACHABLE_AFTER:
+                    log.warning("engine metrics unreachable", replica=rid, error=watch.error)
+                return
+            watch.rates = EM.rates(watch.last, sig)
+            watch.last, watch.read_at, watch.failures, watch.error = sig, datetime.now(UTC), 0, ""
+
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(one(session, rid, rec.port) for rid, rec in ready.items()))
+
     async def heartbeat(self) -> None:
         subject = f"{S.TELEMETRY_ROOT}.node.{encode_token(self.cfg.node_id)}"
+        await self._scrape_engines()
         if self.model_dirs.due():
             found = await asyncio.to_thread(self.model_dirs.rescan)
             if len(found) >= MAX_FILES:

@@ -158,6 +158,7 @@ def test_llama_server_binary_argv() -> None:
         "--embeddings",
         "--alias",
         "a",
+        "--metrics",
         "-ngl",
         "0",
     ]

@@ -123,7 +123,8 @@ def llamacpp_launch(
     if alias:
         common += ["--alias", alias]
     if llama_server_binary:
-        argv = [llama_server_binary, "-m", model_path, *common, *extra_args]
+        # --metrics: the agent reads the engine's load from /metrics (SCHED-9); the xllamacpp server has it on.
+        argv = [llama_server_binary, "-m", model_path, *common, "--metrics", *extra_args]
         env = {LLAMA_SERVER_KEY_ENV: key}
     else:
         argv = [python, "-m", XLLAMA_MODULE, "--model", model_path, *common]

@@ -266,6 +266,7 @@ def build_params(args: ServerArgs, key: str) -> Any:
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
     params.ui = False  # an engine is an API: no web UI on the port
+    params.endpoint_metrics = True  # the agent reads the engine's load from /metrics (SCHED-9)
     if args.alias:
         params.model_alias = {args.alias}
     if args.embeddings:

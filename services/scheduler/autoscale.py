@@ -189,8 +189,9 @@ def adjust(
                 break
         quiet = max(quiet, step_at)
         if now - quiet >= cfg.scale_down_after_s:
-            # The samples of the window: those after its start, and the one that held at its start.
-            window = [*[s for s in load.samples if s.at <= quiet][-1:], *[s for s in load.samples if s.at > quiet]]
+            # The busiest moment of the last window: its samples, and the one that held at its start.
+            start = now - cfg.scale_down_after_s
+            window = [*[s for s in load.samples if s.at <= start][-1:], *[s for s in load.samples if s.at > start]]
             peak = max(s.running + s.waiting for s in window)
             per_replica = _capacity_per_replica(window, measured)
             rest = target - 1
