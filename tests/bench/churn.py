@@ -25,7 +25,10 @@ fleet's GPUs and cores) and **overcommitted** (150%). What it reports, and how i
   one of its models holds fewer placed/starting/ready replicas than it wants (its min; 1 for an
   on-demand model in use) and one more of them would still fit within the tenant's guarantee
   (``quota._within``, the rule ``guarantee_room`` applies). Each such pass counts its 10 s; the first
-  10 simulated minutes (the fleet filling from empty) are not counted.
+  10 simulated minutes (the fleet filling from empty) are not counted. Each is put down to a cause:
+  what the pass decided for the short model (``preempting``; ``victims draining``; ``held back after
+  giving way`` itself), or, when it was blocked, whether the pass would
+  have made room with replicas of any age, or with up to 20 victims on a node, or not at all.
 - **overcommits**: after every pass, no node's placed, starting, ready and draining replicas reserve
   more cores, memory or GPUs than it has (or one GPU twice).
 - **wall time** of the whole simulation, and the median and p90 of the reconcile pass alone.
@@ -149,6 +152,7 @@ class Preemption(msgspec.Struct, kw_only=True):
     held_until: float  # epoch
     needed: bool
     placed_t: float | None = None
+    elsewhere: bool = False  # placed, but not on the node its victims left: they stopped for nothing
     wasted: str = ""  # why, once the hold ended with no winner placed
 
 
@@ -185,6 +189,7 @@ class Report(msgspec.Struct, kw_only=True):
     replicas_given_way: dict[str, int]
     needed: int
     winners_placed: int
+    placed_elsewhere: int
     wasted: int
     wasted_why: list[str]
     open_at_end: int  # preemptions whose hold had not ended when the day did
@@ -420,8 +425,10 @@ class Churn:
             if rec.placed_t is not None or rec.wasted:
                 continue
             at = T0 + rec.t
-            if any(r.placed_at >= at for r in w.state.replicas_of(rec.winner)):
+            since = [r for r in w.state.replicas_of(rec.winner) if r.placed_at >= at]
+            if since:
                 rec.placed_t = w.t
+                rec.elsewhere = all(r.node_id != rec.node_id for r in since)
             elif now >= rec.held_until:
                 m = w.state.models.get(rec.winner)
                 if m is None:
@@ -512,7 +519,9 @@ class Churn:
             if isinstance(d, Preempt) and d.for_model == model:
                 return "preempting"
             if isinstance(d, Waiting) and d.model == model:
-                return "victims draining" if d.why.startswith("waiting for") else f"waiting: {d.why or 'backoff'}"
+                if d.why.startswith("waiting for"):
+                    return "victims draining"
+                return "held back after giving way" if d.why.startswith("gave room") else "backing off"
         if not any(isinstance(d, Blocked) and d.model == model for d in decisions):
             return "not tried"
         w = self.w
@@ -566,6 +575,7 @@ class Churn:
             replicas_given_way=dict(sorted(given.items())),
             needed=sum(rec.needed for rec in self.preemptions),
             winners_placed=sum(rec.placed_t is not None for rec in self.preemptions),
+            placed_elsewhere=sum(rec.elsewhere for rec in self.preemptions),
             wasted=sum(bool(rec.wasted) for rec in self.preemptions),
             wasted_why=[rec.wasted for rec in self.preemptions if rec.wasted],
             open_at_end=sum(rec.placed_t is None and not rec.wasted for rec in self.preemptions),
@@ -617,7 +627,8 @@ def render(r: Report) -> str:
         f"max {r.pass_max_ms:.1f} ms",
         f"  preemptions {r.preemptions} ({sum(r.replicas_given_way.values())} replicas given way: "
         + ", ".join(f"{k} {v}" for k, v in r.replicas_given_way.items())
-        + f"); needed {r.needed}; winner placed within the hold {r.winners_placed}; wasted {r.wasted}; "
+        + f"); needed {r.needed}; winner placed within the hold {r.winners_placed} "
+        f"({r.placed_elsewhere} on another node than the victims'); wasted {r.wasted}; "
         f"open at the end {r.open_at_end}",
     ]
     lines += [f"    wasted: {why}" for why in r.wasted_why[:10]]
