@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import msgspec
@@ -37,7 +37,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.events import subjects as S
 from llmgw.events.codec import encode_envelope
-from llmgw.events.envelope import RecordedEvent
+from llmgw.events.envelope import RecordedEvent, UnknownPayload
 from llmgw.events.retry import keep_running, retrying
 from llmgw.events.store import EventStore
 
@@ -145,6 +145,9 @@ class LiveFold:
         self.caught_up = asyncio.Event()
         self.head: int | None = None
         self.quarantined = 0
+        # "type@v" of events this fold passed without reading (a newer version's, in a rolling upgrade):
+        # a snapshot of this fold says so, and a reader that reads them does not start from it.
+        self.unread: set[str] = set()
         self.registry = registry if registry is not None else FoldRegistry()
         self.registry.add(self)
         self._stop = asyncio.Event()
@@ -168,14 +171,16 @@ class LiveFold:
             self._task = asyncio.create_task(self.run(), name=f"fold-{self.name}")
         return self
 
-    def start_at(self, position: int, fold: Folding | Apply | None = None) -> None:
-        """Before the fold runs: start after ``position`` (a snapshot's), folding into ``fold`` if given."""
+    def start_at(self, position: int, fold: Folding | Apply | None = None, unread: Iterable[str] = ()) -> None:
+        """Before the fold runs: start after ``position`` (a snapshot's), folding into ``fold`` if given;
+        ``unread``: what the snapshot's fold had passed without reading, still unread."""
         if self._task is not None or self._reading:
             raise RuntimeError(f"the {self.name} fold is already reading: it cannot start elsewhere")
         if fold is not None:
             self._target = fold if hasattr(fold, "apply") else None
             self._apply = fold.apply if hasattr(fold, "apply") else fold  # type: ignore[union-attr,assignment]
         self.position = position
+        self.unread.update(unread)
 
     async def wait_caught_up(self, timeout: float | None = None) -> bool:
         """Whether the fold caught up with the log as it was at its start within ``timeout`` seconds."""
@@ -244,6 +249,8 @@ class LiveFold:
             raise
 
     async def _apply_one(self, event: RecordedEvent) -> None:
+        if isinstance(event.payload, UnknownPayload):
+            self.unread.add(f"{event.envelope.type}@{event.envelope.v}")
         try:
             result = self._apply(event)
             if inspect.isawaitable(result):

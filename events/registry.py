@@ -67,6 +67,12 @@ class EventRegistry:
     def types(self) -> list[EventType]:
         return [self._by_name[n] for n in self.names()]
 
+    def reads(self, type_at_version: str) -> bool:
+        """Whether events of ``"type@v"`` decode here (known type, version not newer than this one's)."""
+        name, _, v = type_at_version.rpartition("@")
+        event_type = self._by_name.get(name)
+        return event_type is not None and v.isdigit() and int(v) <= event_type.v
+
     def decode(self, name: str, v: int, raw: bytes) -> msgspec.Struct:
         """The payload as its current Struct, or :class:`UnknownPayload` when unknown or newer."""
         event_type = self._by_name.get(name)

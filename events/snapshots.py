@@ -27,7 +27,7 @@ import hashlib
 import io
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import msgspec
@@ -72,11 +72,18 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     taken_at: float  # wall-clock seconds
     codec: str  # how ``state`` is compressed: :data:`CODEC` (a snapshot without one is of an earlier format)
     state: bytes  # the service's own encoding (msgpack), compressed; decoded by the service
+    # "type@v" of each kind of event folded into ``state`` that its writer could not read (a newer
+    # version's, during a rolling upgrade): a reader that reads one of them must not start from here
+    unread: list[str] = []
 
 
 class Restored(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
     position: int
     state: T
+    unread: list[str] = []  # as the snapshot said: still unread, since this reader did not read them either
+
+
+Reads = Callable[[str], bool]  # whether this process reads events of a "type@v"
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -88,7 +95,14 @@ def encode_state(state: msgspec.Struct) -> bytes:
     return _encoder.encode(state)
 
 
-def encode_snapshot(name: str, schema_version: int, position: int, state_bytes: bytes, level: int = LEVEL) -> bytes:
+def encode_snapshot(
+    name: str,
+    schema_version: int,
+    position: int,
+    state_bytes: bytes,
+    level: int = LEVEL,
+    unread: Iterable[str] = (),
+) -> bytes:
     """A snapshot's bytes, its state compressed at zlib ``level`` (CPU-bound: call it off the event loop)."""
     snap = Snapshot(
         name=name,
@@ -97,12 +111,14 @@ def encode_snapshot(name: str, schema_version: int, position: int, state_bytes: 
         taken_at=time.time(),
         codec=CODEC,
         state=zlib.compress(state_bytes, level),
+        unread=sorted(unread),
     )
     return _encoder.encode(snap)
 
 
-def decode_snapshot(name: str, schema_version: int, data: bytes) -> Snapshot | None:
-    """The snapshot in ``data`` if it is ``name``'s at ``schema_version``; else None, logged."""
+def decode_snapshot(name: str, schema_version: int, data: bytes, reads: Reads | None = None) -> Snapshot | None:
+    """The snapshot in ``data`` if it is ``name``'s at ``schema_version`` and (with ``reads``) its
+    writer read every event this reader reads; else None, logged."""
     try:
         snap = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -116,20 +132,34 @@ def decode_snapshot(name: str, schema_version: int, data: bytes) -> Snapshot | N
             expected=schema_version,
         )
         return None
+    if reads is not None and (missed := [u for u in snap.unread if reads(u)]):
+        # Written during a rolling upgrade by an older process, which skipped events this one folds:
+        # starting from it would skip them for good.
+        log.warning(
+            "a snapshot whose writer could not read events this version reads is ignored; folding from 0",
+            snapshot=name,
+            unread=missed,
+        )
+        return None
     return snap
 
 
 def open_snapshot(name: str, schema_version: int, data: bytes) -> tuple[int, bytes] | None:
     """(position, state bytes decompressed) of the snapshot in ``data`` if it is ``name``'s at
     ``schema_version`` and decompresses; else None, logged (CPU-bound: call it off the event loop)."""
-    snap = decode_snapshot(name, schema_version, data)
+    opened = _open(name, schema_version, data, None)
+    return None if opened is None else (opened[0], opened[1])
+
+
+def _open(name: str, schema_version: int, data: bytes, reads: Reads | None) -> tuple[int, bytes, list[str]] | None:
+    snap = decode_snapshot(name, schema_version, data, reads)
     if snap is None:
         return None
     if snap.codec != CODEC:
         log.warning("a snapshot of an unknown codec is ignored; folding from 0", snapshot=name, codec=snap.codec)
         return None
     try:
-        return snap.position, zlib.decompress(snap.state)
+        return snap.position, zlib.decompress(snap.state), list(snap.unread)
     except zlib.error as exc:
         log.warning("a snapshot that does not decompress is ignored; folding from 0", snapshot=name, error=str(exc))
         return None
@@ -149,10 +179,19 @@ class SnapshotStore:
         )
         return cls(await open_object_store(js, config, replicas))
 
-    async def save(self, name: str, schema_version: int, position: int, state_bytes: bytes, level: int = LEVEL) -> int:
+    async def save(
+        self,
+        name: str,
+        schema_version: int,
+        position: int,
+        state_bytes: bytes,
+        level: int = LEVEL,
+        unread: Iterable[str] = (),
+    ) -> int:
         """Write ``name``'s snapshot (replacing the one before); returns its size in bytes, compressed.
-        ``level`` 0 stores the state as it is, for one its service compressed already."""
-        data = await asyncio.to_thread(encode_snapshot, name, schema_version, position, state_bytes, level)
+        ``level`` 0 stores the state as it is, for one its service compressed already. ``unread``: the
+        "type@v" of events folded past that the fold could not read (:class:`Snapshot`)."""
+        data = await asyncio.to_thread(encode_snapshot, name, schema_version, position, state_bytes, level, unread)
         # Chunks as large as the server takes (up to CHUNK_BYTES), not nats-py's 128 KiB: a load
         # reads one chunk per request (see read).
         chunk = max(OBJ_DEFAULT_CHUNK_SIZE, min(CHUNK_BYTES, self.objects._js._nc.max_payload // 2))
@@ -162,13 +201,17 @@ class SnapshotStore:
 
     async def load(self, name: str, schema_version: int) -> tuple[int, bytes] | None:
         """(position, state bytes) of ``name``'s snapshot, or None: none saved, another schema version, or corrupt."""
+        found = await self._load(name, schema_version, None)
+        return None if found is None else (found[0], found[1])
+
+    async def _load(self, name: str, schema_version: int, reads: Reads | None) -> tuple[int, bytes, list[str]] | None:
         try:
             data = await self.read(name)
         except Exception as exc:  # not found, deleted or unreadable: each means "fold from 0"
             if type(exc).__name__ not in ("ObjectNotFoundError", "NotFoundError", "ObjectDeletedError"):
                 log.warning("a snapshot that cannot be read is ignored; folding from 0", snapshot=name, error=str(exc))
             return None
-        return await asyncio.to_thread(open_snapshot, name, schema_version, data)
+        return await asyncio.to_thread(_open, name, schema_version, data, reads)
 
     async def read(self, name: str) -> bytes:
         """The object's bytes, its chunks read by JetStream direct gets, one request each.
@@ -208,15 +251,21 @@ class SnapshotStore:
         return bytes(data)
 
     async def restore(
-        self, name: str, schema_version: int, decode: Callable[[bytes], T], head: int | None = None
+        self,
+        name: str,
+        schema_version: int,
+        decode: Callable[[bytes], T],
+        head: int | None = None,
+        reads: Reads | None = None,
     ) -> Restored[T] | None:
         """``name``'s state decoded by ``decode`` with its position, or None (from 0) — a state that
         fails to decode is ignored and logged like a corrupt snapshot, and so is one past ``head`` (the
-        log's last sequence: a snapshot of a log since deleted and begun again)."""
-        found = await self.load(name, schema_version)
+        log's last sequence: a snapshot of a log since deleted and begun again), and one whose writer
+        skipped events this reader ``reads`` (a rolling upgrade's older process)."""
+        found = await self._load(name, schema_version, reads)
         if found is None:
             return None
-        position, data = found
+        position, data, unread = found
         if head is not None and position > head:
             log.warning(
                 "a snapshot past the log's head is ignored; folding from 0", snapshot=name, position=position, head=head
@@ -235,7 +284,7 @@ class SnapshotStore:
             if collecting:
                 gc.enable()
         log.info("started from a snapshot", snapshot=name, position=position, size=len(data))
-        return Restored(position=position, state=state)
+        return Restored(position=position, state=state, unread=unread)
 
     async def delete(self, name: str) -> None:
         await self.objects.delete(name)
@@ -272,8 +321,10 @@ class Snapshotter:
         every_s: float = EVERY_S,
         live: Callable[[], bool] = lambda: True,
         clock: Callable[[], float] = time.monotonic,
+        unread: Callable[[], Iterable[str]] = tuple,
     ) -> None:
         self.store = store
+        self.unread = unread
         self.name = name
         self.schema_version = schema_version
         self.encode = encode
@@ -305,13 +356,14 @@ class Snapshotter:
         position = self.position()
         started = time.perf_counter()
         data = self.encode()
+        unread = tuple(self.unread())
         self.last_encode_s = time.perf_counter() - started
         self.saved_at, self.saved_when = position, self.clock()
-        self._writing = asyncio.create_task(self._write(position, data), name=f"snapshot-{self.name}")
+        self._writing = asyncio.create_task(self._write(position, data, unread), name=f"snapshot-{self.name}")
 
-    async def _write(self, position: int, data: bytes) -> None:
+    async def _write(self, position: int, data: bytes, unread: tuple[str, ...] = ()) -> None:
         try:
-            self.last_bytes = await self.store.save(self.name, self.schema_version, position, data)
+            self.last_bytes = await self.store.save(self.name, self.schema_version, position, data, unread=unread)
             self.saves += 1
             log.info("snapshot saved", snapshot=self.name, position=position, bytes=self.last_bytes)
         except Exception as exc:  # a snapshot is a shortcut: a failed one costs only the next start time
@@ -355,6 +407,7 @@ async def resume(
     every_events: int,
     every_s: float,
     live: Callable[[], bool],
+    unread: Callable[[], Iterable[str]] = tuple,
 ) -> tuple[Restored[T] | None, Snapshotter] | None:
     """A service's start from snapshots: the newest of ``name`` that decodes at this schema (None: fold
     from 0) and the snapshotter that saves the next ones. None when both triggers are off (0) or the
@@ -368,7 +421,7 @@ async def resume(
     except Exception as exc:
         log.warning("snapshots are not available; folding from 0 and saving none", error=str(exc))
         return None
-    restored = await snapshots.restore(name, schema_version, decode, head)
+    restored = await snapshots.restore(name, schema_version, decode, head, reads=store.registry.reads)
     saver = Snapshotter(
         snapshots,
         name,
@@ -378,5 +431,6 @@ async def resume(
         every_events=every_events if every_events > 0 else 2**62,
         every_s=every_s if every_s > 0 else float("inf"),
         live=live,
+        unread=unread,
     )
     return restored, saver

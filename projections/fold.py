@@ -47,6 +47,18 @@ class HandlerError(ProjectionError):
         super().__init__(f"projection {projection} failed on {where}: {type(cause).__name__}: {cause}")
 
 
+class ProjectionSuperseded(Exception):
+    """The checkpoint is at another version of the projection than this writer's: a newer release
+    rebuilt it (a rolling upgrade). This writer must stop writing it; nothing was applied."""
+
+    def __init__(self, name: str, found: int, mine: int) -> None:
+        self.found, self.mine = found, mine
+        super().__init__(
+            f"projection {name} is at version {found} (written by another release of llmgw); this one writes "
+            f"version {mine} and stops writing it"
+        )
+
+
 class CheckpointMoved(Exception):
     """Another writer moved the checkpoint first; nothing was applied."""
 
@@ -129,17 +141,18 @@ async def init_checkpoint(tx: Transaction, name: str, version: int) -> Checkpoin
 
 
 async def claim_checkpoint(tx: Transaction, name: str, expected: int, position: int, version: int) -> bool:
-    """Move the checkpoint from ``expected`` to ``position``; False when someone else moved it first.
+    """Move the checkpoint from ``expected`` to ``position``; False when someone else moved it first,
+    or when it is at another ``version`` (another release's tables: never written by this one).
 
     Done first in the batch's transaction: on PostgreSQL it takes the row lock, so a second
     writer waits here, then sees the new position and backs off without applying anything.
     """
     changed = await tx.execute_count(
-        f"UPDATE {CHECKPOINTS} SET position = ?, version = ? WHERE name = ? AND position = ?",
+        f"UPDATE {CHECKPOINTS} SET position = ? WHERE name = ? AND position = ? AND version = ?",
         position,
-        version,
         name,
         expected,
+        version,
     )
     return changed == 1
 
@@ -207,7 +220,7 @@ async def commit_batch(
                     await before(tx)
                 # The buffered pass folds a batch at once where the projection can; the retry goes event by event.
                 return await apply_events(tx, projection, events, whole=buffered)
-        except CheckpointMoved:
+        except (CheckpointMoved, ProjectionSuperseded):
             raise
         except Exception as exc:
             if not buffered:

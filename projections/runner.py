@@ -34,6 +34,7 @@ from llmgw.projections.fold import (
     CheckpointMoved,
     HandlerError,
     ProjectionError,
+    ProjectionSuperseded,
     claim_checkpoint,
     commit_batch,
     create_tables,
@@ -383,6 +384,12 @@ class ProjectionRunner:
             except Exception as exc:
                 error = exc.__cause__ if isinstance(exc, _ApplyFailed) else exc
                 assert isinstance(error, Exception)
+                if isinstance(error, ProjectionSuperseded):
+                    # A rolling upgrade: the newer release rebuilt the projection and writes it now.
+                    slot.status, slot.error = "superseded", error
+                    log.warning("projection superseded by another release", projection=p.name, error=str(error))
+                    await self._notify(slot)
+                    return
                 cause = error.cause if isinstance(error, HandlerError) else error
                 if isinstance(exc, _ApplyFailed) and not (self.backend.is_transient(cause) or environmental(cause)):
                     await self._fail(slot, error)
@@ -415,6 +422,8 @@ class ProjectionRunner:
             async def claim(tx: Transaction, expected: int = expected, target: int = target) -> None:
                 if not await claim_checkpoint(tx, p.name, expected, target, p.version):
                     found = await read_checkpoint(tx, p.name)
+                    if found is not None and found.version != p.version:
+                        raise ProjectionSuperseded(p.name, found.version, p.version)
                     raise CheckpointMoved(found.position if found else 0)
 
             def retrying(exc: BaseException, first: int = events[0].seq, last: int = target) -> None:

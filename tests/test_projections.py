@@ -545,3 +545,29 @@ def test_the_api_shows_flags_as_booleans_not_the_0_and_1_they_are_stored_as() ->
         [],
     )  # fmt: skip
     assert model["stopped"] is False and model["declared"] is False
+
+
+async def test_an_older_release_s_runner_stands_down_once_a_newer_one_rebuilt_its_projection(
+    es: EventStore, db_dsn: str
+) -> None:
+    """A rolling upgrade: both releases run the projection on one database for a while. Once the newer
+    has rebuilt it at its version, the older writes nothing more to it (its code does not know the new
+    tables) and says so; the newer keeps it exact."""
+    rng = random.Random(5)
+    model = InventoryModel()
+    old_db, new_db = await open_backend(db_dsn), await open_backend(db_dsn)
+    try:
+        async with runner_for(es, old_db, Inventory()) as old:
+            last = await es.append_many(model.events(rng, 200))
+            assert await old.wait_until("inventory", last, timeout=30)
+            async with runner_for(es, new_db, InventoryV2()) as new:
+                assert await new.wait_until("inventory", last, timeout=30)
+                last = await es.append_many(model.events(rng, 200))
+                assert await new.wait_until("inventory", last, timeout=30)
+                await wait_until(lambda: old.state("inventory").status == "superseded", what="the older to stand down")
+                assert "is at version 2 (written by another release of llmgw)" in str(old.state("inventory").error)
+                assert await inventory_rows(new_db) == model.rows()
+                assert (await read_checkpoint(new_db, "inventory")).version == 2  # type: ignore[union-attr]
+    finally:
+        await old_db.close()
+        await new_db.close()

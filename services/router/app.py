@@ -174,6 +174,7 @@ class Router:
             lambda: self.state.position,
             every_events=every_events,
             every_s=every_s,
+            unread=lambda: self.fold.unread,
             live=self.fold.caught_up.is_set,
         )
         if resumed is None:
@@ -181,7 +182,7 @@ class Router:
         restored, self.snapshotter = resumed
         if restored is not None:
             self.state = restored.state
-            self.fold.start_at(restored.position, self.state)
+            self.fold.start_at(restored.position, self.state, unread=restored.unread)
         self.fold.on_batch = self.snapshotter.folded
 
     async def stop(self) -> StopReport:

@@ -152,6 +152,7 @@ class SchedulerService:
             lambda: self.state.position,
             every_events=every_events,
             every_s=every_s,
+            unread=lambda: self.fold.unread,
             live=lambda: self.leader and self.fold.caught_up.is_set(),  # one writer: identical folds agree anyway
         )
         if resumed is None:
@@ -159,7 +160,7 @@ class SchedulerService:
         restored, self.snapshotter = resumed
         if restored is not None:
             self.state = restored.state
-            self.fold.start_at(restored.position)  # _apply folds into self.state, whichever it is
+            self.fold.start_at(restored.position, unread=restored.unread)  # _apply folds into self.state
 
     def _closed(self) -> bool:
         return self.store.nc.is_closed
