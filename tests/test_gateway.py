@@ -674,3 +674,88 @@ async def test_a_model_that_cannot_answer_falls_back_to_the_next(gw: Fleet, tiny
 
     rec = await wait_until(record, what="the fallback request's usage record")
     assert (rec.model_asked, rec.model_served) == ("primary", "backup")
+
+
+async def test_requests_past_the_slots_wait_in_the_gateway_and_are_served_fairly_across_projects(
+    gw: Fleet, tiny: Path
+) -> None:
+    acme, beta = await make_tenant(gw.store, "acme"), await make_tenant(gw.store, "beta")
+    key_a, _ = await make_key(gw.store, acme)
+    key_b, _ = await make_key(gw.store, beta)
+    profile = M.Profile(engine="llamacpp", cpu_cores=1, min_memory_gb=0.05, ctx_size=1024, parallel=1)
+    await gw.command("add", M.AddModel(spec=M.ModelSpec(name="one", source=str(tiny), profiles=[profile])))
+    [replica] = await gw.wait_ready("one", 1)
+    await router_caught_up(gw, 0)
+    router = gw.handles["router"]
+    rid = replica["id"]
+    served: list[str] = []  # the projects of queued requests, in the order the queue let them go
+    real_wait = router.gate.wait
+
+    async def wait(model: str, project: str, gone: Any) -> float:
+        waited = await real_wait(model, project, gone)
+        served.append("acme" if project == acme.project else "beta")
+        return waited
+
+    router.gate.wait = wait
+    registry = router.metrics.registry
+    url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+    body = {"model": "one", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    def depth() -> float | None:
+        return registry.get_sample_value("llmgw_gateway_queue_depth", {"model": "one"})
+
+    # The one slot is held while the requests line up (the tiny engine answers faster than a test can
+    # queue behind a real request): acme's burst of six first, then beta's two.
+    router.outstanding[rid] = router.outstanding.get(rid, 0) + 1
+    async with aiohttp.ClientSession() as s:
+
+        async def ask(key: str, cid: str) -> tuple[int, dict[str, str], dict[str, Any]]:
+            async with s.post(url, json=body, headers={"Authorization": f"Bearer {key}", "X-Request-Id": cid}) as r:
+                return r.status, dict(r.headers), await r.json()
+
+        burst = [asyncio.create_task(ask(key_a, f"a{i}")) for i in range(6)]
+        await wait_until(lambda: depth() == 6, what="acme's six requests waiting")
+        trickle = [asyncio.create_task(ask(key_b, f"b{i}")) for i in range(2)]
+        await wait_until(lambda: depth() == 8, what="beta's two waiting behind them")
+
+        # A full queue answers at once, naming the model, with when to come back.
+        router.gate.max_per_model = 8
+        status, headers, answer = await ask(key_b, "full")
+        assert status == 429 and answer["error"]["code"] == "queue_full", answer
+        assert "model one's queue is full (8 waiting)" in answer["error"]["message"]
+        assert int(headers["Retry-After"]) >= 1
+        router.gate.max_per_model = FAST_ROUTER.queue_max_per_model
+
+        # A client that leaves while waiting leaves the queue at once and takes no slot.
+        gone = asyncio.create_task(ask(key_b, "gone"))
+        await wait_until(lambda: depth() == 9, what="the request that will leave to be waiting")
+        gone.cancel()  # the client gives up: its connection closes
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone
+        await wait_until(lambda: depth() == 8, what="the departed request to leave the queue")
+
+        router.outstanding[rid] -= 1
+        router.gate.released("one")
+        answers = await asyncio.gather(*burst, *trickle)
+    assert [status for status, _, _ in answers] == [200] * 8, answers
+    assert served == ["acme", "beta", "acme", "beta", "acme", "acme", "acme", "acme"], served
+    assert depth() == 0 and router.gate.granted.get("one", 0) == 0 and router.outstanding[rid] == 0
+    assert registry.get_sample_value("llmgw_gateway_queue_wait_seconds_count", {"model": "one"}) == 8
+    rejected = {"model": "one", "reason": "queue_full"}
+    assert registry.get_sample_value("llmgw_gateway_queue_rejections_total", rejected) == 1
+
+    async def recorded() -> dict[str, UsageRecord] | None:
+        got = {
+            r.client_request_id: r
+            for t in (acme, beta)
+            for r in await usage_records(gw.store, t.project)
+            if r.client_request_id
+        }
+        return got if len(got) == 10 else None
+
+    records = await wait_until(recorded, what="a usage record for each request")
+    assert all(records[f"a{i}"].queue_s > 0 and records[f"a{i}"].status == 200 for i in range(6))
+    left = records["gone"]
+    assert (left.status, left.replica_id, left.cost_usd, left.tokens_in) == (499, None, 0.0, 0)
+    assert "waited in the queue" in (left.error or "")
+    assert (records["full"].status, records["full"].replica_id) == (429, None)

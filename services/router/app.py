@@ -45,9 +45,10 @@ from llmgw.services.router.gossip import SUBJECT as GOSSIP_SUBJECT
 from llmgw.services.router.gossip import LimitGossip
 from llmgw.services.router.journal import JournalError
 from llmgw.services.router.limits import Limiter
-from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, UsageMetrics, pool_loads
+from llmgw.services.router.metrics import PoolSaturation, QueueDepth, RouterMetrics, UsageMetrics, pool_loads
 from llmgw.services.router.proxy import Upstream, engine_refusal
-from llmgw.services.router.routing import Affinity, order, prefix_key
+from llmgw.services.router.queue import PROJECT_FULL, ClientLeft, Gate, QueueRefused
+from llmgw.services.router.routing import Affinity, EngineLoad, order, prefix_key
 from llmgw.services.router.state import SNAPSHOT_NAME, SNAPSHOT_VERSION, KeyInfo, ModelInfo, ReplicaInfo, RouterState
 from llmgw.services.router.usage import StopReport, UsageConfig, UsagePublisher
 from llmgw.services.router.usage_record import Call, call_cost, usage_record
@@ -120,6 +121,21 @@ class Router:
         self.budgets = BudgetBook(store.js, clock=clock)
         self.upstream = Upstream(self.cfg, self.metrics)
         self.outstanding = self.upstream.outstanding  # replica id -> requests in flight there
+        # replica id -> what its engine last reported (requests waiting, KV usage): routing prefers the
+        # least loaded by it (GW-6). Empty until the agents' heartbeats carry it; then routing is by
+        # this router's own in-flight counts alone.
+        self.engines: dict[str, EngineLoad] = {}
+        self.gate = Gate(
+            self._slot_load,
+            self.cfg.queue_max_per_model,
+            self.cfg.queue_max_per_project,
+            self.cfg.queue_wait_s,
+            on_wait=lambda model, s: self.metrics.queue_wait_of(model).observe(s),
+            on_refuse=lambda model, why: self.metrics.queue_rejections_of(model, why).inc(),
+        )
+        if self.cfg.queue:
+            self.upstream.on_release = self.gate.released
+        self.metrics.registry.register(QueueDepth(self.gate.depths))
         self.gossip = LimitGossip(store.nc, self.limiter, self.instance, self.cfg.gossip_s, clock)
         self._tasks: list[asyncio.Task] = []
         self._demand_sent: dict[str, float] = {}
@@ -139,6 +155,18 @@ class Router:
     def _usage_gauges(self) -> tuple[int, float | None, bool]:
         b = self.usage.backlog()
         return b.records, b.oldest_s, b.refusing is not None
+
+    def _slot_load(self, model: str) -> tuple[int, int]:
+        """(requests in flight to the model's ready replicas, the slots they have): the queue's measure."""
+        ready = self.state.ready_by_model.get(model)
+        if not ready:
+            return 0, 0
+        out, sat = self.outstanding, self.cfg.saturation
+        in_flight = slots = 0
+        for rid, r in ready.items():
+            in_flight += out.get(rid, 0)
+            slots += r.slots or sat
+        return in_flight, slots
 
     def _pool_loads(self) -> list[tuple[str, float]]:
         ready = {m: [r.replica_id for r in self.state.ready(m)] for m in self.state.models}
@@ -487,8 +515,14 @@ class Router:
             except ApiError as exc:
                 last = exc
                 continue
+            if self.cfg.queue and not self.gate.passes(model.name):
+                await self._queue(request, call, model)
+                replicas = self.state.ready(model.name) or replicas  # replicas may have come or gone meanwhile
+                self.gate.sent(model.name)  # from here to the send nothing awaits: the slot cannot be taken
             preferred = self.affinity.get(pkey)
-            ranked = order(replicas, self.outstanding, preferred, self.cfg.saturation, self._rng.getrandbits(16))
+            ranked = order(
+                replicas, self.outstanding, preferred, self.cfg.saturation, self._rng.getrandbits(16), self.engines
+            )
             call.model = model
             resp, failed = await self.upstream.attempt(request, call, ranked, payload, limit_headers)
             if resp is None:
@@ -498,6 +532,52 @@ class Router:
             self.affinity.put(pkey, call.replica.replica_id)
             return resp
         raise last or ApiError(502, "no replica could answer", "engine_error")
+
+    async def _queue(self, request: web.Request, call: Call, model: ModelInfo) -> None:
+        """Wait for a slot of ``model`` in the fair queue; a refusal or a departed client ends the request."""
+        assert call.key is not None
+
+        def gone() -> bool:
+            transport = request.transport
+            return transport is None or transport.is_closing()
+
+        try:
+            call.queue_s += await self.gate.wait(model.name, call.key.project_id, gone)
+        except QueueRefused as exc:
+            call.tokens_in = 0  # it never reached an engine: nothing to count against token limits
+            raise self._queue_refusal(call, model, exc) from exc
+        except ClientLeft as exc:
+            call.tokens_in = 0
+            call.status, call.error = 499, "the client left while its request waited in the queue"
+            raise ConnectionResetError(call.error) from exc
+
+    def _queue_refusal(self, call: Call, model: ModelInfo, exc: QueueRefused) -> ApiError:
+        assert call.key is not None
+        headers = {"retry-after": str(exc.retry_after)}
+        cfg = self.cfg
+        if exc.reason == PROJECT_FULL:
+            project = self.state.scope_label(f"project:{call.key.project_id}")
+            return ApiError(
+                429,
+                f"{project} has {cfg.queue_max_per_project} requests waiting for model {model.name}, its most "
+                f"({exc.depth} waiting in all); retry in {exc.retry_after} s",
+                "queue_full",
+                headers,
+            )
+        if exc.reason == "timeout":
+            return ApiError(
+                503,
+                f"model {model.name} had no free slot within {cfg.queue_wait_s:g} s ({exc.depth} still "
+                f"waiting); retry in {exc.retry_after} s",
+                "queue_timeout",
+                headers,
+            )
+        return ApiError(
+            429,
+            f"model {model.name}'s queue is full ({exc.depth} waiting); retry in {exc.retry_after} s",
+            "queue_full",
+            headers,
+        )
 
     # -- after -------------------------------------------------------------------------------
 

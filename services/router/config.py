@@ -13,7 +13,13 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: int = 4 * 1024 * 1024
     activation_s: float = 60.0  # how long a request waits for an on-demand replica
     default_max_tokens: int = 4096  # what a request without max_tokens may cost, for budgets
-    saturation: int = 4  # in-flight requests at which prefix affinity lets go (llama.cpp slots)
+    saturation: int = 4  # a replica's slots when its profile does not say `parallel` (llama.cpp's default)
+    # Requests wait in the gateway when every ready replica of their model is saturated, served
+    # round-robin by project as slots free (docs/gateway.md, "The queue").
+    queue: bool = True  # False: they go to the least loaded replica however busy (the engines queue them)
+    queue_max_per_model: int = 256  # requests waiting for one model; past it 429 `queue_full`
+    queue_max_per_project: int = 64  # requests of one project waiting for one model; past it 429 `queue_full`
+    queue_wait_s: float = 30.0  # the longest a request waits for a slot; then 503 `queue_timeout`
     gossip_s: float = 0.1
     max_attempts: int = 3
     # Limits on what reaches an engine (docs/gateway.md, "Limits on requests").

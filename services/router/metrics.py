@@ -55,6 +55,19 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        self.queue_wait = Histogram(
+            "llmgw_gateway_queue_wait_seconds",
+            "Time requests waited in the gateway's queue for a slot (those that waited)",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_rejections = Counter(
+            "llmgw_gateway_queue_rejections",
+            "Requests the queue refused: queue_full, project_queue_full, timeout",
+            ["model", "reason"],
+            registry=r,
+        )
         # The same metrics, children cached: requests_of(model, status), latency_of(model), ...
         self.requests_of = Children(self.requests)
         self.latency_of = Children(self.latency)
@@ -62,6 +75,8 @@ class RouterMetrics:
         self.tokens_of = Children(self.tokens)
         self.in_flight_of = Children(self.in_flight)
         self.retries_of = Children(self.retries)
+        self.queue_wait_of = Children(self.queue_wait)
+        self.queue_rejections_of = Children(self.queue_rejections)
 
 
 def pool_loads(
@@ -95,6 +110,24 @@ class PoolSaturation:
         )
         for model, load in self.loads():
             family.add_metric([model], load)
+        yield family
+
+
+class QueueDepth:
+    """``llmgw_gateway_queue_depth{model}``, computed when scraped: nothing on the request path."""
+
+    def __init__(self, depths: Callable[[], Mapping[str, int]]) -> None:
+        self.depths = depths
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "llmgw_gateway_queue_depth", "Requests waiting in the gateway's queue for a slot", labels=["model"]
+        )
+        for model, depth in sorted(self.depths().items()):
+            family.add_metric([model], depth)
         yield family
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 import aiohttp
 import msgspec
@@ -41,6 +42,7 @@ class Upstream:
         self.cfg = cfg
         self.metrics = metrics
         self.outstanding: dict[str, int] = {}  # replica id -> requests in flight there
+        self.on_release: Callable[[str], None] | None = None  # told the model whenever a request leaves a replica
         self.secret = b""
         self._engine_auth: dict[str, str] = {}  # replica id -> its engine's Authorization header
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_s)
@@ -146,6 +148,8 @@ class Upstream:
         finally:
             self.outstanding[rid] -= 1
             gauge.dec()
+            if self.on_release is not None:
+                self.on_release(replica.model)  # a slot freed: the queue serves its next request
 
     def _engine_authorization(self, replica_id: str) -> str:
         """The Authorization header for a replica's engine: an HMAC, so computed once per replica."""

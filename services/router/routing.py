@@ -1,14 +1,19 @@
-"""Replica choice (SPEC GW-6): least outstanding requests, with prefix affinity until saturation.
+"""Replica choice (SPEC GW-6): least load first, with prefix affinity until saturation.
 
-Requests that share a prompt prefix go to the replica that served it last — its KV cache likely
-holds the prefix — unless that replica is saturated (as many requests in flight as it has
-slots), when the preference is dropped. Pure: the caller passes the load and a seed.
+Load is what the replica's engine reports waiting (and its KV cache in use) when it reports it,
+plus the requests this router has in flight there. Requests that share a prompt prefix go to the
+replica that served it last — its KV cache likely holds the prefix — unless that replica is
+saturated (as many requests in flight as it has slots), when the preference is dropped. Pure: the
+caller passes the load and a seed.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Mapping
+
+import msgspec
 
 from llmgw.services.router.state import ReplicaInfo
 
@@ -34,22 +39,40 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """What a replica's engine last said of its load (from the agent's heartbeat): requests waiting in
+    the engine — other routers' too — and the share of its KV cache in use."""
+
+    waiting: int = 0
+    kv_usage: float | None = None
+
+
 def order(
     replicas: list[ReplicaInfo],
-    outstanding: dict[str, int],
+    outstanding: Mapping[str, int],
     preferred: str | None,
     saturation: int,
     seed: int,
+    engines: Mapping[str, EngineLoad] | None = None,
 ) -> list[ReplicaInfo]:
-    """Replicas in the order to try: the affine one first when not saturated, then least loaded."""
+    """Replicas in the order to try: the affine one first when not saturated, then least loaded.
 
-    def load(r: ReplicaInfo) -> tuple[int, int]:
-        return outstanding.get(r.replica_id, 0), _mix(hash(r.replica_id) + seed * _GOLDEN)
+    A replica's slots are its profile's ``parallel`` (``saturation`` when unknown). Where ``engines``
+    has a replica's report, the requests waiting in its engine add to its load and its KV usage
+    breaks ties; elsewhere the load is this router's requests in flight alone."""
+
+    def load(r: ReplicaInfo) -> tuple[int, float, int]:
+        rid = r.replica_id
+        e = engines.get(rid) if engines else None
+        busy = outstanding.get(rid, 0)
+        if e is None:
+            return busy, 0.0, _mix(hash(rid) + seed * _GOLDEN)
+        return busy + e.waiting, e.kv_usage or 0.0, _mix(hash(rid) + seed * _GOLDEN)
 
     ranked = sorted(replicas, key=load)
     if preferred is not None:
         for i, r in enumerate(ranked):
-            if r.replica_id == preferred and outstanding.get(r.replica_id, 0) < saturation:
+            if r.replica_id == preferred and outstanding.get(r.replica_id, 0) < (r.slots or saturation):
                 return [r, *ranked[:i], *ranked[i + 1 :]]
     return ranked
 

@@ -39,6 +39,19 @@ class ReplicaInfo(msgspec.Struct, kw_only=True, array_like=True):  # an array in
     node_id: str
     state: str = "placed"
     url: str | None = None
+    slots: int | None = None  # requests its engine runs at once; None: RouterConfig.saturation
+
+
+# vLLM's own default batch (max_num_seqs) when a profile does not say `parallel`: the gateway's queue
+# must not hold requests back from an engine that batches hundreds.
+VLLM_SLOTS = 256
+
+
+def slots_of(profile: M.Profile) -> int | None:
+    """The requests a replica's engine serves at once, when its profile says (or its engine implies)."""
+    if profile.parallel:
+        return profile.parallel
+    return VLLM_SLOTS if profile.engine == "vllm" else None
 
 
 # A key, a scope's budget and a model's price as the shared fold keeps them: the router checks
@@ -50,8 +63,8 @@ Price = K.Price
 
 SNAPSHOT_NAME = "router"
 # Bump when RouterSnapshot or a struct in it changes: older snapshots are then ignored. 2: keys and
-# replicas encoded as arrays (K.Key, ReplicaInfo), not maps.
-SNAPSHOT_VERSION = 2
+# replicas encoded as arrays (K.Key, ReplicaInfo), not maps. 3: a replica's slots.
+SNAPSHOT_VERSION = 3
 
 
 class RouterSnapshot(msgspec.Struct, kw_only=True):
@@ -187,7 +200,9 @@ class RouterState:
                 if m:
                     m.unplaceable = p.reason
             case R.ReplicaPlaced():
-                self.replicas[p.replica_id] = ReplicaInfo(replica_id=p.replica_id, model=p.model, node_id=p.node_id)
+                self.replicas[p.replica_id] = ReplicaInfo(
+                    replica_id=p.replica_id, model=p.model, node_id=p.node_id, slots=slots_of(p.profile)
+                )
                 m = self.models.get(p.model)
                 if m:
                     m.unplaceable = None

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tests.bench.gateway [--quick] [--no-paced] [--no-real] [--json FILE]
                                             [--keep-logs DIR] [--py-spy DIR]
+    .venv/bin/python -m tests.bench.gateway --ab-queue [--quick]
 
 Starts, each as its own process: a durable nats-server (``sync_interval: always``, as llmgw runs);
 simulated engines (:mod:`tests.bench.simengine`): *sim* answers 16 tokens at once (no latency, to
@@ -23,6 +24,11 @@ per request (``/proc/PID/stat`` before and after its rounds, read once every usa
 log, so publishing them is counted), the nats-server's, and the router's longest GC pause (the
 collector's CPU time / wall-clock time, which includes being preempted). LiteLLM's figures from the
 issue are printed beside as ratios. Figures only: nothing passes or fails (ARCHITECTURE §10).
+
+``--ab-queue`` measures what the admission queue costs when nothing waits: two routers side by side on
+the same log and the same simulated engine (which has a slot for every request, so nothing ever
+waits), one with the queue and one without (``RouterConfig.queue``), sent the same requests in
+alternating rounds (A B B A); it prints each one's latency and CPU per request and the difference.
 """
 
 from __future__ import annotations
@@ -121,15 +127,23 @@ class GcWatch:
         self.reset()
 
 
-def router_process(nats_url: str, db: str, port: int, admin_port: int, gc_file: Path) -> None:
+def router_process(nats_url: str, db: str, port: int, admin_port: int, gc_file: Path, queue: bool = True) -> None:
     """One router, as `llmgw server --services router` runs it, with a GC pause recorder."""
     from llmgw.cli import logs
     from llmgw.cli.runtime import ServerConfig, serve
+    from llmgw.services.router.config import RouterConfig
 
     logs.configure("info")
     watch = GcWatch(gc_file)
     gc.callbacks.append(watch)
-    config = ServerConfig(nats_url=nats_url, db_dsn=db, services=("router",), port=port, admin_port=admin_port)
+    config = ServerConfig(
+        nats_url=nats_url,
+        db_dsn=db,
+        services=("router",),
+        port=port,
+        admin_port=admin_port,
+        router=RouterConfig(queue=queue),
+    )
 
     async def go() -> None:
         stop = asyncio.Event()
@@ -385,9 +399,10 @@ class Bench:
         await self._append(A.KEY_AGGREGATE, key_id, [created])
         return key
 
-    async def add_replica(self, model: str, replica_id: str, url: str, port: int, pid: int) -> None:
-        """What the catalog and an agent would write: the model, then its replica placed and ready."""
-        profile = M.Profile(engine="llamacpp", ctx_size=1024, parallel=4)
+    async def add_replica(self, model: str, replica_id: str, url: str, port: int, pid: int, parallel: int) -> None:
+        """What the catalog and an agent would write: the model, then its replica placed and ready.
+        ``parallel``: the requests the engine serves at once (more wait in the gateway's queue)."""
+        profile = M.Profile(engine="llamacpp", ctx_size=1024, parallel=parallel)
         spec = M.ModelSpec(name=model, source=f"bench:{model}", scaling=M.Scaling(min=1), profiles=[profile])
         await self._append(M.AGGREGATE, model, [M.ModelAdded(spec=spec)])
         placed = R.ReplicaPlaced(
@@ -410,7 +425,9 @@ class Bench:
         proc = self.spawn(argv, f"{model}.log")
         url = f"http://127.0.0.1:{port}"
         await self.wait_http(url + "/health")
-        await self.add_replica(model, rid, url, port, proc.pid)
+        # The simulated engine answers any number of requests at once: a slot for each, so the gateway's
+        # queue never holds one back and what is measured is the gateway's own path.
+        await self.add_replica(model, rid, url, port, proc.pid, parallel=256)
         return Target(url=url, headers=_headers(key), model=model, pid=proc.pid)
 
     async def start_real(self) -> Target:
@@ -435,16 +452,22 @@ class Bench:
         proc = self.spawn(launch.argv, "engine.log", env={**os.environ, **launch.env})
         url = f"http://127.0.0.1:{port}"
         await self.wait_http(url + "/health")
-        await self.add_replica("tiny", rid, url, port, proc.pid)
+        await self.add_replica("tiny", rid, url, port, proc.pid, parallel=16)
         return Target(url=url, headers=_headers(key), model="tiny", pid=proc.pid)
 
     async def start_router(self) -> None:
+        self.router = await self.spawn_router(self.router_port, "router")
+
+    async def spawn_router(self, port: int, name: str, queue: bool = True) -> subprocess.Popen:
         assert self.nats is not None
         argv = [sys.executable, "-m", "tests.bench.gateway", "--router-process", "--nats", self.nats.url]
-        argv += ["--db", f"sqlite:///{self.base / 'router.db'}", "--port", str(self.router_port)]
-        argv += ["--admin-port", str(free_port()), "--gc-file", str(self.gc_file)]
-        self.router = self.spawn(argv, "router.log")
-        await self.wait_http(f"http://127.0.0.1:{self.router_port}/healthz")
+        argv += ["--db", f"sqlite:///{self.base / (name + '.db')}", "--port", str(port)]
+        argv += ["--admin-port", str(free_port()), "--gc-file", str(self.base / f"{name}-gc.json")]
+        if not queue:
+            argv.append("--no-queue")
+        proc = self.spawn(argv, f"{name}.log")
+        await self.wait_http(f"http://127.0.0.1:{port}/healthz")
+        return proc
 
     def gateway(self, model: str) -> Target:
         return Target(url=f"http://127.0.0.1:{self.router_port}", headers=_headers(self.api_key), model=model)
@@ -549,6 +572,85 @@ class Bench:
             cpu_s={**spent, "gateway.router": router_cpu, "gateway.nats": nats_cpu},
             gc=gcs,
         )
+
+
+class Side(msgspec.Struct, kw_only=True):
+    """One router's requests in an A/B cell, and the CPU it spent on them."""
+
+    run: Run = msgspec.field(default_factory=Run)
+    cpu_s: float = 0.0
+
+
+async def ab_cell(b: Bench, routers: dict[str, tuple[subprocess.Popen, Target]], c: int, stream: bool, n: int) -> dict:
+    """``n`` requests through each router, in alternating rounds (A B, then B A), after a warm-up."""
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=120)
+    sides = {name: Side() for name in routers}
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
+        for _, target in routers.values():
+            await load(session, target, stream, c, max(2 * c, 50))
+            b.gateway_sent += max(2 * c, 50)
+        await b.usage_settled()
+        names = list(routers)
+        for round_ in range(4):
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                proc, target = routers[name]
+                c0 = cpu_s(proc.pid)
+                part = await load(session, target, stream, c, n // 4)
+                b.gateway_sent += n // 4
+                await b.usage_settled()  # publishing the usage records is part of each request's cost
+                side = sides[name]
+                side.cpu_s += cpu_s(proc.pid) - c0
+                side.run.latency += part.latency
+                side.run.errors += part.errors
+    out: dict[str, Any] = {"concurrency": c, "stream": stream}
+    for name, side in sides.items():
+        out[f"{name}_p50_ms"] = pct(side.run.latency, 0.5)
+        out[f"{name}_p99_ms"] = pct(side.run.latency, 0.99)
+        out[f"{name}_cpu_us"] = 1e6 * side.cpu_s / max(side.run.n, 1)
+        out[f"{name}_errors"] = side.run.errors
+    return out
+
+
+async def bench_ab_queue(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The queue's cost when nothing waits: a router with it and one without, side by side."""
+    scale = 0.2 if args.quick else 1.0
+    n = {1: int(4000 * scale), 16: int(8000 * scale), 64: int(8000 * scale)}
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-ab-") as tmp:
+        b = Bench(Path(tmp), args)
+        try:
+            await b.setup()
+            await b.start_sim("sim", 0, 0)
+            routers: dict[str, tuple[subprocess.Popen, Target]] = {}
+            for name, queue in (("queue", True), ("no_queue", False)):
+                port = free_port()
+                proc = await b.spawn_router(port, name, queue=queue)
+                target = Target(url=f"http://127.0.0.1:{port}", headers=_headers(b.api_key), model="sim")
+                await b.gateway_serves(target)
+                routers[name] = (proc, target)
+            print(_machine())
+            print(
+                f"{'c':>3} {'stream':<6} {'p50 queue':>9} {'no queue':>9} {'Δ µs':>7} {'p99 queue':>9} "
+                f"{'no queue':>9} {'Δ µs':>7} {'CPU µs/req queue':>16} {'no queue':>9} {'Δ µs':>6} {'err':>5}",
+                flush=True,
+            )
+            for stream in (False, True):
+                for c in (1, 16, 64):
+                    r = await ab_cell(b, routers, c, stream, n[c])
+                    rows.append(r)
+                    print(
+                        f"{c:>3} {('yes' if stream else 'no'):<6} {r['queue_p50_ms']:9.3f} {r['no_queue_p50_ms']:9.3f} "
+                        f"{1000 * (r['queue_p50_ms'] - r['no_queue_p50_ms']):7.0f} {r['queue_p99_ms']:9.3f} "
+                        f"{r['no_queue_p99_ms']:9.3f} {1000 * (r['queue_p99_ms'] - r['no_queue_p99_ms']):7.0f} "
+                        f"{r['queue_cpu_us']:16.0f} {r['no_queue_cpu_us']:9.0f} "
+                        f"{r['queue_cpu_us'] - r['no_queue_cpu_us']:6.0f} "
+                        f"{r['queue_errors'] + r['no_queue_errors']:>5}",
+                        flush=True,
+                    )
+        finally:
+            await close_bench(b, Path(tmp), args.keep_logs)
+    return rows
 
 
 def _headers(key: str) -> dict[str, str]:
@@ -700,6 +802,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="write the figures here too")
     parser.add_argument("--py-spy", help="record py-spy profiles of the router at c=64 into this folder")
     parser.add_argument("--keep-logs", help="copy the processes' logs here at the end")
+    parser.add_argument(
+        "--ab-queue", action="store_true", help="the admission queue's cost: a router with it and one without"
+    )
     # The router process (started by the bench itself).
     parser.add_argument("--router-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--nats", help=argparse.SUPPRESS)
@@ -707,9 +812,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--admin-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--gc-file", help=argparse.SUPPRESS)
+    parser.add_argument("--no-queue", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.router_process:
-        router_process(args.nats, args.db, args.port, args.admin_port, Path(args.gc_file))
+        router_process(args.nats, args.db, args.port, args.admin_port, Path(args.gc_file), queue=not args.no_queue)
+        return
+    if args.ab_queue:
+        rows = asyncio.run(bench_ab_queue(args))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
         return
     rows = asyncio.run(bench(args))
     _print_cpu(rows)
