@@ -72,7 +72,7 @@ def test_a_sustained_queue_adds_one_replica_after_a_minute() -> None:
     assert hold(w, 55, running=1, waiting=3) == [], "not yet a minute"
     said_now = hold(w, 5, running=1, waiting=3)
     assert said_now == [
-        "autoscale m 1 -> 2: 3 requests waiting on 1 ready replica for 60 s",
+        "autoscale m 1 -> 2: 3 requests waiting on 1 ready replica, 3.0 a replica on average over 60 s",
         "place m on a",
     ]
     assert w.state.models["m"].status.autoscaled == 1, "the step is an event the model fold keeps"
@@ -81,9 +81,19 @@ def test_a_sustained_queue_adds_one_replica_after_a_minute() -> None:
 def test_a_short_burst_adds_none() -> None:
     w = world()
     assert hold(w, 40, running=1, waiting=5) == []
-    assert hold(w, 5, running=1, waiting=0) == [], "the queue emptied: the hold starts again"
-    assert hold(w, 40, running=1, waiting=5) == []
+    assert hold(w, 120, running=1, waiting=0) == [], "the queue emptied before the minute: nothing waits now"
     assert w.active("m") == ["m-1"]
+
+
+def test_a_queue_that_dips_for_a_moment_still_counts_as_held() -> None:
+    # Engines' queues are noisy: one heartbeat with nothing waiting does not restart the minute.
+    w = world()
+    assert hold(w, 30, running=1, waiting=3) == []
+    assert hold(w, 5, running=1, waiting=0) == []
+    said_now = hold(w, 25, running=1, waiting=3)
+    assert (
+        said_now[0] == "autoscale m 1 -> 2: 3 requests waiting on 1 ready replica, 2.8 a replica on average over 60 s"
+    )
 
 
 def test_a_queue_below_one_waiting_request_per_ready_replica_adds_none() -> None:
@@ -110,7 +120,9 @@ def test_a_step_waits_for_the_previous_addition_to_be_ready() -> None:
     make_ready(w)
     # Ready now: its own minute of queue (at two ready replicas) before the next step.
     assert hold(w, 55, running=2, waiting=4) == []
-    assert hold(w, 5, running=2, waiting=4)[0] == "autoscale m 2 -> 3: 4 requests waiting on 2 ready replicas for 60 s"
+    assert hold(w, 5, running=2, waiting=4)[0] == (
+        "autoscale m 2 -> 3: 4 requests waiting on 2 ready replicas, 2.0 a replica on average over 60 s"
+    )
 
 
 def test_ten_idle_minutes_remove_one_load_added_replica() -> None:

@@ -100,7 +100,7 @@ async def test_sustained_load_past_the_engines_slots_adds_a_replica_and_its_end_
 
     [up] = await autoscaled(fleet)
     assert (up.from_, up.to, up.added) == (1, 2, 1)
-    assert "waiting on 1 ready replica for" in up.reason, up.reason
+    assert "waiting on 1 ready replica, " in up.reason, up.reason
 
     # The load is gone: after the (shortened) quiet window, the replica the load added goes.
     async def back_to_one() -> list[M.ModelAutoscaled] | None:

@@ -9,7 +9,9 @@ added, when the last step was — is the ``model.autoscaled`` event, folded by `
 The rules, without a measurement of the model (SCHED-10 not saved):
 
 - **up**: at least ``scale_up_waiting_per_replica`` waiting requests per ready replica, held for
-  ``scale_up_after_s``, adds one replica;
+  ``scale_up_after_s`` — on average over that window, at the replicas ready now, with requests still
+  waiting at its end — adds one replica (the engines' queues are noisy: one sample below the line
+  must not restart the minute while the queue grows);
 - **down**: ``scale_down_after_s`` with nothing waiting removes one replica the load added, and only
   when the requests running at the busiest moment of that window fit in the other replicas' slots
   under ``scale_down_below`` of them (else a steady load at the threshold would flap: remove, wait,
@@ -104,22 +106,30 @@ def measurement_of(m: ModelState) -> Measurement | None:
     return None
 
 
-def _wants_more(s: LoadSample, cfg: Config, measured: Measurement | None) -> bool:
-    if s.ready <= 0:
-        return False
-    if measured is not None:
-        return (s.running + s.waiting) / s.ready > measured.concurrency
-    return s.waiting >= cfg.scale_up_waiting_per_replica * s.ready
+def _pressure(s: LoadSample, measured: Measurement | None) -> float:
+    """What the up rule weighs per ready replica: requests waiting, or (measured) requests in all."""
+    return (s.waiting if measured is None else s.running + s.waiting) / s.ready
 
 
-def _held_since(samples: list[LoadSample], holds: object, ready: int) -> float | None:
-    """Since when every sample up to the newest ``holds`` at ``ready`` replicas or more; None if the newest does not."""
-    since = None
-    for s in reversed(samples):
-        if s.ready < ready or not holds(s):  # type: ignore[operator]
-            break
-        since = s.at
-    return since
+def _mean_over(
+    samples: list[LoadSample], start: float, now: float, ready: int, measured: Measurement | None
+) -> float | None:
+    """The time-weighted mean of :func:`_pressure` over ``[start, now]``; None unless the samples cover
+    it at ``ready`` ready replicas or more throughout (a window that began before the last addition
+    was ready, or before this process heard of the model, does not count)."""
+    inside = [s for s in samples if s.at > start]
+    before = [s for s in samples if s.at <= start][-1:]
+    if not before:
+        return None
+    window = [*before, *inside]
+    if any(s.ready < ready for s in window) or now <= start:
+        return None
+    total = 0.0
+    for k, s in enumerate(window):
+        begin = max(s.at, start)
+        end = window[k + 1].at if k + 1 < len(window) else now
+        total += _pressure(s, measured) * max(end - begin, 0.0)
+    return total / (now - start)
 
 
 def adjust(
@@ -159,19 +169,25 @@ def adjust(
     now = clock.monotonic
     newest = load.samples[-1]
     if target < upper and ready >= target:
-        since = _held_since(load.samples, lambda s: _wants_more(s, cfg, measured), ready)
-        if since is not None and now - max(since, step_at) >= cfg.scale_up_after_s:
-            held = now - max(since, step_at)
+        # A queue held for the window: on average over it (a sample's noise neither makes nor breaks it),
+        # and still there now (a burst that ended does not count).
+        start = max(now - cfg.scale_up_after_s, step_at)
+        mean = _mean_over(load.samples, start, now, ready, measured) if now - start >= cfg.scale_up_after_s else None
+        line = cfg.scale_up_waiting_per_replica if measured is None else measured.concurrency
+        now_pressing = newest.waiting > 0 if measured is None else _pressure(newest, measured) > line
+        over = mean is not None and (mean >= line if measured is None else mean > line)
+        if over and now_pressing and mean is not None:
+            held = now - start
             if measured is not None:
                 why = (
                     f"{newest.running + newest.waiting} requests on {newest.ready} ready "
-                    f"{_replicas(newest.ready)} for {held:.0f} s, above the {measured.concurrency} "
-                    "one replica serves within its SLO"
+                    f"{_replicas(newest.ready)}, {mean:.1f} a replica on average over {held:.0f} s, above the "
+                    f"{measured.concurrency} one replica serves within its SLO"
                 )
             else:
                 why = (
-                    f"{newest.waiting} requests waiting on {newest.ready} ready "
-                    f"{_replicas(newest.ready)} for {held:.0f} s"
+                    f"{newest.waiting} requests waiting on {newest.ready} ready {_replicas(newest.ready)}, "
+                    f"{mean:.1f} a replica on average over {held:.0f} s"
                 )
             return (
                 target + 1,
