@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from llmgw.cli.context import default_data_dir
 from llmgw.cli.natsd import CredentialError, read_credential
 from llmgw.events.catalog import default_registry
 from llmgw.events.commands import CommandError, Rejected
@@ -45,6 +46,7 @@ from llmgw.services.accountant.service import PRUNE_EVERY_S, RETENTION_DAYS, Acc
 from llmgw.services.api.app import AdminApi
 from llmgw.services.api.exposure import exposure_refusal
 from llmgw.services.api.signin import SignIn
+from llmgw.services.backup import service as backup_service
 from llmgw.services.catalog.service import CatalogService
 from llmgw.services.fleet.service import FleetService
 from llmgw.services.jobs.service import JobsConfig, JobsService
@@ -74,6 +76,8 @@ ALL_SERVICES = (
     "mirror",
     "jobs",
 )
+# Run only when named in `--services` (a backup belongs on one server, not on every one).
+OPTIONAL_SERVICES = ("backup",)
 
 
 class SnapshotsConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -127,6 +131,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats_cert: str | None = None
     nats_key: str | None = None
     nats_creds: str | None = None  # the NATS credential file this process connects with (None: no user)
+    # the backup service (`--services …,backup`): where archives go (None: DATA_DIR/backups), how often, how many
+    backup_dir: str | None = None
+    backup_every_s: float = backup_service.EVERY_S
+    backup_keep: int = backup_service.KEEP
 
 
 class TlsSetup(msgspec.Struct, frozen=True, kw_only=True):
@@ -209,9 +217,10 @@ async def serve(
     ``handles``, when given, is filled with the running service objects (tests and benchmarks).
     """
     handles = handles if handles is not None else {}
-    unknown = set(config.services) - set(ALL_SERVICES)
+    unknown = set(config.services) - set(ALL_SERVICES) - set(OPTIONAL_SERVICES)
     if unknown:
-        raise SystemExit(f"error: unknown service(s) {', '.join(sorted(unknown))}; known: {', '.join(ALL_SERVICES)}")
+        known = ", ".join((*ALL_SERVICES, *OPTIONAL_SERVICES))
+        raise SystemExit(f"error: unknown service(s) {', '.join(sorted(unknown))}; known: {known}")
     exposed = exposure_refusal(config.admin_host, config.admin_port, "api" in config.services, bool(config.tls_cert))
     if exposed is not None and not config.insecure:
         raise SystemExit(f"error: {exposed}")
@@ -318,6 +327,16 @@ async def serve(
                 backend, retention_days=config.usage_retention_days, prune_every_s=config.usage_prune_every_s
             )
             handles["accountant"] = background("accountant", accountant)
+        if "backup" in config.services:
+            backups = backup_service.BackupService(
+                store,
+                Path(config.backup_dir) if config.backup_dir else default_data_dir() / "backups",
+                every_s=config.backup_every_s,
+                keep=config.backup_keep,
+                data_dir=default_data_dir(),
+                registry=registry,
+            )
+            handles["backup"] = background("backup", backups)
         # Every process serves health and metrics on its admin port; the API itself runs with "api".
         api = AdminApi(store, backend, runner, registry)
         api.folds = folds

@@ -115,6 +115,17 @@ def archive_name(at: dt.datetime) -> str:
     return f"{PREFIX}{at.astimezone(dt.UTC).strftime('%Y%m%dT%H%M%S%fZ')}{SUFFIX}"
 
 
+def archive_time(name: str) -> dt.datetime | None:
+    """When the archive called ``name`` was taken, or None for a file that is no backup archive."""
+    m = _NAME.match(name)
+    if not m:
+        return None
+    stamp = m.group(1)
+    return dt.datetime.strptime(stamp, "%Y%m%dT%H%M%S%fZ" if len(stamp) > 16 else "%Y%m%dT%H%M%SZ").replace(
+        tzinfo=dt.UTC
+    )
+
+
 def to_prune(names: Iterable[str], keep: int) -> list[str]:
     """Which backup archives rotation deletes: all but the newest ``keep`` (other files are never touched)."""
     ours = sorted((n for n in names if _NAME.match(n)), key=lambda n: _NAME.match(n).group(1).ljust(21, "0"))  # type: ignore[union-attr]

@@ -174,6 +174,7 @@ def control() -> Permissions:
                 f"{JS}.>",
                 "$JS.ACK.>",
                 _FLOW_CONTROL,
+                "$JS.SNAPSHOT.ACK.>",  # the backup service's snapshots (events/backup.py); restoring is the operator's
                 *(f"$KV.{b}.>" for b in (SECRETS_BUCKET, CONTROL_SECRETS_BUCKET, BUDGETS_BUCKET, LEASES_BUCKET)),
                 f"$O.{SNAPSHOTS_BUCKET}.>",
             ),
@@ -185,7 +186,8 @@ def control() -> Permissions:
 
 
 def router() -> Permissions:
-    """A gateway: reads the event log, publishes usage, gossip and demand; no event, command or secret write."""
+    """A gateway: reads the event log and the heartbeats, publishes usage, gossip and demand; no event,
+    command or secret write."""
     return Permissions(
         publish=SubjectRules(
             allow=(
@@ -201,7 +203,13 @@ def router() -> Permissions:
                 _FLOW_CONTROL,
             ),
         ),
-        subscribe=SubjectRules(allow=(f"{S.PREFIX}.gossip.limits", f"{inbox_prefix(ROUTER)}.>")),
+        subscribe=SubjectRules(
+            allow=(
+                f"{S.PREFIX}.gossip.limits",
+                f"{S.TELEMETRY_ROOT}.node.*",  # services/router/app.py: the engines' load, to route on
+                f"{inbox_prefix(ROUTER)}.>",
+            )
+        ),
     )
 
 

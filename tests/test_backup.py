@@ -16,20 +16,24 @@ import nats
 import nats.js.errors
 import pytest
 from click.testing import CliRunner
+from prometheus_client import CollectorRegistry
 
 from llmgw.cli.main import main as cli_main
 from llmgw.cli.runtime import projections
 from llmgw.events import backup as B
+from llmgw.events import nats_permissions as NP
 from llmgw.events.catalog import default_registry
 from llmgw.events.secrets import engine_key_secret, signing_secret
 from llmgw.events.store import EventStore
 from llmgw.events.usage import UsageRecord
 from llmgw.projections.backends import open_backend
 from llmgw.projections.rebuild import rebuild
+from llmgw.services.backup.service import BackupService, due_in, newest
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
-from tests.support import NatsServer, nats_server
+from tests.support import NatsServer, nats_server, wait_until
 from tests.test_gateway import FAST_ROUTER, GATEWAY, client, make_key, make_tenant
+from tests.test_nats_permissions import roles, secured  # noqa: F401 - fixtures: a server with every role's user
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -309,3 +313,67 @@ def test_the_every_option_reads_units_and_refuses_what_is_not_an_interval() -> N
     assert parse_every("90s") == 90 and parse_every("30m") == 1800 and parse_every("24h") == 86400
     with pytest.raises(Exception, match="no interval"):
         parse_every("daily")
+
+
+# -- the backup service ----------------------------------------------------------------------
+
+
+async def test_the_backup_service_backs_up_as_the_control_plane_and_publishes_when_it_last_succeeded(
+    roles,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+) -> None:
+    stores, probes = roles
+    registry = CollectorRegistry()
+    service = BackupService(stores[NP.CONTROL], tmp_path / "backups", every_s=3600, keep=3, registry=registry)
+    task = asyncio.create_task(service.run())
+    try:
+        await wait_until(lambda: service.last is not None, what="the first backup")
+    finally:
+        service.stop()
+        await task
+    assert service.last is not None
+    names = {s.name for s in B.read_manifest(Path(service.last.path)).streams}
+    assert {"LLMGW_EVENTS", "KV_llmgw_secrets", "KV_llmgw_control_secrets"} <= names
+    at = registry.get_sample_value("llmgw_backup_last_success_timestamp_seconds")
+    assert at == dt.datetime.fromisoformat(service.last.manifest.created_at).timestamp()
+    assert registry.get_sample_value("llmgw_backup_last_size_bytes") == service.last.size
+    assert registry.get_sample_value("llmgw_backup_interval_seconds") == 3600
+
+    # The control plane may back up, never restore: replacing the log is the operator's.
+    await probes[NP.CONTROL].publish_refused("$JS.SNAPSHOT.RESTORE.LLMGW_EVENTS.x")
+
+
+async def test_a_restarted_backup_service_takes_the_newest_archive_as_its_last_success(
+    store: EventStore, tmp_path: Path
+) -> None:
+    out = tmp_path / "backups"
+    taken = dt.datetime(2026, 12, 1, 6, tzinfo=dt.UTC)
+    await B.backup(store.nc, out, now=taken)
+    now = taken + dt.timedelta(hours=1)
+    registry = CollectorRegistry()
+    service = BackupService(store, out, every_s=86400, registry=registry, clock=lambda: now)
+    task = asyncio.create_task(service.run())
+    await wait_until(
+        lambda: registry.get_sample_value("llmgw_backup_last_success_timestamp_seconds") == taken.timestamp(),
+        what="the newest archive's time as the last success",
+    )
+    service.stop()
+    await task
+    assert service.last is None  # not due for 23 hours: nothing written
+    assert len(os.listdir(out)) == 1
+
+
+@pytest.mark.parametrize(
+    ("last_h", "every_h", "due_h"),
+    [(None, 24, 0), (1, 24, 23), (30, 24, 0), (24, 24, 0)],
+)
+def test_a_backup_is_due_an_interval_after_the_newest(last_h, every_h, due_h) -> None:
+    now = dt.datetime(2026, 12, 2, tzinfo=dt.UTC)
+    last = None if last_h is None else now - dt.timedelta(hours=last_h)
+    assert due_in(last, now, every_h * 3600) == due_h * 3600
+
+
+def test_the_newest_archive_is_read_from_the_names() -> None:
+    names = [B.archive_name(dt.datetime(2026, 12, d, tzinfo=dt.UTC)) for d in (3, 1, 2)] + ["notes.txt"]
+    assert newest(names) == dt.datetime(2026, 12, 3, tzinfo=dt.UTC)
+    assert newest(["notes.txt"]) is None

@@ -17,6 +17,7 @@ from llmgw.events import nodes as N
 from llmgw.events.metrics import StoreMetrics
 from llmgw.events.pki import CertificateExpiry
 from llmgw.projections.metrics import ProjectionMetrics
+from llmgw.services.backup.service import BackupMetrics
 from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, pool_loads
 from llmgw.services.scheduler.metrics import NODE_SERIES, FleetCollector, fleet_figures, node_samples
 from llmgw.services.scheduler.reconcile import Blocked
@@ -80,6 +81,7 @@ def published_series() -> set[str]:
     ProjectionMetrics(registry)
     CertificateExpiry(registry)
     RouterMetrics(registry)
+    BackupMetrics(registry)
     registry.register(PoolSaturation(lambda: [("chat", 0.5)]))
     registry.register(FleetCollector("sched-a", ClusterState, lambda: True, list, CFG))
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
@@ -94,6 +96,7 @@ def test_every_series_an_alert_reads_is_one_the_system_publishes() -> None:
     assert {"ControlPlaneLeadership", "NodeLost", "ProjectionLagging", "PoolSaturated"} <= names
     assert {"CertificateExpiresSoon", "CertificateExpiresVerySoon"} <= names
     assert {"ModelPreempted"} <= names
+    assert {"BackupTooOld"} <= names
     for rule in rules:
         used = set(re.findall(r"\bllmgw_[a-z_]+", rule["expr"]))
         assert used, f"{rule['alert']} reads no llmgw series"
