@@ -50,6 +50,7 @@ from llmgw.services.router.proxy import Upstream, engine_refusal
 from llmgw.services.router.queue import PROJECT_FULL, ClientLeft, Gate, QueueRefused
 from llmgw.services.router.routing import Affinity, EngineLoad, order, prefix_key
 from llmgw.services.router.state import SNAPSHOT_NAME, SNAPSHOT_VERSION, KeyInfo, ModelInfo, ReplicaInfo, RouterState
+from llmgw.services.router.tracing import Tracing
 from llmgw.services.router.usage import StopReport, UsageConfig, UsagePublisher
 from llmgw.services.router.usage_record import Call, call_cost, usage_record
 from llmgw.services.router.validation import Invalid, RequestLimits, check_body, check_depth, prompt_text
@@ -65,6 +66,19 @@ _dec = msgspec.json.Decoder()
 _enc = msgspec.json.Encoder()
 DEMAND_ROOT = f"{S.PREFIX}.demand"
 DEMAND_EVERY_S = 1.0  # how often a held request says again that its model is wanted
+
+
+def _span_attributes(call: Call) -> dict[str, Any]:
+    """What a request's span says once it is answered (None values are left out)."""
+    return {
+        "llmgw.model": call.model.name if call.model is not None else None,
+        "llmgw.project_id": call.key.project_id if call.key is not None else None,
+        "llmgw.replica": call.replica.replica_id if call.replica is not None else None,
+        "llmgw.tokens_in": call.tokens_in or None,
+        "llmgw.tokens_out": call.tokens_out or None,
+        "llmgw.queue_s": call.queue_s or None,
+        "llmgw.error": call.error or None,
+    }
 
 
 def _client_request_id(request: web.Request) -> str | None:
@@ -120,6 +134,13 @@ class Router:
         )
         self.budgets = BudgetBook(store.js, clock=clock)
         self.upstream = Upstream(self.cfg, self.metrics)
+        self.tracing = Tracing(
+            self.cfg.trace_endpoint,
+            self.cfg.trace_sample_ratio,
+            instance=self.instance,
+            export_delay_s=self.cfg.trace_export_delay_s,
+        )
+        self.upstream.tracing = self.tracing
         self.outstanding = self.upstream.outstanding  # replica id -> requests in flight there
         # replica id -> what its engine last reported (requests waiting, KV usage): routing prefers the
         # least loaded by it (GW-6). Empty until the agents' heartbeats carry it; then routing is by
@@ -225,6 +246,7 @@ class Router:
             self.snapshotter.close()
         report = await self.usage.stop()
         await self.upstream.close()
+        await asyncio.to_thread(self.tracing.shutdown)  # the last spans sent (bounded by the exporter's timeout)
         return report
 
     # -- the app -----------------------------------------------------------------------------
@@ -335,14 +357,18 @@ class Router:
             endpoint=endpoint,
         )
         bound = log_context.bind(("request_id", call.request_id), ("client_request_id", call.client_request_id or ""))
+        traced = self.tracing.start_request(
+            request.headers, f"{request.method} {endpoint}", {"llmgw.request_id": call.request_id}
+        )
         try:
             # The key before the body: without one nothing is read, so a stranger learns no more than
             # 401 (not which body would be too large or malformed) and costs no body's read.
-            key = self._authenticate(request)
-            body, raw = await self._body(request, endpoint)
-            prompt = prompt_text(body, endpoint)
-            limit_headers = self._admit(call, key, body, prompt)
-            await self._reserve(call, body)
+            with self.tracing.span("admission"):
+                key = self._authenticate(request)
+                body, raw = await self._body(request, endpoint)
+                prompt = prompt_text(body, endpoint)
+                limit_headers = self._admit(call, key, body, prompt)
+                await self._reserve(call, body)
             return await self._route(request, call, body, raw, prompt, limit_headers)
         except ApiError as exc:
             call.status, call.error = exc.status, exc.message
@@ -363,6 +389,8 @@ class Router:
             ).response(call.request_id, call.client_request_id)
         finally:
             await self._finish(call)
+            if traced is not None:
+                self.tracing.end_request(traced, call.status, _span_attributes(call))
             log_context.unbind(bound)
 
     async def _body(self, request: web.Request, endpoint: str) -> tuple[dict[str, Any], bytes]:
@@ -542,7 +570,8 @@ class Router:
             return transport is None or transport.is_closing()
 
         try:
-            call.queue_s += await self.gate.wait(model.name, call.key.project_id, gone)
+            with self.tracing.span("queue wait", **{"llmgw.model": model.name}):
+                call.queue_s += await self.gate.wait(model.name, call.key.project_id, gone)
         except QueueRefused as exc:
             call.tokens_in = 0  # it never reached an engine: nothing to count against token limits
             raise self._queue_refusal(call, model, exc) from exc
@@ -596,7 +625,8 @@ class Router:
         key = call.key
         record = usage_record(call, self.state.scopes_of(key) if key else [], total, self.instance)
         if key is not None and call.billed:
-            self.usage.put(record)  # unauthenticated noise is logged, not billed
+            with self.tracing.span("usage publish"):
+                self.usage.put(record)  # unauthenticated noise is logged, not billed
         access_log.info(
             "request",
             request_id=call.request_id,

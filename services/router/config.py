@@ -35,3 +35,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     usage_journal: str | None = None
     usage_memory_records: int = 10_000  # held in memory before they go to the journal
     usage_ack_timeout_s: float = 5.0  # a usage record not acknowledged within this is retried
+    # Traces (GW-9): OTLP/HTTP spans of each request to this collector URL (http://host:4318/v1/traces);
+    # None: off. A trace a client did not start is kept at this ratio (1: every one, 0: off).
+    trace_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
+    trace_export_delay_s: float = 2.0  # spans are batched and sent at most this long after they end

@@ -22,6 +22,7 @@ from llmgw.services.router.config import RouterConfig
 from llmgw.services.router.errors import ApiError, id_headers
 from llmgw.services.router.metrics import RouterMetrics
 from llmgw.services.router.state import ReplicaInfo
+from llmgw.services.router.tracing import Tracing
 from llmgw.services.router.usage_record import Call
 
 _dec = msgspec.json.Decoder()
@@ -43,6 +44,7 @@ class Upstream:
         self.metrics = metrics
         self.outstanding: dict[str, int] = {}  # replica id -> requests in flight there
         self.on_release: Callable[[str], None] | None = None  # told the model whenever a request leaves a replica
+        self.tracing = Tracing(None)  # the router's own replaces this (off until then)
         self.secret = b""
         self._engine_auth: dict[str, str] = {}  # replica id -> its engine's Authorization header
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_s)
@@ -87,10 +89,13 @@ class Upstream:
             if n:
                 self.metrics.retries_of(model.name).inc()
             call.replica = replica
-            try:
-                return await self.send(request, call, replica, payload, limit_headers, fresh=n > 0), None
-            except RetryElsewhere as exc:
-                last = ApiError(502, f"replica {replica.replica_id} of {model.name} failed: {exc}", "engine_error")
+            with self.tracing.attempt(replica.replica_id, n + 1, model.name) as span:
+                try:
+                    return await self.send(request, call, replica, payload, limit_headers, fresh=n > 0), None
+                except RetryElsewhere as exc:
+                    last = ApiError(502, f"replica {replica.replica_id} of {model.name} failed: {exc}", "engine_error")
+                    if span is not None:
+                        span.set_attribute("llmgw.retry_elsewhere", str(exc))
         return None, last
 
     async def send(
@@ -109,6 +114,7 @@ class Upstream:
             "Content-Type": "application/json",
             "X-Request-Id": call.request_id,
         }
+        self.tracing.inject(headers)  # the engine joins the request's trace (traceparent)
         self.outstanding[rid] = self.outstanding.get(rid, 0) + 1
         gauge = self.metrics.in_flight_of(replica.model, rid)
         gauge.inc()
