@@ -230,6 +230,11 @@ async def test_a_router_folds_the_log_and_publishes_usage_gossip_and_demand_but_
     await router.nc.publish(f"{S.PREFIX}.gossip.limits", b"g")
     assert (await gossip.next_msg(timeout=10)).data == b"g"
     await router.nc.publish(f"{S.PREFIX}.demand.m", b"")
+    # The agents' heartbeats, for the engines' load it routes on.
+    beats = await router.nc.subscribe(f"{S.TELEMETRY_ROOT}.node.*", max_msgs=1)
+    await router.nc.flush()
+    await stores[NP.agent_user("a")].nc.publish(f"{S.TELEMETRY_ROOT}.node.a", b"hb")
+    assert (await beats.next_msg(timeout=10)).data == b"hb"
 
     probe = probes[NP.ROUTER]
     for subject in (

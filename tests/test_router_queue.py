@@ -4,11 +4,15 @@ waiting (slots granted as they free, deadlines, departed clients, cancelled hand
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmgw.events import models as M
+from llmgw.events import nodes as N
+from llmgw.services.router.app import Router, RouterConfig
 from llmgw.services.router.queue import (
     FULL,
     PROJECT_FULL,
@@ -20,6 +24,9 @@ from llmgw.services.router.queue import (
     Waiter,
     retry_after_s,
 )
+from llmgw.services.router.routing import ENGINE_STALE_S, EngineLoad, engine_loads, order, slots_of
+from llmgw.services.router.state import ReplicaInfo
+from llmgw.services.router.state import slots_of as slots_of_profile
 from tests.support import wait_until
 
 
@@ -268,3 +275,77 @@ async def test_a_new_replica_lets_waiting_requests_go_without_a_slot_freeing() -
     slots.slots = 2  # a second replica became ready
     await waiting
     assert gate.granted == {"m": 1}
+
+
+def _r(rid: str, slots: int | None = None) -> ReplicaInfo:
+    return ReplicaInfo(replica_id=rid, model="m", node_id="n", state="ready", url=f"http://{rid}", slots=slots)
+
+
+@pytest.mark.parametrize(
+    ("outstanding", "engines", "preferred", "expected"),
+    [
+        # No engine reports: this router's own in-flight counts, as before.
+        ({"a": 1, "b": 0}, {}, None, ["b", "a"]),
+        # b's engine holds 3 waiting from other routers: a, with one of ours in flight, is less loaded.
+        ({"a": 1, "b": 0}, {"b": EngineLoad(waiting=3)}, None, ["a", "b"]),
+        # Equal load: the engine with less of its KV cache in use first.
+        ({}, {"a": EngineLoad(kv_usage=0.9), "b": EngineLoad(kv_usage=0.2)}, None, ["b", "a"]),
+        # An engine its agent cannot reach goes last and loses its prefix, however idle it looks.
+        ({"b": 3}, {"a": EngineLoad(unreachable=True)}, "a", ["b", "a"]),
+        # The prefix's replica keeps it below its slots as its engine reports them (8, not the default 4).
+        ({"a": 5, "b": 0}, {"a": EngineLoad(slots=8)}, "a", ["a", "b"]),
+        ({"a": 8, "b": 0}, {"a": EngineLoad(slots=8)}, "a", ["b", "a"]),
+    ],
+)
+def test_replicas_are_ranked_by_what_their_engines_report_where_they_report_it(
+    outstanding: dict[str, int], engines: dict[str, EngineLoad], preferred: str | None, expected: list[str]
+) -> None:
+    for seed in (0, 1, 65535):
+        ranked = order([_r("a"), _r("b")], outstanding, preferred, 4, seed, engines)
+        assert [r.replica_id for r in ranked] == expected
+
+
+def test_a_replicas_slots_are_its_engines_report_else_its_profiles_else_the_default() -> None:
+    assert slots_of(_r("a", 2), {"a": EngineLoad(slots=6)}, 4) == 6
+    assert slots_of(_r("a", 2), {"a": EngineLoad(waiting=1)}, 4) == 2
+    assert slots_of(_r("a"), {}, 4) == 4
+    placed = M.Profile(engine="vllm")
+    assert slots_of_profile(placed) == 256, "vLLM batches hundreds: its default max_num_seqs"
+    assert slots_of_profile(M.Profile(parallel=3)) == 3 and slots_of_profile(M.Profile()) is None
+
+
+def _beat(node: str, *replicas: N.ReplicaReport) -> N.NodeHeartbeat:
+    now = datetime.now(UTC)
+    return N.NodeHeartbeat(
+        node_id=node, at=now, agent_version="t", agent_started_at=now, address="127.0.0.1", replicas=list(replicas)
+    )
+
+
+def _report(rid: str, **signals: object) -> N.ReplicaReport:
+    return N.ReplicaReport(replica_id=rid, model="m", pid=1, port=2, state="ready", **signals)  # type: ignore[arg-type]
+
+
+def test_a_heartbeat_gives_the_load_of_the_engines_that_report_one() -> None:
+    hb = _beat(
+        "n1",
+        _report("a", requests_waiting=2, kv_cache_usage=0.5, slots=4),
+        _report("b"),  # an older agent, or no scrape yet: nothing said
+        _report("c", unreachable=True, requests_waiting=9),
+    )
+    assert engine_loads(hb) == {
+        "a": EngineLoad(waiting=2, kv_usage=0.5, slots=4),
+        "c": EngineLoad(unreachable=True),
+    }
+
+
+class _Store:
+    js = nc = None
+
+
+def test_a_router_forgets_the_engine_loads_of_a_node_gone_silent() -> None:
+    router = Router(_Store(), RouterConfig())  # type: ignore[arg-type]
+    router.engines_seen(_beat("n1", _report("a", requests_waiting=1)), now=100.0)
+    router.engines_seen(_beat("n2", _report("b", requests_waiting=2)), now=110.0)
+    assert set(router.engines) == {"a", "b"}
+    router.engines_seen(_beat("n2", _report("b", requests_waiting=0)), now=100.0 + ENGINE_STALE_S + 1)
+    assert router.engines == {"b": EngineLoad(waiting=0)}, "n1 has said nothing for three heartbeats"

@@ -34,6 +34,7 @@ from llmgw.events import log_context
 from llmgw.events import subjects as S
 from llmgw.events.ids import new_id
 from llmgw.events.live_fold import FoldRegistry, LiveFold, health_body
+from llmgw.events.nodes import NodeHeartbeat
 from llmgw.events.secrets import engine_key_secret
 from llmgw.events.snapshots import EVERY_EVENTS, EVERY_S, Snapshotter, resume
 from llmgw.events.store import EventStore
@@ -48,7 +49,15 @@ from llmgw.services.router.limits import Limiter
 from llmgw.services.router.metrics import PoolSaturation, QueueDepth, RouterMetrics, UsageMetrics, pool_loads
 from llmgw.services.router.proxy import Upstream, engine_refusal
 from llmgw.services.router.queue import PROJECT_FULL, ClientLeft, Gate, QueueRefused
-from llmgw.services.router.routing import Affinity, EngineLoad, order, prefix_key
+from llmgw.services.router.routing import (
+    ENGINE_STALE_S,
+    Affinity,
+    EngineLoad,
+    engine_loads,
+    order,
+    prefix_key,
+    slots_of,
+)
 from llmgw.services.router.state import SNAPSHOT_NAME, SNAPSHOT_VERSION, KeyInfo, ModelInfo, ReplicaInfo, RouterState
 from llmgw.services.router.tracing import Tracing
 from llmgw.services.router.usage import StopReport, UsageConfig, UsagePublisher
@@ -142,10 +151,11 @@ class Router:
         )
         self.upstream.tracing = self.tracing
         self.outstanding = self.upstream.outstanding  # replica id -> requests in flight there
-        # replica id -> what its engine last reported (requests waiting, KV usage): routing prefers the
-        # least loaded by it (GW-6). Empty until the agents' heartbeats carry it; then routing is by
-        # this router's own in-flight counts alone.
+        # replica id -> what its engine last reported in its agent's heartbeat (requests waiting, KV
+        # usage, slots, unreachable): routing prefers the least loaded by it (GW-6); replicas without a
+        # report are weighed by this router's own in-flight count alone.
         self.engines: dict[str, EngineLoad] = {}
+        self._engines_by_node: dict[str, tuple[float, dict[str, EngineLoad]]] = {}
         self.gate = Gate(
             self._slot_load,
             self.cfg.queue_max_per_model,
@@ -182,11 +192,11 @@ class Router:
         ready = self.state.ready_by_model.get(model)
         if not ready:
             return 0, 0
-        out, sat = self.outstanding, self.cfg.saturation
+        out, sat, engines = self.outstanding, self.cfg.saturation, self.engines
         in_flight = slots = 0
         for rid, r in ready.items():
             in_flight += out.get(rid, 0)
-            slots += r.slots or sat
+            slots += slots_of(r, engines, sat)
         return in_flight, slots
 
     def _pool_loads(self) -> list[tuple[str, float]]:
@@ -204,12 +214,38 @@ class Router:
         await self._restore()
         self._tasks.append(asyncio.create_task(self.fold.run(), name="router-follow"))
         self._tasks.append(asyncio.create_task(self.gossip.run(), name="router-gossip"))
+        self._tasks.append(asyncio.create_task(self._follow_engines(), name="router-engines"))
         await self.gossip.subscribe()
         await asyncio.wait_for(self._caught_up.wait(), 60)
         # Start-up objects live as long as the process: keep them out of every collection, so the
         # collector only ever walks per-request garbage (LiteLLM's p99 was full collections).
         gc.collect()
         gc.freeze()
+
+    async def _follow_engines(self) -> None:
+        """The engines' load, from the agents' heartbeats (core NATS; a lost one is only a staler figure)."""
+        decoder = msgspec.json.Decoder(NodeHeartbeat)
+
+        async def on_msg(msg: Any) -> None:
+            try:
+                hb = decoder.decode(msg.data)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                return  # the scheduler logs heartbeats it cannot read; here one is just a staler figure
+            self.engines_seen(hb, time.monotonic())
+
+        sub = await self.store.nc.subscribe(f"{S.TELEMETRY_ROOT}.node.*", cb=on_msg)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def engines_seen(self, hb: NodeHeartbeat, now: float) -> None:
+        """Take one heartbeat's engine loads; nodes silent past ENGINE_STALE_S say nothing any more."""
+        self._engines_by_node[hb.node_id] = (now, engine_loads(hb))
+        fresh = {n: v for n, v in self._engines_by_node.items() if now - v[0] <= ENGINE_STALE_S}
+        self._engines_by_node = fresh
+        self.engines = {rid: e for _, loads in fresh.values() for rid, e in loads.items()}
 
     async def _restore(self) -> None:
         """Start from the newest snapshot (if one decodes at this schema) and set up the next ones."""

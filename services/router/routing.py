@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import msgspec
 
+from llmgw.events.nodes import NodeHeartbeat
 from llmgw.services.router.state import ReplicaInfo
 
 PREFIX_CHARS = 512
@@ -41,10 +42,37 @@ def _mix(x: int) -> int:
 
 class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
     """What a replica's engine last said of its load (from the agent's heartbeat): requests waiting in
-    the engine — other routers' too — and the share of its KV cache in use."""
+    the engine — other routers' too — the share of its KV cache in use, the slots it has, and whether
+    its agent could reach it at all."""
 
     waiting: int = 0
     kv_usage: float | None = None
+    slots: int | None = None
+    unreachable: bool = False
+
+
+ENGINE_STALE_S = 15.0  # three heartbeats: a node silent longer says nothing of its engines' load
+
+
+def engine_loads(hb: NodeHeartbeat) -> dict[str, EngineLoad]:
+    """Each ready engine's load as one heartbeat reports it; engines that report no signal are left out
+    (routing falls back to this router's own count for them)."""
+    out = {}
+    for r in hb.replicas:
+        if r.unreachable:
+            out[r.replica_id] = EngineLoad(unreachable=True)
+        elif r.requests_waiting is not None or r.kv_cache_usage is not None or r.slots is not None:
+            out[r.replica_id] = EngineLoad(
+                waiting=r.requests_waiting or 0, kv_usage=r.kv_cache_usage, slots=r.slots or None
+            )
+    return out
+
+
+def slots_of(r: ReplicaInfo, engines: Mapping[str, EngineLoad] | None, saturation: int) -> int:
+    """The requests a replica serves at once: what its engine reports, else its profile's ``parallel``,
+    else ``saturation``."""
+    e = engines.get(r.replica_id) if engines else None
+    return (e.slots if e is not None else None) or r.slots or saturation
 
 
 def order(
@@ -59,20 +87,24 @@ def order(
 
     A replica's slots are its profile's ``parallel`` (``saturation`` when unknown). Where ``engines``
     has a replica's report, the requests waiting in its engine add to its load and its KV usage
-    breaks ties; elsewhere the load is this router's requests in flight alone."""
+    breaks ties; elsewhere the load is this router's requests in flight alone. An engine its agent
+    cannot reach goes last (still tried: it may be the only one) and keeps no prefix."""
 
-    def load(r: ReplicaInfo) -> tuple[int, float, int]:
+    def load(r: ReplicaInfo) -> tuple[bool, int, float, int]:
         rid = r.replica_id
         e = engines.get(rid) if engines else None
         busy = outstanding.get(rid, 0)
         if e is None:
-            return busy, 0.0, _mix(hash(rid) + seed * _GOLDEN)
-        return busy + e.waiting, e.kv_usage or 0.0, _mix(hash(rid) + seed * _GOLDEN)
+            return False, busy, 0.0, _mix(hash(rid) + seed * _GOLDEN)
+        return e.unreachable, busy + e.waiting, e.kv_usage or 0.0, _mix(hash(rid) + seed * _GOLDEN)
 
     ranked = sorted(replicas, key=load)
     if preferred is not None:
         for i, r in enumerate(ranked):
-            if r.replica_id == preferred and outstanding.get(r.replica_id, 0) < (r.slots or saturation):
+            if r.replica_id != preferred:
+                continue
+            e = engines.get(r.replica_id) if engines else None
+            if outstanding.get(r.replica_id, 0) < slots_of(r, engines, saturation) and not (e and e.unreachable):
                 return [r, *ranked[:i], *ranked[i + 1 :]]
     return ranked
 

@@ -612,6 +612,32 @@ async def ab_cell(b: Bench, routers: dict[str, tuple[subprocess.Popen, Target]],
     return out
 
 
+def queue_fast_path_us(replicas: int, calls: int = 200_000) -> float:
+    """Microseconds the queue's check costs a request when nothing waits (``Gate.passes``: the ready
+    replicas' in-flight counts against their slots), in this process, for a model with ``replicas``."""
+    from llmgw.services.router.app import Router, RouterConfig
+    from llmgw.services.router.state import ReplicaInfo
+
+    class _Store:
+        js = nc = None
+
+    router = Router(_Store(), RouterConfig())  # type: ignore[arg-type]
+    ready = {
+        f"r{i}": ReplicaInfo(replica_id=f"r{i}", model="m", node_id="n", state="ready", url="http://x", slots=4)
+        for i in range(replicas)
+    }
+    router.state.ready_by_model["m"] = ready
+    router.outstanding.update({rid: 1 for rid in ready})
+    passes = router.gate.passes
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            passes("m")
+        best = min(best, time.perf_counter() - t0)
+    return 1e6 * best / calls
+
+
 async def bench_ab_queue(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The queue's cost when nothing waits: a router with it and one without, side by side."""
     scale = 0.2 if args.quick else 1.0
@@ -630,6 +656,12 @@ async def bench_ab_queue(args: argparse.Namespace) -> list[dict[str, Any]]:
                 await b.gateway_serves(target)
                 routers[name] = (proc, target)
             print(_machine())
+            fast = {n: queue_fast_path_us(n) for n in (1, 4, 16)}
+            print(
+                "the queue's check when nothing waits, in-process: "
+                + ", ".join(f"{us:.2f} µs with {n} replica{'s' if n > 1 else ''}" for n, us in fast.items()),
+                flush=True,
+            )
             print(
                 f"{'c':>3} {'stream':<6} {'p50 queue':>9} {'no queue':>9} {'Δ µs':>7} {'p99 queue':>9} "
                 f"{'no queue':>9} {'Δ µs':>7} {'CPU µs/req queue':>16} {'no queue':>9} {'Δ µs':>6} {'err':>5}",
