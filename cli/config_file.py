@@ -437,6 +437,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
     return raw
 
 
+_MISSING = object()
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -459,12 +460,18 @@ def _from_env(path: str, t: Any, text: str) -> Any:
         return text
 
 
-def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The settings the environment sets (each :func:`env_name` present), checked and nested."""
+def _under(path: str, keys: Mapping[str, str]) -> str | None:
+    """The key of ``keys`` that ``path`` is or lies under, if any."""
+    return next((k for k in keys if path == k or path.startswith(k + ".")), None)
+
+
+def from_env(environ: Mapping[str, str], ignored: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings the environment sets (each :func:`env_name` present), checked and nested; those
+    under a key of ``ignored`` are left out (a command that decides them itself)."""
     out: dict[str, Any] = {}
     for s in settings():
         name = env_name(s.path)
-        if name not in environ:
+        if name not in environ or _under(s.path, ignored or {}):
             continue
         value = _from_env(s.path, s.type, environ[name])
         why = _check_leaf(s.path, s.type, value)
@@ -507,12 +514,23 @@ def load(
     file: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
     flags: Mapping[str, Any] | None = None,
+    *,
+    base: Mapping[str, Any] | None = None,
+    not_here: Mapping[str, str] | None = None,
 ) -> Settings:
-    """The settings: ``flags`` (``{"router.total_s": 5}``) over ``environ`` over ``file`` over the defaults."""
-    layers = [read_file(file) if file else {}, from_env(environ or {})]
+    """The settings: ``flags`` (``{"router.total_s": 5}``) over ``environ`` over ``file`` over ``base``
+    (a command's own defaults) over the defaults. A key of ``not_here`` in the file is refused with its
+    reason (the command decides it itself); in the environment it is ignored."""
+    from_file = read_file(file) if file else {}
+    for path, why in (not_here or {}).items():
+        node: Any = from_file
+        for part in path.split("."):
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is not _MISSING:
+            raise ConfigError(f"{file}: {path}: {why}")
     given = nest(flags or {})
     check(given, "flags")
-    raw = merge(*layers, given)
+    raw = merge(nest(base or {}), from_file, from_env(environ or {}, not_here), given)
     try:
         return msgspec.convert(raw, Settings)
     except msgspec.ValidationError as exc:  # what the key-by-key check let through, in msgspec's words
@@ -533,6 +551,14 @@ def resolve(s: Settings, data_dir: Path, hub_token: str | None = None) -> Settin
             s.router, usage_journal=s.router.usage_journal or str(data_dir / "usage-journal")
         ),
         hub=msgspec.structs.replace(s.hub, token=s.hub.token or hub_token),
+    )
+
+
+def snapshots_config(s: Settings) -> SnapshotsConfig:
+    return SnapshotsConfig(
+        every_events=s.snapshots.every_events,
+        every_s=s.snapshots.every_s,
+        replay_every_events=s.snapshots.replay_every_events,
     )
 
 
@@ -558,11 +584,7 @@ def server_config(s: Settings, **more: Any) -> ServerConfig:
         router=s.router,
         usage_retention_days=s.usage.retention_days,
         usage_prune_every_s=s.usage.prune_every_s,
-        snapshots=SnapshotsConfig(
-            every_events=s.snapshots.every_events,
-            every_s=s.snapshots.every_s,
-            replay_every_events=s.snapshots.replay_every_events,
-        ),
+        snapshots=snapshots_config(s),
         mirror_dir=s.mirror.dir,
         mirror_port=s.mirror.port or s.admin.port + 2,
         mirror_max_bytes=int(s.mirror.max_gb * 1e9) if s.mirror.max_gb else None,

@@ -49,7 +49,6 @@ from llmgw.events.commands import CommandError
 from llmgw.events.store import StoreError
 from llmgw.services.api.exposure import exposure_refusal
 from llmgw.services.mirror.hub import DEFAULT_HUB
-from llmgw.services.router.app import RouterConfig
 
 
 @click.group()
@@ -249,9 +248,43 @@ def _install_stop(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
+# `llmgw up`'s flags and the settings they set; and what `up` decides itself, refused in its config file.
+UP_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "host": ("gateway.host", str),
+    "port": ("gateway.port", int),
+    "admin_port": ("admin.port", int),
+    "admin_host": ("admin.host", str),
+    "insecure": ("admin.insecure", bool),
+    "catalog_file": ("catalog", str),
+    "log_level": ("log_level", str),
+    "mirror_port": ("mirror.port", int),
+    "mirror_max_gb": ("mirror.max_gb", float),
+    "hf_endpoint": ("hub.endpoint", str),
+    "hub_allow_private": ("hub.allow_private", bool),
+    "tls_cert": ("tls.cert", str),
+    "tls_key": ("tls.key", str),
+}
+UP_DECIDES = {
+    "nats": "`llmgw up` runs its own NATS server; this section is for `llmgw server`",
+    "db": "`llmgw up` keeps its projections in DATA_DIR/projections.db; db is for `llmgw server`",
+    "services": "`llmgw up` runs every service; services is for `llmgw server`",
+    "first_admin_dir": "`llmgw up` makes the first administrator in its data directory; this is for `llmgw server`",
+    "mirror.peer_of": "`llmgw up` runs the primary mirror; peers are `llmgw server`s",
+    "mirror.peer_name": "`llmgw up` runs the primary mirror; peers are `llmgw server`s",
+    "mirror.urls": "`llmgw up`'s jobs read its own mirror; mirror.urls is for `llmgw server`",
+}
+
+
 @main.command()
 @click.option(
     "--data-dir", "up_data_dir", help="Where the log and projections live ($LLMGW_DATA_DIR, else ~/.local/share/llmgw)."
+)
+@click.option(
+    "--config",
+    "config_file",
+    envvar="LLMGW_CONFIG",
+    help="Settings in a YAML file (ops/llmgw.yaml; docs/operations.md lists the keys); flags and "
+    "$LLMGW_<SECTION>_<KEY> win over it.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the gateway listens on.")
 @click.option("--port", default=8080, show_default=True, help="Gateway (OpenAI API) port.")
@@ -279,6 +312,7 @@ def _install_stop(stop: asyncio.Event) -> None:
 def up(
     ctx: click.Context,
     up_data_dir: str | None,
+    config_file: str | None,
     host: str,
     port: int,
     admin_port: int,
@@ -298,6 +332,27 @@ def up(
     tls_key: str | None,
 ) -> None:
     """Run everything on this machine: embedded NATS, SQLite projections, every service."""
+    try:
+        settings = config_file_mod.load(
+            config_file,
+            os.environ,
+            given_flags(ctx, UP_FLAGS),
+            base=flag_defaults(ctx, UP_FLAGS),
+            not_here=UP_DECIDES,
+        )
+    except config_file_mod.ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        ctx.exit(2)
+    host, port, admin_host, admin_port = (
+        settings.gateway.host,
+        settings.gateway.port,
+        settings.admin.host,
+        settings.admin.port,
+    )
+    insecure, tls_cert, tls_key = settings.admin.insecure, settings.tls.cert, settings.tls.key
+    mirror_port, mirror_max_gb = settings.mirror.port, settings.mirror.max_gb
+    hf_endpoint, hub_allow_private = settings.hub.endpoint, settings.hub.allow_private
+    catalog_file, log_level = settings.catalog, settings.log_level
     logs.configure(log_level)
     _refuse_exposed_admin(admin_host, admin_port, True, insecure, bool(tls_cert))
     _refuse_bad_certificate(tls_cert, tls_key)
@@ -335,17 +390,24 @@ def up(
         bootstrap_dir=str(data_dir),
         nats_url=natsd.url,
         db_dsn=f"sqlite:///{data_dir / 'projections.db'}",
-        router=RouterConfig(usage_journal=str(data_dir / "usage-journal")),
+        scheduler=settings.scheduler,
+        router=msgspec.structs.replace(
+            settings.router, usage_journal=settings.router.usage_journal or str(data_dir / "usage-journal")
+        ),
+        usage_retention_days=settings.usage.retention_days,
+        usage_prune_every_s=settings.usage.prune_every_s,
+        snapshots=config_file_mod.snapshots_config(settings),
+        jobs_source=settings.jobs.source,
         host=host,
         port=port,
         admin_host=admin_host,
         admin_port=admin_port,
         insecure=insecure,
-        mirror_dir=str(data_dir / "mirror"),
+        mirror_dir=settings.mirror.dir or str(data_dir / "mirror"),
         mirror_port=mirror_port or _port_or_another(host, admin_port + 2),
         mirror_max_bytes=int(mirror_max_gb * 1e9) if mirror_max_gb else None,
         hub_endpoint=hf_endpoint,
-        hub_token=_hub_token(),
+        hub_token=settings.hub.token or _hub_token(),
         hub_allow_private=hub_allow_private,
         tls_cert=tls_cert,
         tls_key=tls_key,
@@ -519,6 +581,17 @@ def given_flags(ctx: click.Context, flags: dict[str, tuple[str, Callable[[Any], 
     return out
 
 
+def flag_defaults(ctx: click.Context, flags: dict[str, tuple[str, Callable[[Any], Any]]]) -> dict[str, Any]:
+    """The command's own defaults for the settings its flags set (`up` listens on 127.0.0.1, `server` on
+    0.0.0.0): below the config file, the environment and the flags."""
+    out: dict[str, Any] = {}
+    for name, (path, convert) in flags.items():
+        value = ctx.params[name]
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT and value not in (None, ()):
+            out[path] = convert(value)
+    return out
+
+
 @main.command()
 @click.option(
     "--config",
@@ -619,7 +692,9 @@ def server(
     """Run services against an external NATS and PostgreSQL (the cluster shape)."""
     try:
         settings = config_file_mod.resolve(
-            config_file_mod.load(config_file, os.environ, given_flags(ctx, SERVER_FLAGS)),
+            config_file_mod.load(
+                config_file, os.environ, given_flags(ctx, SERVER_FLAGS), base=flag_defaults(ctx, SERVER_FLAGS)
+            ),
             default_data_dir(),
             hub_token=_hub_token(),
         )

@@ -9,6 +9,8 @@ import contextlib
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +18,9 @@ import pytest
 import yaml
 
 from llmgw.cli import config_file as C
-from llmgw.cli.runtime import serve
+from llmgw.cli.runtime import DEMO_KEY_FILE, serve
 from tests.support import NatsServer, free_port, wait_until
+from tests.up import Up
 
 ROOT = Path(__file__).resolve().parent.parent
 LLMGW = str(Path(sys.executable).parent / "llmgw")
@@ -229,3 +232,32 @@ def test_every_setting_has_an_environment_variable_that_sets_it() -> None:
     assert s.hub.allow_private is True
     assert s.hub.endpoint == "http://hub"
     assert s.nats.stream_replicas is None
+
+
+# -- `llmgw up --config FILE` ------------------------------------------------------------------------------
+
+
+def test_up_refuses_in_its_file_what_it_decides_itself_naming_the_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "nats: {url: nats://elsewhere:4222}\n")
+    done = run_cli("up", "--data-dir", str(tmp_path / "data"), "--config", str(path), "--no-agent", "--no-demo")
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"error: {path}: nats: `llmgw up` runs its own NATS server"), done.stderr
+    assert not (tmp_path / "data" / "nats").exists()  # refused before anything started
+
+
+def test_a_router_setting_in_ups_file_is_what_its_gateway_answers_with(tmp_path: Path) -> None:
+    path = write(tmp_path, "router: {max_body_bytes: 1000}\nsnapshots: {every_events: 0}\n")
+    u = Up(tmp_path / "data").start("--config", str(path), "--no-agent")
+    try:
+        key = (u.data_dir / DEMO_KEY_FILE).read_text().strip()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{u.port}/v1/chat/completions",
+            data=b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 2000 + b'"}]}',
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 413
+        assert "larger than 1000 bytes" in refused.value.read().decode()
+    finally:
+        u.stop()
