@@ -508,8 +508,7 @@ async def test_a_cluster_server_makes_its_first_administrator_where_it_is_told(
 ) -> None:
     from llmgw.cli.runtime import ServerConfig, serve
 
-    admin_dir = tmp_path / "first-admin"
-    admin_dir.mkdir()
+    admin_dir = tmp_path / "etc" / "first-admin"  # not there yet: the server makes it
     config = ServerConfig(
         nats_url=nats.url,
         db_dsn=f"sqlite:///{tmp_path / 'projections.db'}",

@@ -54,6 +54,8 @@ async def ensure_admin(store: EventStore, data_dir: Path, *, timeout: float = 15
     if token_file.exists():
         await _renew_unsigned(store, client, token_file, timeout)
         return False
+    # `--first-admin-dir` names a directory that need not exist yet (a fresh machine's /etc/llmgw/admin).
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     pending_password = data_dir / f"{PASSWORD_FILE}.pending"
     password, kept = _pending(pending_password, secrets.token_urlsafe(18))
     ours = True  # whether the admin's password is the one in this directory
