@@ -151,6 +151,8 @@ class Preemption(msgspec.Struct, kw_only=True):
     victims: list[tuple[str, str]]  # (replica id, victim kind)
     held_until: float  # epoch
     needed: bool
+    victim_models: list[str] = []
+    back_and_forth: bool = False  # its winner gave way to a victim's model within the hour before
     placed_t: float | None = None
     elsewhere: bool = False  # placed, but not on the node its victims left: they stopped for nothing
     wasted: str = ""  # why, once the hold ended with no winner placed
@@ -188,6 +190,7 @@ class Report(msgspec.Struct, kw_only=True):
     preemptions: int
     replicas_given_way: dict[str, int]
     needed: int
+    back_and_forth: int
     winners_placed: int
     placed_elsewhere: int
     wasted: int
@@ -417,6 +420,13 @@ class Churn:
             m = w.state.models.get(d.model)
             kind = "on-demand" if m is not None and m.min == 0 else d.capacity_class
             rec.victims += [(rid, kind) for rid in d.replicas]
+            # Back and forth: this winner gave way to this victim's model within the hour before.
+            if any(
+                back.winner == d.model and any(v == d.for_model for v in back.victim_models) and w.t - back.t <= 3600
+                for back in self.preemptions[-500:]
+            ):
+                rec.back_and_forth = True
+            rec.victim_models.append(d.model)
 
     def _check_winners(self) -> None:
         w = self.w
@@ -574,6 +584,7 @@ class Churn:
             preemptions=len(self.preemptions),
             replicas_given_way=dict(sorted(given.items())),
             needed=sum(rec.needed for rec in self.preemptions),
+            back_and_forth=sum(rec.back_and_forth for rec in self.preemptions),
             winners_placed=sum(rec.placed_t is not None for rec in self.preemptions),
             placed_elsewhere=sum(rec.elsewhere for rec in self.preemptions),
             wasted=sum(bool(rec.wasted) for rec in self.preemptions),
@@ -627,7 +638,8 @@ def render(r: Report) -> str:
         f"max {r.pass_max_ms:.1f} ms",
         f"  preemptions {r.preemptions} ({sum(r.replicas_given_way.values())} replicas given way: "
         + ", ".join(f"{k} {v}" for k, v in r.replicas_given_way.items())
-        + f"); needed {r.needed}; winner placed within the hold {r.winners_placed} "
+        + f"); needed {r.needed}; back and forth within the hour {r.back_and_forth}; "
+        f"winner placed within the hold {r.winners_placed} "
         f"({r.placed_elsewhere} on another node than the victims'); wasted {r.wasted}; "
         f"open at the end {r.open_at_end}",
     ]
