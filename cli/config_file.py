@@ -29,7 +29,7 @@ import msgspec
 import msgspec.inspect as mi
 import yaml
 
-from llmgw.cli.runtime import ALL_SERVICES, ServerConfig, SnapshotsConfig
+from llmgw.cli.runtime import ALL_SERVICES, ServerConfig, SignInConfig, SnapshotsConfig
 from llmgw.services.accountant.service import PRUNE_EVERY_S, RETENTION_DAYS
 from llmgw.services.mirror.hub import DEFAULT_HUB
 from llmgw.services.router.config import RouterConfig
@@ -135,6 +135,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     mirror: MirrorSettings = MirrorSettings()
     hub: HubSettings = HubSettings()
     jobs: JobsSettings = JobsSettings()
+    signin: SignInConfig = SignInConfig()
 
 
 # What the scheduler's and the router's structs take, where it is narrower than "a number ≥ 0" (their
@@ -165,6 +166,9 @@ BOUNDS: dict[str, tuple[str, float]] = {
     "router.queue_max_per_model": ("≥", 1),
     "router.queue_max_per_project": ("≥", 1),
     "router.queue_wait_s": (">", 0),
+    "signin.session_hours": (">", 0),
+    "signin.login_failures": ("≥", 1),
+    "signin.login_window_s": (">", 0),
 }
 
 # What a setting does, where its struct says nothing beside it (or says it for another reader).
@@ -188,6 +192,10 @@ DESCRIPTIONS: dict[str, str] = {
     "router.gossip_s": "how often each router tells the others what it admitted (limits)",
     "router.max_attempts": "the replicas a request is tried on before it is answered with an error",
     "router.body_s": "a request body that has not arrived within this is answered 408",
+    "signin.login_failures": "an address that fails this many logins within signin.login_window_s is blocked",
+    "signin.login_window_s": "the window in which an address's failed logins are counted",
+    "signin.login_block_s": "how long an address is first blocked; each further block lasts twice the one before",
+    "signin.login_max_block_s": "the longest an address is blocked",
 }
 
 # Environment variables whose names were chosen before this file existed.
@@ -585,6 +593,7 @@ def server_config(s: Settings, **more: Any) -> ServerConfig:
         usage_retention_days=s.usage.retention_days,
         usage_prune_every_s=s.usage.prune_every_s,
         snapshots=snapshots_config(s),
+        signin=s.signin,
         mirror_dir=s.mirror.dir,
         mirror_port=s.mirror.port or s.admin.port + 2,
         mirror_max_bytes=int(s.mirror.max_gb * 1e9) if s.mirror.max_gb else None,

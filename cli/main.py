@@ -397,6 +397,7 @@ def up(
         usage_retention_days=settings.usage.retention_days,
         usage_prune_every_s=settings.usage.prune_every_s,
         snapshots=config_file_mod.snapshots_config(settings),
+        signin=settings.signin,
         jobs_source=settings.jobs.source,
         host=host,
         port=port,

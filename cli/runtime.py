@@ -45,7 +45,7 @@ from llmgw.services.access.service import AccessService
 from llmgw.services.accountant.service import PRUNE_EVERY_S, RETENTION_DAYS, AccountantService
 from llmgw.services.api.app import AdminApi
 from llmgw.services.api.exposure import exposure_refusal
-from llmgw.services.api.signin import SignIn
+from llmgw.services.api.signin import SESSION_HOURS, SignIn
 from llmgw.services.backup import service as backup_service
 from llmgw.services.catalog.service import CatalogService
 from llmgw.services.fleet.service import FleetService
@@ -55,6 +55,7 @@ from llmgw.services.mirror.service import MirrorConfig, MirrorService
 from llmgw.services.people.bootstrap import PASSWORD_FILE as ADMIN_PASSWORD_FILE
 from llmgw.services.people.bootstrap import ensure_admin
 from llmgw.services.people.service import PeopleService
+from llmgw.services.people.throttle import LoginThrottle
 from llmgw.services.router.app import Router, RouterConfig
 from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
 from llmgw.services.scheduler.service import SchedulerService
@@ -88,6 +89,26 @@ class SnapshotsConfig(msgspec.Struct, frozen=True, kw_only=True):
     replay_every_events: int = REPLAY_EVERY_EVENTS  # the replayed projections' tables (`events replay`)
 
 
+class SignInConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The admin API's sign-in (docs/people.md): how long a session lasts, and how logins are throttled."""
+
+    session_hours: float = SESSION_HOURS  # how long the session token `llmgw login` gets lasts
+    # An address with this many failed logins within login_window_s is blocked for login_block_s,
+    # doubled with each block after it, up to login_max_block_s (services/people/throttle.py).
+    login_failures: int = 5
+    login_window_s: float = 300.0
+    login_block_s: float = 60.0
+    login_max_block_s: float = 3600.0
+
+    def throttle(self) -> LoginThrottle:
+        return LoginThrottle(
+            failures=self.login_failures,
+            window_s=self.login_window_s,
+            block_s=self.login_block_s,
+            max_block_s=self.login_max_block_s,
+        )
+
+
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str
     db_dsn: str
@@ -107,6 +128,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     usage_retention_days: float = RETENTION_DAYS  # requests and rollups older than this are deleted
     usage_prune_every_s: float = PRUNE_EVERY_S  # how often the accountant deletes them
     snapshots: SnapshotsConfig = SnapshotsConfig()
+    signin: SignInConfig = SignInConfig()
     router: RouterConfig = RouterConfig()
     mirror_dir: str | None = None  # where the mirror keeps MODEL/VERSION/FILE; needed when it runs here
     mirror_port: int = 8083  # its file server
@@ -341,7 +363,10 @@ async def serve(
         api = AdminApi(store, backend, runner, registry)
         api.folds = folds
         if "api" in config.services:
-            api.signin = signin = SignIn(store, folds=folds)
+            api.signin = signin = SignIn(
+                store, folds=folds, throttle=config.signin.throttle(), session_hours=config.signin.session_hours
+            )
+            handles["signin"] = signin
             signin.start()
         admin_app = api.app(full="api" in config.services)
         sites.append(await _site(admin_app, config.admin_host, config.admin_port, tls.https))

@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from llmgw.cli import config_file as C
-from llmgw.cli.runtime import DEMO_KEY_FILE, serve
+from llmgw.cli.runtime import DEMO_KEY_FILE, SignInConfig, serve
+from llmgw.services.people.throttle import LoginThrottle
 from tests.support import NatsServer, free_port, wait_until
 from tests.up import Up
 
@@ -166,13 +167,14 @@ async def test_the_files_settings_are_what_the_running_scheduler_router_and_acco
         f"""
 nats: {{url: "{nats.url}"}}
 db: "sqlite:///{tmp_path / "projections.db"}"
-services: [scheduler, router, accountant]
+services: [scheduler, router, accountant, api]
 gateway: {{host: 127.0.0.1, port: {free_port()}}}
 admin: {{port: {free_port()}}}
 scheduler: {{lost_after_s: 42, park_after: 3}}
 router: {{total_s: 123, first_token_s: 7}}
 usage: {{retention_days: 30, prune_every_s: 600}}
 snapshots: {{every_events: 1234, every_s: 99}}
+signin: {{session_hours: 2, login_failures: 3, login_block_s: 7}}
 """,
     )
     config = C.server_config(C.resolve(C.load(path), tmp_path))
@@ -180,13 +182,17 @@ snapshots: {{every_events: 1234, every_s: 99}}
     handles: dict[str, Any] = {}
     task = asyncio.create_task(serve(config, stop, handles=handles))
     try:
-        await wait_until(lambda: {"scheduler", "router", "accountant"} <= set(handles), what="the services to start")
+        await wait_until(
+            lambda: {"scheduler", "router", "accountant", "signin"} <= set(handles), what="the services to start"
+        )
         scheduler, router, accountant = handles["scheduler"], handles["router"], handles["accountant"]
         assert (scheduler.cfg.lost_after_s, scheduler.cfg.park_after) == (42, 3)
         assert (router.cfg.total_s, router.cfg.first_token_s) == (123, 7)
         assert router.cfg.usage_journal == str(tmp_path / "usage-journal")
         assert (accountant.retention_days, accountant.prune_every_s) == (30, 600)
         assert scheduler.snapshot_every == router.snapshot_every == (1234, 99)
+        signin = handles["signin"]
+        assert (signin.session_hours, signin.throttle.failures, signin.throttle.block_s) == (2, 3, 7)
     finally:
         stop.set()
         with contextlib.suppress(Exception):
@@ -261,3 +267,13 @@ def test_a_router_setting_in_ups_file_is_what_its_gateway_answers_with(tmp_path:
         assert "larger than 1000 bytes" in refused.value.read().decode()
     finally:
         u.stop()
+
+
+def test_the_sign_in_settings_default_to_what_the_login_throttle_did_before_they_were_settings() -> None:
+    before, now = LoginThrottle(), SignInConfig().throttle()
+    assert (now.failures, now.window_s, now.block_s, now.max_block_s) == (
+        before.failures,
+        before.window_s,
+        before.block_s,
+        before.max_block_s,
+    )

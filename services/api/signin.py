@@ -90,8 +90,10 @@ class SignIn:
         checker: PasswordChecker | None = None,
         throttle: LoginThrottle | None = None,
         clock: Callable[[], float] = time.time,
+        session_hours: float = SESSION_HOURS,
     ) -> None:
         self.store = store
+        self.session_hours = session_hours  # how long a login's session token lasts
         self.people = People()
         self.checker = checker or PasswordChecker()
         self.throttle = throttle or LoginThrottle()
@@ -160,7 +162,7 @@ class SignIn:
         if person.disabled:
             raise Refused(403, "user_disabled", f"user {person.name} is disabled" + _why(person.disabled_reason))
         self.throttle.succeeded(address)
-        expires = self.now() + timedelta(hours=SESSION_HOURS)
+        expires = self.now() + timedelta(hours=self.session_hours)
         token, issue = P.issue(person.name, "session", label=f"login from {address}", expires_at=expires)
         prefix = issue.prefix
         try:
