@@ -124,7 +124,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     catalog: str | None = None  # models declared in a YAML file (edited there, not at runtime)
     # Make the cluster's first administrator here the first time (user admin, DIR/admin-password, DIR/admin-token).
     first_admin_dir: str | None = None
-    log_level: Literal["debug", "info", "warning", "error"] = "info"  # the least severe log line written
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"  # the least severe log line written
     gateway: GatewaySettings = GatewaySettings()
     admin: AdminSettings = AdminSettings()
     tls: TlsSettings = TlsSettings()
@@ -455,7 +455,9 @@ def _from_env(path: str, t: Any, text: str) -> Any:
     inner = _unwrap(t)
     if isinstance(t, mi.UnionType) and text == "":
         return None
-    if isinstance(inner, mi.StrType | mi.LiteralType):
+    if isinstance(inner, mi.LiteralType):
+        return text.lower() if text.lower() in inner.values else text  # LLMGW_LOG_LEVEL=DEBUG
+    if isinstance(inner, mi.StrType):
         return text
     if isinstance(inner, mi.BoolType):
         low = text.strip().lower()
