@@ -200,6 +200,9 @@ class PurgeFailed(msgspec.Struct, frozen=True, kw_only=True):
 PURGE_EVENTS = (PurgeStarted, PurgeFileRemoved, PurgeFinished, PurgeFailed)
 
 
+GAVE_WAY_KEPT = 16  # a model's recent preemptions a fold keeps (holds last 5 minutes: more is history)
+
+
 class ModelStatus(msgspec.Struct, kw_only=True):
     """A model as every reader of the catalog folds it: the scheduler, the routers and the catalog
     service add what only they need around this, so the lifecycle is decided in one place."""
@@ -212,6 +215,9 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     saved: tuple[int, int] | None = None  # the scaling a stop keeps for the start
     parked: str | None = None
     preempted: ModelPreempted | None = None  # the last time it gave way (SCHED-7)
+    # Its recent preemptions, newest last: one pass may make a model give way to several winners, and
+    # each one's hold and earmark last until that winner is placed (at most GAVE_WAY_KEPT kept).
+    gave_way: list[ModelPreempted] = []
     preemptions: int = 0  # replicas it has given way, over its life
     autoscaled: int = 0  # replicas the load holds above the minimum (SCHED-9)
     autoscaled_at: float | None = None  # epoch of the last autoscaling step
@@ -256,6 +262,10 @@ class ModelStatusView:
     def preempted(self) -> ModelPreempted | None:
         return self.status.preempted
 
+    @property
+    def gave_way(self) -> list[ModelPreempted]:
+        return self.status.gave_way
+
 
 MODEL_EVENTS = (
     ModelAdded,
@@ -295,7 +305,10 @@ def fold_model(status: ModelStatus | None, payload: msgspec.Struct) -> ModelStat
             return msgspec.structs.replace(status, parked=None)
         case ModelPreempted():
             return msgspec.structs.replace(
-                status, preempted=payload, preemptions=status.preemptions + len(payload.replicas)
+                status,
+                preempted=payload,
+                gave_way=[*status.gave_way[-(GAVE_WAY_KEPT - 1) :], payload],
+                preemptions=status.preemptions + len(payload.replicas),
             )
         case ModelAutoscaled():
             return msgspec.structs.replace(status, autoscaled=payload.added, autoscaled_at=payload.at)
@@ -322,8 +335,7 @@ EVENTS = (
         "model.autoscaled",
         1,
         ModelAutoscaled,
-        "The scheduler added or removed a replica of the model with its load (between min and max), "
-        "saying which load.",
+        "The scheduler added or removed a replica of the model with its load (between min and max), saying which load.",
     ),
     EventType(
         "model.purge_started",

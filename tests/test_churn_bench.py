@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from functools import cache
 
-import pytest
-
 from tests.bench.churn import Params, Report, simulate
 
 # The causes under which a tenant is below its guarantee because preemption is giving it room: the
@@ -30,22 +28,11 @@ def test_the_hour_has_preemptions_and_every_one_was_needed() -> None:
     assert r.needed == r.preemptions, "a preemption whose winner would have been placed without it"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the room a preemption makes goes to a model that sorts before its winner "
-    "(tests/test_preemption_churn.py): the winner is not placed and preempts again",
-)
 def test_every_preemptions_winner_is_placed_within_its_hold() -> None:
     r = hour()
     assert r.wasted == 0, r.wasted_why[:5]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a tenant waits below its guarantee while its model is held back after giving way to a winner that "
-    "never got the room (tests/test_preemption_churn.py), and while only replicas under 5 minutes old could "
-    "give way",
-)
 def test_no_tenant_with_enough_capacity_is_below_its_guarantee_but_while_preemption_makes_it_room() -> None:
     r = hour()
     beyond = {

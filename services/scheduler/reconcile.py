@@ -162,9 +162,7 @@ class Preempt(msgspec.Struct, frozen=True, kw_only=True):
 
 Autoscale = AS.Autoscale
 
-Decision = (
-    RegisterNode | MarkLost | MarkReturned | Place | Stop | Fail | Park | Blocked | Waiting | Preempt | Autoscale
-)
+Decision = RegisterNode | MarkLost | MarkReturned | Place | Stop | Fail | Park | Blocked | Waiting | Preempt | Autoscale
 
 
 def backoff_s(failures: int, cfg: Config) -> float:
@@ -269,8 +267,9 @@ class _Pass:
     sees them — built once, on the first placement, then updated with each reservation the pass
     makes, so later placements count earlier ones and one pass never over-commits a node."""
 
-    def __init__(self, state: ClusterState) -> None:
+    def __init__(self, state: ClusterState, now: float = 0.0) -> None:
         self.state = state
+        self.now = now  # epoch seconds: which preemption holds still last
         self.failed_now: set[str] = set()
         self.lost_now: set[str] = set()
         self.draining_nodes = {n.id for n in state.nodes.values() if n.draining}
@@ -281,6 +280,7 @@ class _Pass:
         self._sides: dict[str, PRE.ModelSide | None] = {}
         self._guarantees: tuple[dict[str, str], set[str]] | None = None
         self._gave_way: dict[str, list[M.ModelPreempted]] | None = None
+        self._earmarks: dict[str, str] | None = None
         self._quota: Ledger | None = None
 
     @property
@@ -302,7 +302,24 @@ class _Pass:
 
     def candidates(self, model: str) -> dict[str, Candidate]:
         view = self.view
-        return _for_model(view, self.state, model, self._weights)
+        cs = _for_model(view, self.state, model, self._weights)
+        for node_id, winner in self.earmarks().items():
+            # The room replicas gave up on a node is its winner's until it is placed (or the hold ends):
+            # without this, a model that comes earlier in the pass takes it and the winner preempts again.
+            if winner != model and node_id in cs and not cs[node_id].unusable:
+                why = f"held for {winner}: replicas gave way there for it"
+                cs[node_id] = msgspec.structs.replace(cs[node_id], unusable=why)
+        return cs
+
+    def earmarks(self) -> dict[str, str]:
+        """Node → the model replicas gave way there for, while that model is not placed and its hold lasts."""
+        if self._earmarks is None:
+            self._earmarks = {}
+            for m in self.state.models.values():
+                for pre in m.gave_way:
+                    if self.now < pre.held_until and not _winner_placed(self.state, pre):
+                        self._earmarks[pre.node_id] = pre.for_model
+        return self._earmarks
 
     def reserve(self, node_id: str, need: Need, gpus: list[int]) -> None:
         self.view[node_id] = reserve(self.view[node_id], need, gpus, model_replica=False)
@@ -355,14 +372,14 @@ class _Pass:
         if self._gave_way is None:
             self._gave_way = {}
             for m in self.state.models.values():
-                pre = m.preempted
-                if pre is not None and now < pre.held_until:
-                    self._gave_way.setdefault(pre.for_model, []).append(pre)
+                for pre in m.gave_way:
+                    if now < pre.held_until:
+                        self._gave_way.setdefault(pre.for_model, []).append(pre)
         return self._gave_way.get(model, [])
 
 
 def reconcile(state: ClusterState, clock: Clock, cfg: Config) -> list[Decision]:
-    p = _Pass(state)
+    p = _Pass(state, clock.epoch)
     decisions: list[Decision] = []
     decisions += _nodes(state, clock, cfg, p.failed_now)
     p.lost_now = {d.node_id for d in decisions if isinstance(d, MarkLost)}
@@ -456,9 +473,7 @@ def _model(
     replacements = [r for r in staying if r.id in surge]
     staying = [r for r in staying if r.id not in surge]
     # The load moves what the model holds between min and max, one step at a time (SCHED-9).
-    lower, upper, scaled = AS.adjust(
-        m, lower, upper, staying, state.load.get(m.name), clock, cfg, AS.measurement_of(m)
-    )
+    lower, upper, scaled = AS.adjust(m, lower, upper, staying, state.load.get(m.name), clock, cfg, AS.measurement_of(m))
     if scaled is not None:
         out.append(scaled)
     # A drain replaces first, then stops the old replica (FLEET-4): it waits for as many ready
@@ -578,19 +593,25 @@ def _model(
 def held_back(state: ClusterState, m: ModelState, clock: Clock) -> Waiting | None:
     """A model that gave way waits until the winner is placed or its hold ends, so that its replicas
     do not take back the room they just gave (SCHED-7)."""
-    pre = m.preempted
-    if pre is None or clock.epoch >= pre.held_until:
-        return None
-    if any(r.placed_at >= pre.at for r in state.replicas_of(pre.for_model)):
-        return None  # the winner is placed: the hold has done its work
+    holding = [pre for pre in m.gave_way if clock.epoch < pre.held_until and not _winner_placed(state, pre)]
+    if not holding:
+        return None  # every winner is placed (the holds did their work), or the holds ended
+    pre = max(holding, key=lambda pre: pre.held_until)
     return Waiting(model=m.name, until=pre.held_until, why=f"gave room to {pre.for_model}")
+
+
+def _winner_placed(state: ClusterState, pre: M.ModelPreempted) -> bool:
+    """Whether the model a preemption made room for has had a replica placed since (or is gone)."""
+    if pre.for_model not in state.models:
+        return True
+    return any(r.placed_at >= pre.at for r in state.replicas_of(pre.for_model))
 
 
 def try_preempt(state: ClusterState, m: ModelState, have: int, clock: Clock, cfg: Config) -> list[Decision]:
     """What a pass would decide, by preemption, for one more replica of ``m`` that fits nowhere (``ctl
     explain`` asks; the pass itself calls :func:`_preempt` with what it has built)."""
     order = profile_order(m.spec.profiles)
-    p = _Pass(state)
+    p = _Pass(state, clock.epoch)
     return _preempt(
         state, m, have, [(k, need_of(m.spec.profiles[k])) for k in order], p.candidates(m.name), m.name, clock, cfg, p
     )
