@@ -211,3 +211,12 @@ def test_model_autoscaled_is_a_fact_every_reader_folds_the_same() -> None:
     assert stopped is not None and stopped.autoscaled == 0, "a stop ends what the load added"
     wire = msgspec.json.encode(M.ModelAutoscaled(from_=1, to=2, added=1, reason="r", at=1.0))
     assert b'"from":1' in wire
+
+
+def test_the_metrics_say_what_the_load_added_and_the_engines_load() -> None:
+    from llmgw.services.scheduler.metrics import fleet_figures
+
+    w = world()
+    hold(w, 60, running=1, waiting=3)
+    [f] = fleet_figures(w.state, T0 + w.t, CFG, []).models
+    assert (f.desired, f.autoscaled, f.requests_running, f.requests_waiting) == (2, 1, 1, 3)

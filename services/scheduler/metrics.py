@@ -32,6 +32,9 @@ class ModelFigures(msgspec.Struct, frozen=True, kw_only=True):
     start_failures: int  # consecutive failed starts since the last ready replica or edit
     parked: bool
     unplaceable: bool  # the last pass found no node for a wanted replica
+    autoscaled: int = 0  # replicas its load holds above the minimum (SCHED-9)
+    requests_running: int | None = None  # its engines' load as the heartbeats last said
+    requests_waiting: int | None = None
 
 
 class FleetFigures(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,7 +48,10 @@ def fleet_figures(state: ClusterState, now_epoch: float, cfg: Config, blocked: I
     models = []
     for name, m in sorted(state.models.items()):
         ready = sum(1 for r in state.replicas_of(name) if r.state == "ready")
-        desired = 0 if m.stopped else wanted_replicas(m, state.demand.get(name), now_epoch, cfg)[0]
+        lower, upper = wanted_replicas(m, state.demand.get(name), now_epoch, cfg)
+        desired = 0 if m.stopped else min(lower + m.status.autoscaled, upper) if upper > lower else lower
+        load = state.load.get(name)
+        latest = load.samples[-1] if load is not None and load.samples else None
         models.append(
             ModelFigures(
                 model=name,
@@ -54,6 +60,9 @@ def fleet_figures(state: ClusterState, now_epoch: float, cfg: Config, blocked: I
                 start_failures=m.failures,
                 parked=m.parked is not None,
                 unplaceable=name in blocked,
+                autoscaled=m.status.autoscaled,
+                requests_running=latest.running if latest else None,
+                requests_waiting=latest.waiting if latest else None,
             )
         )
     nodes = dict.fromkeys(NODE_STATES, 0)
@@ -128,6 +137,9 @@ MODEL_SERIES = {
     "llmgw_model_start_failures": "Consecutive failed starts since the last ready replica",
     "llmgw_model_parked": "1 while the model is parked after failed starts",
     "llmgw_model_unplaceable": "1 while the last pass found no node for a replica the model wants",
+    "llmgw_model_replicas_autoscaled": "Replicas the model's load holds above its minimum (SCHED-9)",
+    "llmgw_model_requests_running": "Requests its ready engines run, as their metrics last said",
+    "llmgw_model_requests_waiting": "Requests waiting for a slot on its ready engines, as their metrics last said",
 }
 
 
@@ -169,8 +181,12 @@ class FleetCollector:
                 ("llmgw_model_start_failures", f.start_failures),
                 ("llmgw_model_parked", int(f.parked)),
                 ("llmgw_model_unplaceable", int(f.unplaceable)),
+                ("llmgw_model_replicas_autoscaled", f.autoscaled),
+                ("llmgw_model_requests_running", f.requests_running),
+                ("llmgw_model_requests_waiting", f.requests_waiting),
             ):
-                models[name].add_metric([f.model], float(value))
+                if value is not None:  # no engine has said its load: no series, never 0
+                    models[name].add_metric([f.model], float(value))
         yield from models.values()
         # Folded from the log (each model.preempted counts its replicas), so a new leader counts on
         # from where the last one stopped.
