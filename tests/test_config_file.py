@@ -21,7 +21,7 @@ from llmgw.cli import config_file as C
 from llmgw.cli.runtime import DEMO_KEY_FILE, SignInConfig, serve
 from llmgw.services.people.throttle import LoginThrottle
 from tests.support import NatsServer, free_port, wait_until
-from tests.up import Up
+from tests.up import Up, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 LLMGW = str(Path(sys.executable).parent / "llmgw")
@@ -277,3 +277,38 @@ def test_the_sign_in_settings_default_to_what_the_login_throttle_did_before_they
         before.block_s,
         before.max_block_s,
     )
+
+
+def test_a_server_given_only_a_file_connects_where_it_says_and_listens_on_its_ports(
+    nats: NatsServer, tmp_path: Path
+) -> None:
+    port, admin_port = free_port(), free_port()
+    path = write(
+        tmp_path,
+        f"""
+nats: {{url: "{nats.url}"}}
+db: "sqlite:///{tmp_path / "projections.db"}"
+services: [router]
+gateway: {{host: 127.0.0.1, port: {port}}}
+admin: {{port: {admin_port}}}
+router: {{usage_journal: "{tmp_path / "journal"}"}}
+""",
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("LLMGW_", "HF_"))}
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([LLMGW, "server", "--config", str(path)], env=clean, stdout=out, stderr=out)
+    try:
+
+        def healthy(p: int) -> bool:
+            assert proc.poll() is None, f"the server exited:\n{log.read_text()}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{p}/healthz", timeout=1) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(lambda: healthy(admin_port) and healthy(port), "the server to answer on the file's ports")
+    finally:
+        proc.terminate()
+        proc.wait(30)
