@@ -220,3 +220,10 @@ def test_the_metrics_say_what_the_load_added_and_the_engines_load() -> None:
     hold(w, 60, running=1, waiting=3)
     [f] = fleet_figures(w.state, T0 + w.t, CFG, []).models
     assert (f.desired, f.autoscaled, f.requests_running, f.requests_waiting) == (2, 1, 1, 3)
+
+
+def test_the_last_load_of_nodes_that_fell_silent_makes_no_step() -> None:
+    w = world()
+    hold(w, 50, running=1, waiting=3)
+    w.advance(40)  # no heartbeat since: what the engines said then is not the load now
+    assert not [s for s in (said(d) for d in w.run(CFG)) if s.startswith("autoscale")]

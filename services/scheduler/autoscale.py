@@ -161,7 +161,13 @@ def adjust(
             return lower, upper, step
         return lower, upper, None
     target = min(lower + added, upper)
-    if load is None or not load.samples or any(r.state != "ready" for r in live):
+    if (
+        load is None
+        or not load.samples
+        or load.seen_at is None
+        or clock.monotonic - load.seen_at > cfg.lost_after_s  # the engines' nodes fell silent: no signal
+        or any(r.state != "ready" for r in live)
+    ):
         return target, upper, None  # no signal yet, or a step (or a start) is still under way
     ready = len(live)
     offset = clock.epoch - clock.monotonic  # the step's epoch on this process's monotonic clock

@@ -22,6 +22,7 @@ from llmgw.events.subjects import aggregate_of
 from llmgw.services.scheduler.autoscale import LoadSample, ModelLoad, fold_load
 
 GiB = 1024**3
+LOAD_STALE_S = 30.0  # a node's share of a model's load counts this long after its last heartbeat
 
 
 def capacity_of(hb: N.NodeHeartbeat) -> N.NodeCapacity:
@@ -301,6 +302,8 @@ class ClusterState:
                 by_node[hb.node_id] = parts[model]
             else:
                 by_node.pop(hb.node_id, None)
+            for node_id in [i for i, part in by_node.items() if now - part.at > LOAD_STALE_S]:
+                del by_node[node_id]  # a node silent this long says nothing of the load now
             total = LoadSample(
                 at=now,
                 waiting=sum(s.waiting for s in by_node.values()),
