@@ -5,6 +5,8 @@ step is a ``model.autoscaled`` event a new leader folds."""
 from __future__ import annotations
 
 import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from llmgw.events import models as M
 from llmgw.events import nodes as N
@@ -227,3 +229,29 @@ def test_the_last_load_of_nodes_that_fell_silent_makes_no_step() -> None:
     hold(w, 50, running=1, waiting=3)
     w.advance(40)  # no heartbeat since: what the engines said then is not the load now
     assert not [s for s in (said(d) for d in w.run(CFG)) if s.startswith("autoscale")]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    bounds=st.tuples(st.integers(1, 3), st.integers(0, 3)),
+    loads=st.lists(st.tuples(st.integers(0, 12), st.integers(5, 400), st.booleans()), min_size=1, max_size=25),
+)
+def test_whatever_the_load_the_model_holds_between_min_and_max_one_step_at_a_time(
+    bounds: tuple[int, int], loads: list[tuple[int, int, bool]]
+) -> None:
+    lo, extra = bounds
+    w = world(min=lo, max=lo + extra, replicas=lo)
+    held = lo
+    for waiting, seconds, start_now in loads:
+        for line in hold(w, seconds, running=lo, waiting=waiting):
+            if not line.startswith("autoscale"):
+                continue
+            before, after = (int(x) for x in line.split(":")[0].split()[-3::2])
+            assert before == held and abs(after - before) == 1, line
+            assert lo <= after <= lo + extra, line
+            held = after
+            starting = [r for r in w.state.replicas_of("m") if r.active and r.state != "ready"]
+            assert len(starting) <= 1, "one step at a time"
+        if start_now:
+            make_ready(w)
+        assert w.state.models["m"].status.autoscaled == held - lo
