@@ -143,7 +143,10 @@ def _restore_embedded(archive: Path, manifest: B.Manifest, data_dir: Path, force
     """Restore into a nats-server of our own on ``data_dir``: the archive's NATS users are placed first,
     so the server starts with them (agents' credentials keep working)."""
     written, kept = B.restore_files(archive, manifest, data_dir, force)
-    server = EmbeddedNats(data_dir)
+    # Without a flush per write: a restore stores every message again, and one flush each would make it
+    # hours long. The server is stopped cleanly afterwards, which writes everything out; a crash in
+    # between means running the restore again.
+    server = EmbeddedNats(data_dir, durable=False)
     try:
         server.start()
     except NatsStartError as exc:

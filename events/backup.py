@@ -48,7 +48,16 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 SUFFIX = ".tar"
 PREFIX = "llmgw-backup-"
-CHUNK = 512 * 1024  # under nats-server's default max_payload (1 MiB): a restore chunk is a client publish
+CHUNK = 128 * 1024  # snapshot chunks the server sends (its default), and restore chunks we send
+# A restore stores every message again. A server that flushes each write (`sync_interval: always`)
+# does so hundreds of times a second, and gives up on a restore whose chunk it has not taken within
+# 5 s (one compressed block of the snapshot holds thousands of messages): what to say then.
+TOO_SLOW = (
+    "the server took more than 5 s to store part of {stream} and gave up: a nats-server that flushes every "
+    "write (sync_interval: always) restores too slowly. Restore into servers running without it, then set it "
+    "again and restart them one at a time (`llmgw restore --data-dir DIR` does this by itself); what it "
+    "stored of {stream} is left there: run the restore again with --force"
+)
 API_TIMEOUT_S = 30.0
 # What a restore needs from the data directory (`llmgw up`'s), relative to it: the CA and the
 # certificates it issued, the NATS users' passwords (agents keep theirs), the first administrator's
@@ -353,12 +362,17 @@ async def restore_stream(nc: NATS, entry: StreamEntry, chunks: Iterable[bytes], 
                 f"the server stopped taking {entry.name}'s snapshot (no ack in {API_TIMEOUT_S:.0f}s)"
             ) from exc
         if ack.data:
-            err = json.loads(ack.data).get("error") or {}
-            raise BackupError(f"the server refused {entry.name}'s snapshot: {err.get('description')}")
+            why = str((json.loads(ack.data).get("error") or {}).get("description"))
+            if "closed pipe" in why or "stalled" in why:
+                raise BackupError(TOO_SLOW.format(stream=entry.name))
+            raise BackupError(f"the server refused {entry.name}'s snapshot: {why}")
     done = await nc.request(deliver, b"", timeout=max(API_TIMEOUT_S, entry.size / 20e6))
     info = json.loads(done.data or b"{}")
     if info.get("error"):
-        raise BackupError(f"restoring {entry.name} failed: {info['error'].get('description')}")
+        why = str(info["error"].get("description"))
+        if "stalled" in why:
+            raise BackupError(TOO_SLOW.format(stream=entry.name))
+        raise BackupError(f"restoring {entry.name} failed: {why}")
     return info.get("stream_info") or {}
 
 
