@@ -546,7 +546,7 @@ def models(ctx: click.Context, as_json: bool) -> None:
             click.echo("no models yet: `llmgw ctl model add NAME --source FILE --memory-gb N`")
             return
         lines = table(
-            ["MODEL", "READY", "STARTING", "NODES", "CLASS", "OWNER", "STATUS"],
+            ["MODEL", "READY", "STARTING", "NODES", "CLASS", "OWNER", "MEASURED", "STATUS"],
             [
                 [
                     m["name"],
@@ -555,6 +555,7 @@ def models(ctx: click.Context, as_json: bool) -> None:
                     ",".join(m["nodes"]),
                     m.get("capacity_class") or "default",
                     m.get("owner") or "-",
+                    _measured_cell(m.get("measured") or []),
                     m["status"],
                 ]
                 for m in rows
@@ -565,6 +566,15 @@ def models(ctx: click.Context, as_json: bool) -> None:
             click.echo(line)
 
     run(ctx, go)
+
+
+def _measured_cell(measured: list[dict[str, Any]]) -> str:
+    """The newest measurement that counts (SCHED-10): "4 req, 120 tok/s" per replica; "-" without one."""
+    usable = [x for x in measured if not x.get("stale")]
+    if not usable:
+        return "stale (SLO changed)" if measured else "-"
+    x = usable[-1]
+    return f"{x['concurrency']} req, {x['tokens_per_s']:.0f} tok/s"
 
 
 @ctl.command("replicas")
@@ -621,6 +631,14 @@ def explain(ctx: click.Context, name: str, as_json: bool) -> None:
             click.echo(f"owner {body['owner']}, class {body.get('capacity_class', 'default')}")
         if body.get("owner_note"):
             click.echo(f"note: {body['owner_note']}")
+        if (auto := body.get("autoscaling")) is not None:  # SCHED-9
+            load = auto["load"]
+            now = (
+                "no engine has said its load yet"
+                if load is None
+                else f"{load['waiting']} waiting, {load['running']} running on {load['ready']} ready"
+            )
+            click.echo(f"autoscaling: {auto['added']} replica(s) added by load; now {now}")
         tried = body.get("profiles") or []
         for t in tried[:-1]:  # preferred profiles that fit nowhere now
             click.echo(f"profile {t['profile']} ({t['engine']}) fits no node now")
@@ -697,6 +715,8 @@ def model_headroom(ctx: click.Context, name: str, as_json: bool) -> None:
         click.echo(f"{name}: {body['current']} running; {more} more would fit now")
         for node, count in body["where"].items():
             click.echo(f"  {node:<20} {count}")
+        if body.get("one_more"):
+            click.echo(body["one_more"]["line"])
         if body["why_not_more"]:
             click.echo(f"not more: {body['why_not_more']}")
         for note in body["notes"]:

@@ -255,3 +255,13 @@ def test_whatever_the_load_the_model_holds_between_min_and_max_one_step_at_a_tim
         if start_now:
             make_ready(w)
         assert w.state.models["m"].status.autoscaled == held - lo
+
+
+def test_explain_says_what_the_load_added_and_the_load_now() -> None:
+    from llmgw.services.scheduler.explain import explain
+
+    w = world()
+    hold(w, 60, running=1, waiting=3)
+    body = explain(w.state, "m", CFG)
+    assert body["autoscaling"]["added"] == 1
+    assert body["autoscaling"]["load"] == {"waiting": 3, "running": 1, "ready": 1, "slots": 1}

@@ -20,7 +20,7 @@ def explain(
         known = ", ".join(sorted(state.models)) or "none"
         return {"error": f"no model named {model!r} (models: {known})"}
     replicas = [
-        {"id": r.id, "node": r.node_id, "state": r.state, "reason": r.reason}
+        {"id": r.id, "node": r.node_id, "state": r.state, "reason": r.reason, "profile": r.profile.name}
         for r in sorted(state.replicas_of(model), key=lambda r: r.placed_at)
         if r.active or r.state == "draining"
     ]
@@ -39,6 +39,16 @@ def explain(
     }
     if (problem := owner_problem(state, m.spec.owner)) is not None:
         body["owner_note"] = problem
+    if m.max > m.min or m.status.autoscaled:  # SCHED-9: what the load added, and the load now
+        load = state.load.get(model)
+        latest = load.samples[-1] if load is not None and load.samples else None
+        body["autoscaling"] = {
+            "added": m.status.autoscaled,
+            "last_step_at": m.status.autoscaled_at,
+            "load": None
+            if latest is None
+            else {"waiting": latest.waiting, "running": latest.running, "ready": latest.ready, "slots": latest.slots},
+        }
     if not m.spec.profiles:
         body["nodes"] = []
         body["summary"] = "the model has no profile to place"

@@ -91,7 +91,7 @@ def simulate(
     pass reads (``autoscale.measurement_of``); None: the rules without one."""
     if measured is not None:
         saved = AS.Measurement(concurrency=measured)
-        AS.measurement_of = lambda m: saved  # type: ignore[assignment]  # the hook, until SCHED-10 saves one
+        AS.measurement_of = lambda *_a, **_k: saved  # type: ignore[assignment]  # as if `ctl bench --save` had run
     rng = random.Random(seed)
     w = World().add(node("a", cpus=256, mem_gb=1024), model("m", min=1, max=MAX_REPLICAS, cores=1, mem=1))
     placed_at: dict[str, float] = {}
