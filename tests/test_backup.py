@@ -377,3 +377,21 @@ def test_the_newest_archive_is_read_from_the_names() -> None:
     names = [B.archive_name(dt.datetime(2026, 12, d, tzinfo=dt.UTC)) for d in (3, 1, 2)] + ["notes.txt"]
     assert newest(names) == dt.datetime(2026, 12, 3, tzinfo=dt.UTC)
     assert newest(["notes.txt"]) is None
+
+
+async def test_the_cli_backs_up_a_running_cluster_and_keeps_the_newest(
+    store: EventStore, nats: NatsServer, tmp_path: Path
+) -> None:
+    data = data_dir_with_secrets(tmp_path)
+    out = tmp_path / "backups"
+    runner = CliRunner()
+    args = ["--nats", nats.url, "--data-dir", str(data), "backup", "--to", str(out), "--keep", "1"]
+    for _ in range(2):
+        result = await asyncio.to_thread(runner.invoke, cli_main, args, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        assert "backed up 5 streams" in result.output and "and 4 files" in result.output
+    assert "deleted the older" in result.output
+    (archive,) = out.iterdir()
+    assert stat.S_IMODE(archive.stat().st_mode) == 0o600
+    checked = runner.invoke(cli_main, ["restore", str(archive), "--check"], catch_exceptions=False)
+    assert checked.exit_code == 0 and "the archive is whole" in checked.output
