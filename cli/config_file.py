@@ -288,6 +288,8 @@ def settings() -> tuple[Setting, ...]:
                 walk(f.type.cls, f.type, path + ".")
                 continue
             default = f.default if f.default is not mi.NODEFAULT else None
+            if default is None and f.default_factory is not mi.NODEFAULT:
+                default = f.default_factory()
             doc = DESCRIPTIONS.get(path) or comments.get(f.name, "")
             out.append(Setting(path=path, type=f.type, default=default, doc=doc))
 
@@ -620,11 +622,15 @@ def server_config(s: Settings, **more: Any) -> ServerConfig:
 
 
 def _mask_dsn(dsn: str) -> str:
-    parts = urlsplit(dsn)
-    if parts.password is None:
-        return dsn
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    """A database URL with its password as ***."""
+    try:
+        parts = urlsplit(dsn)
+        if parts.password is None:
+            return dsn
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:  # not a URL (a SQLite path, say), or a malformed one: shown whole, as it was given
+        return dsn if "@" not in dsn else "***"
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}{port}"
     return urlunsplit(parts._replace(netloc=netloc))
 
 

@@ -14,8 +14,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import msgspec.inspect as mi
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmgw.cli import config_file as C
 from llmgw.cli.runtime import DEMO_KEY_FILE, SignInConfig, serve
@@ -312,3 +316,72 @@ router: {{usage_journal: "{tmp_path / "journal"}"}}
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+# -- every setting, not just the examples ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting", C.settings(), ids=lambda s: s.path)
+def test_every_setting_given_a_mapping_instead_of_its_value_is_refused_naming_its_key(
+    tmp_path: Path, setting: C.Setting
+) -> None:
+    path = write(tmp_path, yaml.safe_dump(C.nest({setting.path: {"oops": 1}})))
+    with pytest.raises(C.ConfigError) as refused:
+        C.load(path)
+    assert f"{path}: {setting.path}: expected " in str(refused.value)
+
+
+def _valid(t: Any) -> st.SearchStrategy[Any]:
+    """Values a setting of type ``t`` (msgspec.inspect) takes."""
+    if isinstance(t, mi.UnionType):
+        return st.one_of([_valid(u) for u in t.types])
+    if isinstance(t, mi.NoneType):
+        return st.none()
+    if isinstance(t, mi.BoolType):
+        return st.booleans()
+    if isinstance(t, mi.LiteralType):
+        return st.sampled_from(t.values)
+    if isinstance(t, mi.StrType):
+        return st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), max_size=20)
+    if isinstance(t, mi.VarTupleType | mi.ListType):
+        return st.lists(_valid(t.item_type), max_size=3).map(tuple)
+    raise AssertionError(f"no strategy for {t}")
+
+
+def _number(path: str, t: Any) -> st.SearchStrategy[Any]:
+    op, low = C._bound(path, t) or ("≥", 0)
+    high = t.le if t.le is not None else 10**6
+    if isinstance(t, mi.IntType):
+        return st.integers(min_value=int(low) + (op == ">"), max_value=int(high))
+    return st.floats(min_value=low, max_value=high, exclude_min=op == ">", allow_nan=False)
+
+
+def _value(s: C.Setting) -> st.SearchStrategy[Any]:
+    inner = C._unwrap(s.type)
+    if isinstance(inner, mi.IntType | mi.FloatType):
+        numbers = _number(s.path, inner)
+        return numbers | st.none() if inner is not s.type else numbers
+    return _valid(s.type)
+
+
+# Every setting but the secrets, which --print-config masks.
+SHOWN = [s for s in C.settings() if s.path not in C.SECRETS]
+
+
+@given(st.lists(st.sampled_from(SHOWN), unique_by=lambda s: s.path).flatmap(
+    lambda chosen: st.fixed_dictionaries({s.path: _value(s) for s in chosen})
+))  # fmt: skip
+@settings(max_examples=50, deadline=None)
+def test_any_valid_settings_in_a_file_are_taken_as_written_and_read_back_the_same_from_what_print_config_shows(
+    chosen: dict[str, Any],
+) -> None:
+    text = yaml.safe_dump(C.nest({k: list(v) if isinstance(v, tuple) else v for k, v in chosen.items()}))
+    raw = yaml.safe_load(text)
+    C.check(raw)
+    loaded = msgspec.convert(raw, C.Settings)
+    for path, value in chosen.items():
+        node: Any = loaded
+        for part in path.split("."):
+            node = getattr(node, part)
+        assert node == value, path
+    assert msgspec.convert(yaml.safe_load(C.show(loaded)), C.Settings) == loaded
