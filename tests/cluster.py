@@ -124,3 +124,12 @@ def nats_cluster(base: Path, size: int = 3):
         yield cluster.start()
     finally:
         cluster.stop()
+
+
+if __name__ == "__main__":
+    # `python -m tests.cluster up|down|status [--dir D]`: the whole cluster shape (tests/cluster_harness.py).
+    import sys
+
+    from tests.cluster_harness import main
+
+    sys.exit(main())
