@@ -159,8 +159,21 @@ def restore_refusal(existing: dict[str, int], archived: Sequence[str], force: bo
     )
 
 
+def data_file_allowed(path: str) -> bool:
+    """Whether ``path`` (from an archive) is one of :data:`DATA_FILES` or under one: relative, no ``..``,
+    so a crafted archive cannot write outside the data directory."""
+    parts = path.split("/")
+    if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in path:
+        return False
+    return any(path == d or path.startswith(d + "/") for d in DATA_FILES)
+
+
 def check_members(manifest: Manifest, found: dict[str, tuple[int, str]]) -> str | None:
     """What is wrong with an archive whose members are ``found`` (name → size, sha256), or None."""
+    for f in manifest.files:
+        if not data_file_allowed(f.path):
+            held = ", ".join(DATA_FILES)
+            return f"it names a file {f.path!r} outside what a backup holds ({held}): it is not an llmgw backup"
     wanted = {f"streams/{s.name}.snap": (s.size, s.sha256) for s in manifest.streams}
     wanted |= {f"files/{f.path}": (f.size, f.sha256) for f in manifest.files}
     for name, (size, digest) in wanted.items():
@@ -186,7 +199,9 @@ class _TarWriter:
     def _header(self, name: str, size: int, mode: int = 0o600) -> bytes:
         info = tarfile.TarInfo(name)
         info.size, info.mode, info.mtime = size, mode, int(time.time())
-        return info.tobuf(format=tarfile.PAX_FORMAT)
+        # GNU: a size past 8 GiB is written in the same 512 bytes (base-256), so a header written
+        # before its member's size is known can be rewritten in place.
+        return info.tobuf(format=tarfile.GNU_FORMAT)
 
     def begin(self, name: str) -> tuple[int, int]:
         at = self.f.tell()

@@ -395,3 +395,30 @@ async def test_the_cli_backs_up_a_running_cluster_and_keeps_the_newest(
     assert stat.S_IMODE(archive.stat().st_mode) == 0o600
     checked = runner.invoke(cli_main, ["restore", str(archive), "--check"], catch_exceptions=False)
     assert checked.exit_code == 0 and "the archive is whole" in checked.output
+
+
+@pytest.mark.parametrize(
+    ("path", "allowed"),
+    [
+        ("pki/ca.key", True),
+        ("nats/users/operator.json", True),
+        ("admin-token", True),
+        ("../admin-token", False),
+        ("pki/../../etc/passwd", False),
+        ("/etc/passwd", False),
+        ("projections.db", False),
+        ("pkix/ca.key", False),
+        ("", False),
+    ],
+)
+def test_an_archive_may_only_name_files_a_backup_holds(path: str, allowed: bool) -> None:
+    assert B.data_file_allowed(path) is allowed
+    manifest = B.Manifest(
+        format=B.FORMAT,
+        llmgw_version="x",
+        created_at="2026-12-01T00:00:00+00:00",
+        streams=(),
+        files=(B.FileEntry(path=path, size=1, sha256="0" * 64, mode=0o600),),
+    )
+    problem = B.check_members(manifest, {f"files/{path}": (1, "0" * 64)})
+    assert (problem is None) is allowed
