@@ -442,9 +442,21 @@ def read_file(path: str | Path) -> dict[str, Any]:
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"{p}: not valid YAML{at}: {problem}") from None
-    raw = {} if raw is None else raw
+    raw = _without_empty_sections({} if raw is None else raw, mi.type_info(Settings))  # type: ignore[arg-type]
     check(raw, str(p))
     return raw
+
+
+def _without_empty_sections(raw: Any, st: mi.StructType) -> Any:
+    """``raw`` less the sections with nothing under them (``router:`` with every key commented out)."""
+    if not isinstance(raw, dict):
+        return raw
+    sections = {f.encode_name: f.type for f in st.fields if isinstance(f.type, mi.StructType)}
+    return {
+        k: _without_empty_sections(v, sections[k]) if k in sections else v
+        for k, v in raw.items()
+        if not (k in sections and v is None)
+    }
 
 
 _MISSING = object()

@@ -96,6 +96,12 @@ def test_a_missing_file_and_a_missing_nats_url_are_refused_saying_what_to_give(t
         C.server_config(C.load(None, {"LLMGW_NATS_URL": "nats://a:4222"}))
 
 
+def test_a_section_whose_keys_are_all_commented_out_is_taken_as_empty(tmp_path: Path) -> None:
+    path = write(tmp_path, "router:\n  # total_s: 5\nscheduler:\n  lost_after_s: 9\n")
+    s = C.load(path)
+    assert (s.router, s.scheduler.lost_after_s) == (C.RouterConfig(), 9)
+
+
 # -- precedence -------------------------------------------------------------------------------------------
 
 
