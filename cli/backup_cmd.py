@@ -15,6 +15,7 @@ import signal
 from pathlib import Path
 
 import click
+import msgspec
 
 from llmgw.cli.client import Session, run
 from llmgw.cli.context import default_data_dir, read_run_info
@@ -128,12 +129,13 @@ def restore(ctx: click.Context, archive: Path, force: bool, replicas: int | None
     async def act(session: Session) -> int:
         store = await session.store()
         try:
-            result = await B.restore(
-                store.nc, archive, force=force, replicas=replicas, data_dir=data_dir, manifest=manifest
-            )
+            result = await B.restore(store.nc, archive, force=force, replicas=replicas, manifest=manifest)
         except B.BackupError as exc:
             raise CommandRejectedError(str(exc)) from exc
-        _report(result)
+        # Into a running system its own files stay: the server there runs with its NATS users, and a CA
+        # is replaced only on purpose. Missing ones are written (a new machine's DATA_DIR).
+        written, kept = B.restore_files(archive, manifest, data_dir, force=False) if data_dir.is_dir() else ([], [])
+        _report(msgspec.structs.replace(result, files_written=tuple(written), files_kept=tuple(kept)))
         return 0
 
     run(ctx, act)

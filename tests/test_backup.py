@@ -396,6 +396,15 @@ async def test_the_cli_backs_up_a_running_cluster_and_keeps_the_newest(
     checked = runner.invoke(cli_main, ["restore", str(archive), "--check"], catch_exceptions=False)
     assert checked.exit_code == 0 and "the archive is whole" in checked.output
 
+    into = ["--nats", nats.url, "--data-dir", str(data), "restore", str(archive)]
+    refused = await asyncio.to_thread(runner.invoke, cli_main, into, catch_exceptions=False)
+    assert refused.exit_code == 2 and "the cluster is not empty" in refused.output
+    forced = await asyncio.to_thread(runner.invoke, cli_main, [*into, "--force"], catch_exceptions=False)
+    assert forced.exit_code == 0, forced.output
+    assert "replaced what was there: KV_llmgw_secrets" not in forced.output  # the store fixture made no secret
+    assert "replaced what was there: LLMGW_COMMANDS" in forced.output
+    assert "kept the files already there" in forced.output
+
 
 @pytest.mark.parametrize(
     ("path", "allowed"),
