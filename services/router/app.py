@@ -280,6 +280,7 @@ class Router:
                 await t
         if self.snapshotter is not None:
             self.snapshotter.close()
+        await self.gate.close()
         report = await self.usage.stop()
         await self.upstream.close()
         await asyncio.to_thread(self.tracing.shutdown)  # the last spans sent (bounded by the exporter's timeout)

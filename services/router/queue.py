@@ -207,6 +207,13 @@ class Gate:
             self.on_wait(model, waited)
         return waited
 
+    async def close(self) -> None:
+        """Stop the sweep (a stopping router); requests still waiting end with their handlers."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+
     def sent(self, model: str) -> None:
         """A granted request is being sent: its slot now counts as in flight."""
         self.granted[model] -= 1
@@ -246,13 +253,15 @@ class Gate:
                 for w in q.expired(now):
                     q.remove(w)
                     fut, _ = self._futures[w.id]
+                    if fut.done():
+                        continue  # its handler was cancelled and has not yet run to take it out
                     self._refuse(model, TIMEOUT)
                     fut.set_exception(QueueRefused(TIMEOUT, q.depth, retry_after_s(q.depth, q.drain_s, self.wait_s)))
                 for waiting in list(q.by_project.values()):
                     for w in list(waiting):
                         fut, gone = self._futures[w.id]
                         with contextlib.suppress(Exception):
-                            if gone():
+                            if not fut.done() and gone():
                                 q.remove(w)
                                 fut.set_exception(ClientLeft())
                 self.dispatch(model)

@@ -575,14 +575,18 @@ class Bench:
 
 
 class Side(msgspec.Struct, kw_only=True):
-    """One router's requests in an A/B cell, and the CPU it spent on them."""
+    """One router's requests in an A/B cell, and the CPU it spent on them (in all, and per request in each round)."""
 
     run: Run = msgspec.field(default_factory=Run)
     cpu_s: float = 0.0
+    cpu_us_by_round: list[float] = []
+
+
+AB_ROUNDS = 8  # alternating A B, B A, ...: a machine's load that drifts falls on both sides alike
 
 
 async def ab_cell(b: Bench, routers: dict[str, tuple[subprocess.Popen, Target]], c: int, stream: bool, n: int) -> dict:
-    """``n`` requests through each router, in alternating rounds (A B, then B A), after a warm-up."""
+    """``n`` requests through each router, in alternating rounds (A B, B A, ...), after a warm-up."""
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=120)
     sides = {name: Side() for name in routers}
@@ -592,15 +596,18 @@ async def ab_cell(b: Bench, routers: dict[str, tuple[subprocess.Popen, Target]],
             b.gateway_sent += max(2 * c, 50)
         await b.usage_settled()
         names = list(routers)
-        for round_ in range(4):
+        per_round = n // AB_ROUNDS
+        for round_ in range(AB_ROUNDS):
             for name in names if round_ % 2 == 0 else names[::-1]:
                 proc, target = routers[name]
                 c0 = cpu_s(proc.pid)
-                part = await load(session, target, stream, c, n // 4)
-                b.gateway_sent += n // 4
+                part = await load(session, target, stream, c, per_round)
+                b.gateway_sent += per_round
                 await b.usage_settled()  # publishing the usage records is part of each request's cost
                 side = sides[name]
-                side.cpu_s += cpu_s(proc.pid) - c0
+                spent = cpu_s(proc.pid) - c0
+                side.cpu_s += spent
+                side.cpu_us_by_round.append(1e6 * spent / max(part.n, 1))
                 side.run.latency += part.latency
                 side.run.errors += part.errors
     out: dict[str, Any] = {"concurrency": c, "stream": stream}
@@ -609,6 +616,9 @@ async def ab_cell(b: Bench, routers: dict[str, tuple[subprocess.Popen, Target]],
         out[f"{name}_p99_ms"] = pct(side.run.latency, 0.99)
         out[f"{name}_cpu_us"] = 1e6 * side.cpu_s / max(side.run.n, 1)
         out[f"{name}_errors"] = side.run.errors
+    a, b_ = (sides[name].cpu_us_by_round for name in names)
+    diffs = sorted(x - y for x, y in zip(a, b_, strict=True))
+    out["cpu_us_diff_median"] = diffs[len(diffs) // 2]  # A − B, round by round: the drift between rounds cancels
     return out
 
 
@@ -664,7 +674,8 @@ async def bench_ab_queue(args: argparse.Namespace) -> list[dict[str, Any]]:
             )
             print(
                 f"{'c':>3} {'stream':<6} {'p50 queue':>9} {'no queue':>9} {'Δ µs':>7} {'p99 queue':>9} "
-                f"{'no queue':>9} {'Δ µs':>7} {'CPU µs/req queue':>16} {'no queue':>9} {'Δ µs':>6} {'err':>5}",
+                f"{'no queue':>9} {'Δ µs':>7} {'CPU µs/req queue':>16} {'no queue':>9} {'Δ µs':>6} "
+                f"{'Δ median of rounds':>18} {'err':>5}",
                 flush=True,
             )
             for stream in (False, True):
@@ -676,7 +687,7 @@ async def bench_ab_queue(args: argparse.Namespace) -> list[dict[str, Any]]:
                         f"{1000 * (r['queue_p50_ms'] - r['no_queue_p50_ms']):7.0f} {r['queue_p99_ms']:9.3f} "
                         f"{r['no_queue_p99_ms']:9.3f} {1000 * (r['queue_p99_ms'] - r['no_queue_p99_ms']):7.0f} "
                         f"{r['queue_cpu_us']:16.0f} {r['no_queue_cpu_us']:9.0f} "
-                        f"{r['queue_cpu_us'] - r['no_queue_cpu_us']:6.0f} "
+                        f"{r['queue_cpu_us'] - r['no_queue_cpu_us']:6.0f} {r['cpu_us_diff_median']:18.0f} "
                         f"{r['queue_errors'] + r['no_queue_errors']:>5}",
                         flush=True,
                     )
