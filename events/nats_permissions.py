@@ -194,6 +194,7 @@ def router() -> Permissions:
                 f"{S.USAGE_ROOT}.>",
                 f"{S.PREFIX}.gossip.limits",  # services/router/gossip.py
                 f"{S.PREFIX}.demand.*",  # services/router/app.py: wakes an on-demand model
+                f"{S.PREFIX}.queue.*",  # its queue's depth per model: load for the autoscaler (SCHED-9)
                 _QUARANTINE,
                 *_STREAM_CHECKS,
                 *_stream_reader(S.STREAM_EVENTS),

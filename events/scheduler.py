@@ -14,6 +14,19 @@ LEADER_ID = "leader"
 EXPLAIN_SUBJECT = "llmgw.rpc.scheduler.explain"  # SCHED-3
 HEADROOM_SUBJECT = "llmgw.rpc.scheduler.headroom"  # SCHED-11
 
+# Routers' queues (SCHED-9): a gateway holds a request when every ready replica of its model is
+# saturated, so that engines never queue it; what waits there is load the engines' metrics cannot
+# see. Each router publishes :class:`RouterQueues` on ``QUEUE_ROOT.<router>`` (core NATS, not the
+# log) about every second while a model has requests waiting, and once more when they are gone.
+QUEUE_ROOT = "llmgw.queue"
+
+
+class RouterQueues(msgspec.Struct, frozen=True, kw_only=True):
+    """One router's waiting requests per model, now (a model absent or at 0: none waiting there)."""
+
+    router: str
+    waiting: dict[str, int] = {}
+
 
 class LeaderElected(msgspec.Struct, frozen=True, kw_only=True):
     """A scheduler became leader. Its decisions are fenced by this event's sequence: once another

@@ -265,3 +265,16 @@ def test_explain_says_what_the_load_added_and_the_load_now() -> None:
     body = explain(w.state, "m", CFG)
     assert body["autoscaling"]["added"] == 1
     assert body["autoscaling"]["load"] == {"waiting": 3, "running": 1, "ready": 1, "slots": 1}
+
+
+def test_requests_waiting_in_a_routers_queue_count_as_the_models_load() -> None:
+    # The gateway holds requests when every replica is saturated: the engines report nothing waiting.
+    w = world()
+    out: list[str] = []
+    for _ in range(13):
+        w.state.observe_queue("gw-1", {"m": 2}, w.t)
+        out += hold(w, 0, running=1, waiting=0)
+        w.advance(5)
+    assert out[0] == "autoscale m 1 -> 2: 2 requests waiting on 1 ready replica, 2.0 a replica on average over 60 s"
+    w.state.observe_queue("gw-1", {}, w.t)  # its queue emptied
+    assert w.state.load["m"].samples[-1].waiting == 0

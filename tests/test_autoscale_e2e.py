@@ -19,6 +19,7 @@ import pytest
 
 from llmgw.events import models as M
 from llmgw.events import nodes as N
+from llmgw.events import scheduler as SCH
 from llmgw.events import subjects as S
 from llmgw.events.store import EventStore
 from tests.fleet import FAST, Fleet
@@ -143,3 +144,19 @@ async def test_an_engine_that_stops_answering_is_reported_unreachable_before_its
         await wait_until(answering, deadline_s=30, what="the engine answering again")
     finally:
         await sub.unsubscribe()
+
+
+async def test_a_routers_queue_reported_on_the_bus_adds_a_replica(fleet: Fleet, tmp_path: Path) -> None:
+    # The gateway holds what its replicas cannot take: the engine idles, the router's queue is the load.
+    await add_one_slot_model(fleet, write_tiny_gguf(tmp_path / "tiny.gguf"), min_=1, max_=2)
+    await fleet.wait_ready("m", 1)
+    report = msgspec.json.encode(SCH.RouterQueues(router="gw-1", waiting={"m": 2}))
+
+    async def queued() -> list[M.ModelAutoscaled] | None:
+        await fleet.store.nc.publish(f"{SCH.QUEUE_ROOT}.gw-1", report)
+        steps = await autoscaled(fleet)
+        return steps or None
+
+    [up] = await wait_until(queued, deadline_s=60, what="the router's queue to add a replica")
+    assert (up.from_, up.to) == (1, 2) and up.reason.startswith("2 requests waiting on 1 ready replica"), up.reason
+    await fleet.wait_ready("m", 2, deadline_s=60)

@@ -122,6 +122,7 @@ class SchedulerService:
             asyncio.create_task(self._follow_heartbeats(), name="scheduler-heartbeats"),
             asyncio.create_task(self._serve_explain(), name="scheduler-explain"),
             asyncio.create_task(self._follow_demand(), name="scheduler-demand"),
+            asyncio.create_task(self._follow_queues(), name="scheduler-queues"),
             asyncio.create_task(self._lead(), name="scheduler-lead"),
         ]
         try:
@@ -372,6 +373,25 @@ class SchedulerService:
                     self._wake.set()
 
         sub = await self.store.nc.subscribe(f"{S.PREFIX}.demand.*", cb=on_msg)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _follow_queues(self) -> None:
+        """Routers' queues are load the engines cannot see: it joins the models' load (SCHED-9)."""
+        decoder = msgspec.json.Decoder(SCH.RouterQueues)
+
+        async def on_msg(msg: object) -> None:
+            try:
+                q = decoder.decode(msg.data)  # type: ignore[attr-defined]
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                log.warning("router queue report ignored", subject=msg.subject, error=str(exc))  # type: ignore[attr-defined]
+                return
+            self.state.observe_queue(q.router, q.waiting, time.monotonic())
+
+        sub = await self.store.nc.subscribe(f"{SCH.QUEUE_ROOT}.*", cb=on_msg)
         try:
             await asyncio.Event().wait()
         finally:

@@ -146,7 +146,8 @@ class ClusterState:
         # The engines' load per model (SCHED-9), from the heartbeats: each node's share of it, summed
         # into a series per model whenever a node reports (an observation, like demand).
         self.load: dict[str, ModelLoad] = {}
-        self._load_parts: dict[str, dict[str, LoadSample]] = {}  # model -> node -> its ready replicas' load
+        # model -> source (a node, or "router:<id>" for a gateway's queue) -> its share of the load
+        self._load_parts: dict[str, dict[str, LoadSample]] = {}
         # Whose capacity a model's replicas use, and how much each scope is guaranteed and may hold (SCHED-8):
         # the shared folds of the tree and of the quotas.
         self.tree = TF.TenancyTree()
@@ -292,26 +293,40 @@ class ClusterState:
                 ready=(old.ready if old else 0) + 1,
                 slots=slots,
             )
+        self._fold_parts(hb.node_id, parts, now)
+
+    def observe_queue(self, router: str, waiting: dict[str, int], now: float) -> None:
+        """A router's queue (the gateway holds requests when every replica is saturated, so that
+        engines never queue them): its waiting requests per model join the model's load."""
+        self._fold_parts(
+            f"router:{router}",
+            {model: LoadSample(at=now, waiting=n, running=0, ready=0, slots=0) for model, n in waiting.items()},
+            now,
+        )
+
+    def _fold_parts(self, source: str, parts: dict[str, LoadSample], now: float) -> None:
+        """``source``'s (a node's, a router's) share of each model's load, summed with the other
+        sources' latest into the model's series; a model it no longer reports loses its share."""
         touched = set(parts)
-        for model, by_node in self._load_parts.items():
-            if hb.node_id in by_node and model not in parts:
+        for model, by_source in self._load_parts.items():
+            if source in by_source and model not in parts:
                 touched.add(model)
         for model in touched:
-            by_node = self._load_parts.setdefault(model, {})
+            by_source = self._load_parts.setdefault(model, {})
             if model in parts:
-                by_node[hb.node_id] = parts[model]
+                by_source[source] = parts[model]
             else:
-                by_node.pop(hb.node_id, None)
-            for node_id in [i for i, part in by_node.items() if now - part.at > LOAD_STALE_S]:
-                del by_node[node_id]  # a node silent this long says nothing of the load now
+                by_source.pop(source, None)
+            for gone in [i for i, part in by_source.items() if now - part.at > LOAD_STALE_S]:
+                del by_source[gone]  # a source silent this long says nothing of the load now
             total = LoadSample(
                 at=now,
-                waiting=sum(s.waiting for s in by_node.values()),
-                running=sum(s.running for s in by_node.values()),
-                ready=sum(s.ready for s in by_node.values()),
+                waiting=sum(s.waiting for s in by_source.values()),
+                running=sum(s.running for s in by_source.values()),
+                ready=sum(s.ready for s in by_source.values()),
                 slots=None
-                if any(s.slots is None for s in by_node.values())
-                else sum(s.slots or 0 for s in by_node.values()),
+                if any(s.slots is None for s in by_source.values())
+                else sum(s.slots or 0 for s in by_source.values()),
             )
             self.load[model] = fold_load(self.load.get(model), total)
 
