@@ -734,6 +734,14 @@ async def test_requests_past_the_slots_wait_in_the_gateway_and_are_served_fairly
             await gone
         await wait_until(lambda: depth() == 8, what="the departed request to leave the queue")
 
+        # One that finds no slot within the queue's deadline is answered 503, with when to come back.
+        router.gate.wait_s = 0.3
+        status, headers, answer = await ask(key_b, "late")
+        assert status == 503 and answer["error"]["code"] == "queue_timeout", answer
+        assert "model one had no free slot within 0.3 s (8 still waiting)" in answer["error"]["message"]
+        assert int(headers["Retry-After"]) >= 1
+        router.gate.wait_s = FAST_ROUTER.queue_wait_s
+
         router.outstanding[rid] -= 1
         router.gate.released("one")
         answers = await asyncio.gather(*burst, *trickle)
@@ -741,8 +749,9 @@ async def test_requests_past_the_slots_wait_in_the_gateway_and_are_served_fairly
     assert served == ["acme", "beta", "acme", "beta", "acme", "acme", "acme", "acme"], served
     assert depth() == 0 and router.gate.granted.get("one", 0) == 0 and router.outstanding[rid] == 0
     assert registry.get_sample_value("llmgw_gateway_queue_wait_seconds_count", {"model": "one"}) == 8
-    rejected = {"model": "one", "reason": "queue_full"}
-    assert registry.get_sample_value("llmgw_gateway_queue_rejections_total", rejected) == 1
+    for reason in ("queue_full", "timeout"):
+        rejected = {"model": "one", "reason": reason}
+        assert registry.get_sample_value("llmgw_gateway_queue_rejections_total", rejected) == 1
 
     async def recorded() -> dict[str, UsageRecord] | None:
         got = {
@@ -751,7 +760,7 @@ async def test_requests_past_the_slots_wait_in_the_gateway_and_are_served_fairly
             for r in await usage_records(gw.store, t.project)
             if r.client_request_id
         }
-        return got if len(got) == 10 else None
+        return got if len(got) == 11 else None
 
     records = await wait_until(recorded, what="a usage record for each request")
     assert all(records[f"a{i}"].queue_s > 0 and records[f"a{i}"].status == 200 for i in range(6))
@@ -759,3 +768,4 @@ async def test_requests_past_the_slots_wait_in_the_gateway_and_are_served_fairly
     assert (left.status, left.replica_id, left.cost_usd, left.tokens_in) == (499, None, 0.0, 0)
     assert "waited in the queue" in (left.error or "")
     assert (records["full"].status, records["full"].replica_id) == (429, None)
+    assert (records["late"].status, records["late"].cost_usd) == (503, 0.0)

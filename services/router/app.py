@@ -633,7 +633,7 @@ class Router:
         if exc.reason == "timeout":
             return ApiError(
                 503,
-                f"model {model.name} had no free slot within {cfg.queue_wait_s:g} s ({exc.depth} still "
+                f"model {model.name} had no free slot within {self.gate.wait_s:g} s ({exc.depth} still "
                 f"waiting); retry in {exc.retry_after} s",
                 "queue_timeout",
                 headers,
