@@ -431,3 +431,26 @@ def test_an_archive_may_only_name_files_a_backup_holds(path: str, allowed: bool)
     )
     problem = B.check_members(manifest, {f"files/{path}": (1, "0" * 64)})
     assert (problem is None) is allowed
+
+
+async def test_a_server_running_the_backup_service_publishes_its_last_success_on_metrics(
+    store: EventStore, nats: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLMGW_DATA_DIR", str(data_dir_with_secrets(tmp_path)))
+    out = tmp_path / "scheduled"
+    fleet = await Fleet(store, nats.url, tmp_path / "s").start(
+        services=("backup",), backup_dir=str(out), backup_every_s=3600.0, backup_keep=2
+    )
+    try:
+        await wait_until(lambda: fleet.handles["backup"].last is not None, what="the scheduled backup")
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(f"http://127.0.0.1:{fleet.admin_port}/metrics") as r,
+        ):
+            text = await r.text()
+    finally:
+        await fleet.stop()
+    (archive,) = out.iterdir()
+    assert {f.path for f in B.read_manifest(archive).files} >= {"pki/ca.key", "nats/users/operator.json"}
+    assert "llmgw_backup_last_success_timestamp_seconds 1." in text
+    assert "llmgw_backup_interval_seconds 3600.0" in text
