@@ -16,7 +16,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     saturation: int = 4  # a replica's slots when its profile does not say `parallel` (llama.cpp's default)
     # Requests wait in the gateway when every ready replica of their model is saturated, served
     # round-robin by project as slots free (docs/gateway.md, "The queue").
-    queue: bool = True  # False: they go to the least loaded replica however busy (the engines queue them)
+    queue: bool = True  # requests wait in the gateway while every replica is saturated (false: in the engines)
     queue_max_per_model: int = 256  # requests waiting for one model; past it 429 `queue_full`
     queue_max_per_project: int = 64  # requests of one project waiting for one model; past it 429 `queue_full`
     queue_wait_s: float = 30.0  # the longest a request waits for a slot; then 503 `queue_timeout`
