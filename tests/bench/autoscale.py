@@ -1,7 +1,7 @@
 """A simulated day of diurnal load on the autoscaling reconciler (SCHED-9).
 
     .venv/bin/python -m tests.bench.autoscale [--hours 24] [--seed 1] [--slots 4] [--service-s 20] \
-        [--peak 40] [--trough 2] [--ttft-slo 10] [--json]
+        [--peak 40] [--trough 2] [--ttft-slo 10] [--measured N] [--down-below 0.7] [--json]
 
 The pure reconcile pass over ``tests/scheduler_world.py`` (events folded into a ClusterState, each
 pass committed as the events the shell would write), on an injected clock: a heartbeat and a pass
@@ -185,6 +185,9 @@ def main() -> None:
     ap.add_argument(
         "--measured", type=int, default=None, help="scale on a saved measurement of this concurrency (SCHED-10)"
     )
+    ap.add_argument(
+        "--down-below", type=float, default=Config().scale_down_below, help="scale_down_below (1e9: no slots rule)"
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     started = time.perf_counter()
@@ -197,6 +200,7 @@ def main() -> None:
         trough=a.trough,
         ttft_slo_s=a.ttft_slo,
         measured=a.measured,
+        cfg=Config(scale_down_below=a.down_below),
     )
     out["wall_s"] = time.perf_counter() - started
     if a.json:
