@@ -22,6 +22,7 @@ from llmgw.agent.supervisor import stop_recorded_engines
 from llmgw.cli import (
     access_cmd,  # noqa: F401 - registers `ctl key|limit|price|budget`
     audit_cmd,  # noqa: F401 - registers `ctl audit`
+    capacity_cmd,  # noqa: F401 - registers `ctl bench` and `ctl model target`
     config_cmd,
     fleet_cmd,  # noqa: F401 - registers `ctl model|nodes|…`
     jobs_cmd,  # noqa: F401 - registers `ctl model serve` and `ctl job`
@@ -691,6 +692,8 @@ def server(
     nats_creds: str | None,
 ) -> None:
     """Run services against an external NATS and PostgreSQL (the cluster shape)."""
+    # The flags are read through ctx (given_flags), not their parameters: only a flag given on the
+    # command line wins over the environment and the file.
     try:
         settings = config_file_mod.resolve(
             config_file_mod.load(

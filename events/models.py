@@ -171,6 +171,51 @@ class ModelAutoscaled(msgspec.Struct, frozen=True, kw_only=True):
     at: float  # the scheduler's clock (epoch seconds) when it decided
 
 
+class NodeShape(msgspec.Struct, frozen=True, kw_only=True):
+    """What a measurement depends on in the node it ran on (SCHED-10): its CPUs and its GPUs' model."""
+
+    cpus: int = 0
+    gpu: str = ""  # the GPUs' model ("NVIDIA H200"); "" on a node without GPUs
+    gpus: int = 0
+
+    def words(self) -> str:
+        cpus = f"{self.cpus} CPUs"
+        return f"{self.gpus}× {self.gpu}, {cpus}" if self.gpus else cpus
+
+
+def node_shape(cpus: int | None, gpu_names: list[str]) -> NodeShape:
+    """The shape of a node with ``cpus`` and GPUs named ``gpu_names``; the first GPU's model names them all."""
+    return NodeShape(cpus=cpus or 0, gpu=gpu_names[0] if gpu_names else "", gpus=len(gpu_names))
+
+
+class ModelMeasured(msgspec.Struct, frozen=True, kw_only=True):
+    """`ctl bench MODEL --save` (SCHED-10): how many concurrent requests one replica of ``profile`` on a
+    node of ``shape`` served within the model's SLO (``basis`` "slo"), or, without an SLO, where its total
+    tokens/s stopped rising by 10 % (``basis`` "knee"); the autoscaler and headroom read it."""
+
+    profile: str
+    shape: NodeShape
+    node_id: str
+    replica_id: str
+    concurrency: int  # concurrent requests one replica serves
+    tokens_per_s: float  # generated tokens per second at that concurrency, all requests together
+    ttft_p95_s: float  # time to first token, 95th percentile, at that concurrency
+    request_tokens_per_s: float  # the generation speed 95 % of requests saw at least, at that concurrency
+    basis: str  # "slo" or "knee"
+    slo: Slo | None = None  # the SLO it was measured against: another SLO makes it stale
+    requests: int  # requests the measurement sent, every step together
+    at: float  # epoch seconds when it finished
+
+
+MEASUREMENTS_KEPT = 32  # a model's measurements a fold keeps: one per profile and node shape, newest last
+
+
+def add_measurement(kept: list[ModelMeasured], new: ModelMeasured) -> list[ModelMeasured]:
+    """``kept`` with ``new`` last: it replaces the measurement of its profile on its node shape. Pure."""
+    others = [x for x in kept if (x.profile, x.shape) != (new.profile, new.shape)]
+    return [*others[-(MEASUREMENTS_KEPT - 1) :], new]
+
+
 class PurgeStarted(msgspec.Struct, frozen=True, kw_only=True):
     """The mirror service took on a ``model.removed{purge}``: what it will delete, and what stays and why."""
 
@@ -221,6 +266,8 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     preemptions: int = 0  # replicas it has given way, over its life
     autoscaled: int = 0  # replicas the load holds above the minimum (SCHED-9)
     autoscaled_at: float | None = None  # epoch of the last autoscaling step
+    # What one replica serves (SCHED-10), the newest for each profile and node shape, newest last.
+    measured: list[ModelMeasured] = []
 
 
 class ModelStatusView:
@@ -278,6 +325,7 @@ MODEL_EVENTS = (
     ModelRetried,
     ModelPreempted,
     ModelAutoscaled,
+    ModelMeasured,
 )
 
 
@@ -312,6 +360,8 @@ def fold_model(status: ModelStatus | None, payload: msgspec.Struct) -> ModelStat
             )
         case ModelAutoscaled():
             return msgspec.structs.replace(status, autoscaled=payload.added, autoscaled_at=payload.at)
+        case ModelMeasured():
+            return msgspec.structs.replace(status, measured=add_measurement(status.measured, payload))
     return status
 
 
@@ -336,6 +386,13 @@ EVENTS = (
         1,
         ModelAutoscaled,
         "The scheduler added or removed a replica of the model with its load (between min and max), saying which load.",
+    ),
+    EventType(
+        "model.measured",
+        1,
+        ModelMeasured,
+        "`ctl bench --save` measured the concurrent requests one replica serves within the model's SLO "
+        "(or at its throughput's knee), and its tokens/s there, for a profile on a node shape.",
     ),
     EventType(
         "model.purge_started",
@@ -412,6 +469,13 @@ class SetSlo(msgspec.Struct, frozen=True, kw_only=True, tag="slo", forbid_unknow
     tokens_per_s: float | None = None
 
 
+class SaveMeasurement(msgspec.Struct, frozen=True, kw_only=True, tag="measured", forbid_unknown_fields=True):
+    """SCHED-10: `ctl bench MODEL --save` records what it measured (a ``model.measured``)."""
+
+    name: str
+    measured: ModelMeasured
+
+
 CatalogCommand = (
     AddModel
     | ScaleModel
@@ -423,4 +487,5 @@ CatalogCommand = (
     | SetClass
     | SetOwner
     | SetSlo
+    | SaveMeasurement
 )

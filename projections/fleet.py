@@ -68,7 +68,8 @@ class FleetProjection(Projection):
     # 4: a replica's restart (SCHED-6): restart and replaces
     # 5: a model's last preemption (SCHED-7): gave_room_to, held_until, preemptions
     # 6: what each replica reserves (cores, memory_bytes, gpus), so a replay can say what each scope held
-    version = 6
+    # 7: a model's measurements (SCHED-10): measured, the newest per profile and node shape, as JSON
+    version = 7
     subject = f"{EVENTS_ROOT}.>"
     tables = {
         "nodes": "id TEXT PRIMARY KEY, address TEXT, cpus INTEGER, memory_total_bytes BIGINT, gpus TEXT, "
@@ -76,7 +77,8 @@ class FleetProjection(Projection):
         "draining INTEGER NOT NULL, cordon_reason TEXT, registered_at TEXT, updated_at TEXT",
         "models": "name TEXT PRIMARY KEY, spec TEXT NOT NULL, declared INTEGER NOT NULL, min_replicas INTEGER, "
         "max_replicas INTEGER, stopped INTEGER NOT NULL, parked TEXT, failures INTEGER NOT NULL, last_error TEXT, "
-        "unplaceable TEXT, spec_hash TEXT, gave_room_to TEXT, held_until TEXT, preemptions INTEGER, updated_at TEXT",
+        "unplaceable TEXT, spec_hash TEXT, gave_room_to TEXT, held_until TEXT, preemptions INTEGER, updated_at TEXT, "
+        "measured TEXT",
         "replicas": "id TEXT PRIMARY KEY, model TEXT NOT NULL, node_id TEXT NOT NULL, state TEXT NOT NULL, "
         "spec_hash TEXT, pid INTEGER, port INTEGER, url TEXT, reason TEXT, placed_at TEXT, updated_at TEXT, "
         "restart TEXT, replaces TEXT, cores INTEGER, memory_bytes BIGINT, gpus INTEGER",
@@ -100,6 +102,7 @@ class FleetProjection(Projection):
         "model.parked": "model_edit",
         "model.retried": "model_edit",
         "model.preempted": "model_edit",
+        "model.measured": "model_measured",
         "scheduler.unplaceable": "model_unplaceable",
         "replica.placed": "replica_placed",
         "replica.starting": "replica_state",
@@ -228,6 +231,20 @@ class FleetProjection(Projection):
                 await tx.execute(
                     "UPDATE {models} SET parked = NULL, failures = 0, updated_at = ? WHERE name = ?", at, name
                 )
+
+    async def model_measured(self, tx: Tx, e: RecordedEvent) -> None:
+        """The model's measurements as the shared fold keeps them (``M.fold_model``): one per profile and shape."""
+        _, name = aggregate_of(e.subject)
+        row = await tx.fetchone("SELECT measured FROM {models} WHERE name = ?", name)
+        if row is None:
+            return
+        measured = M.add_measurement(msgspec.json.decode(row[0] or "[]", type=list[M.ModelMeasured]), e.payload)
+        await tx.execute(
+            "UPDATE {models} SET measured = ?, updated_at = ? WHERE name = ?",
+            _json(measured),
+            e.envelope.at.isoformat(),
+            name,
+        )
 
     async def model_unplaceable(self, tx: Tx, e: RecordedEvent) -> None:
         p = e.payload

@@ -50,6 +50,7 @@ FLEET_COLUMNS = {
         "held_until",
         "preemptions",
         "updated_at",
+        "measured",
     ],
     "replicas": [
         "id",
@@ -150,6 +151,13 @@ def shape_model(m: dict[str, Any], active: list[dict[str, Any]]) -> dict[str, An
     m["capacity_class"] = spec.get("capacity_class")
     m["capacity_class"] = spec.get("capacity_class") or "default"  # CAT-4
     m["owner"] = spec.get("owner")  # the scope whose capacity quota it counts against (SCHED-8)
+    m["route"] = spec.get("route", "chat")
+    m["slo"] = spec.get("slo")
+    # What one replica serves by `ctl bench --save` (SCHED-10), the newest per profile and node shape;
+    # one taken against another SLO than the model's now is stale (the autoscaler passes over it).
+    m["measured"] = [
+        {**x, "stale": x.get("slo") != m["slo"]} for x in msgspec.json.decode(m.pop("measured", None) or "[]")
+    ]
     m["ready"] = sum(1 for r in mine if r["state"] == "ready")
     m["starting"] = sum(1 for r in mine if r["state"] in ("placed", "starting"))
     m["stale"] = sum(1 for r in mine if r["state"] == "ready" and r["spec_hash"] != m["spec_hash"])

@@ -218,6 +218,15 @@ def decide(catalog: Catalog, command: M.CatalogCommand) -> tuple[str, list[msgsp
             validate_spec(spec)
             what = _slo_words(slo)
             return name, [M.ModelChanged(spec=spec, what=what)], f"model {name} now has {what}"
+        case M.SaveMeasurement(name=name, measured=found):
+            entry = _entry(catalog, name)
+            _measurement_problem(entry.spec, found)
+            what = (
+                f"one replica of profile {found.profile} on {found.shape.words()} serves {found.concurrency} "
+                f"concurrent {'request' if found.concurrency == 1 else 'requests'}, "
+                f"{found.tokens_per_s:.0f} tokens/s"
+            )
+            return name, [found], f"model {name}: measured {what}"
         case M.StopModel(name=name):
             entry = _entry(catalog, name)
             if entry.stopped:
@@ -242,6 +251,29 @@ def decide(catalog: Catalog, command: M.CatalogCommand) -> tuple[str, list[msgsp
                 raise Rejected(f"model {name} is not parked; nothing to retry", "unchanged")
             return name, [M.ModelRetried()], f"model {name} will be placed again"
     raise Rejected(f"unknown catalog command {type(command).__name__}")
+
+
+def _measurement_problem(spec: M.ModelSpec, found: M.ModelMeasured) -> None:
+    """Refuse a measurement no rule could use, saying what to measure instead."""
+    profiles = [p.name for p in spec.profiles]
+    if found.profile not in profiles:
+        raise Rejected(
+            f"model {spec.name} has no profile {found.profile!r} (profiles: {', '.join(profiles)}): measure a "
+            "replica of one of its profiles",
+            "invalid_measurement",
+        )
+    if found.concurrency < 1:
+        raise Rejected(
+            f"model {spec.name}: a measurement of {found.concurrency} concurrent requests says nothing to scale "
+            "on; one replica must serve at least one request within the SLO (loosen it with `ctl model slo`)",
+            "invalid_measurement",
+        )
+    if found.basis not in ("slo", "knee"):
+        raise Rejected(f"model {spec.name}: basis {found.basis!r} is not slo or knee", "invalid_measurement")
+    if found.tokens_per_s < 0 or found.ttft_p95_s < 0 or found.request_tokens_per_s < 0 or found.requests < 1:
+        raise Rejected(
+            f"model {spec.name}: a measurement needs at least one request and no negative figure", "invalid_measurement"
+        )
 
 
 def _slo_words(slo: M.Slo | None) -> str:

@@ -19,13 +19,14 @@ The rules, without a measurement of the model (SCHED-10 not saved):
 - one step at a time: never while a replica of the model is still starting, and a hold or an idle
   window counts from the last step.
 
-With a measurement (:class:`Measurement`, a hook until ``ctl bench --save`` exists), the trigger is
+With a measurement (:class:`Measurement`, saved by ``ctl bench --save``, :func:`measurement_of`), the trigger is
 SCHED-9's second sentence: up when requests per ready replica pass the concurrency one replica serves
 within the SLO; down only if the rest stay under ``scale_down_below`` of the measured capacity.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -33,6 +34,7 @@ import msgspec
 from llmgw.events import models as M
 
 if TYPE_CHECKING:  # the reconciler's settings; it imports this module
+    from llmgw.events import nodes as N
     from llmgw.services.scheduler.reconcile import Clock, Config
     from llmgw.services.scheduler.state import ModelState, ReplicaState
 
@@ -59,11 +61,14 @@ class ModelLoad(msgspec.Struct, kw_only=True):
 
 
 class Measurement(msgspec.Struct, frozen=True, kw_only=True):
-    """SCHED-10's saved measurement of a model (the hook: nothing saves one yet): the most concurrent
-    requests one replica serves within the model's SLO, and its tokens/s there."""
+    """SCHED-10's saved measurement of a model (``model.measured``, `ctl bench --save`): the most
+    concurrent requests one replica serves within the model's SLO, and its tokens/s there."""
 
     concurrency: int
     tokens_per_s: float = 0.0
+    at: float | None = None  # when it was measured (epoch seconds)
+    profile: str = ""
+    shape: M.NodeShape | None = None
 
 
 class Autoscale(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,9 +106,26 @@ def fold_load(load: ModelLoad | None, sample: LoadSample) -> ModelLoad:
     return load
 
 
-def measurement_of(m: ModelState) -> Measurement | None:
-    """The saved measurement the thresholds follow (SCHED-10). None until `ctl bench --save` exists."""
-    return None
+def measurement_of(
+    m: ModelState, live: Sequence[ReplicaState] = (), nodes: Sequence[N.NodeCapacity | None] = ()
+) -> Measurement | None:
+    """The saved measurement the thresholds follow (SCHED-10): of the profile the model's ``live``
+    replicas run (its first profile when none runs), on the shape of their ``nodes`` when one was
+    measured there, else the newest of that profile; None without one. A measurement taken against
+    another SLO than the model's now says nothing of this one, and does not count."""
+    profiles = {r.profile.name for r in live} or {p.name for p in m.spec.profiles[:1]}
+    usable = [x for x in m.status.measured if x.profile in profiles and x.slo == m.spec.slo]
+    shapes = {M.node_shape(n.cpus, [g.name for g in n.gpus]) for n in nodes if n is not None}
+    found = next((x for x in reversed(usable) if x.shape in shapes), usable[-1] if usable else None)
+    if found is None:
+        return None
+    return Measurement(
+        concurrency=found.concurrency,
+        tokens_per_s=found.tokens_per_s,
+        at=found.at,
+        profile=found.profile,
+        shape=found.shape,
+    )
 
 
 def _pressure(s: LoadSample, measured: Measurement | None) -> float:

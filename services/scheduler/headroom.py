@@ -10,13 +10,15 @@ is what the fleet has room for.
 from __future__ import annotations
 
 import copy
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 
+from llmgw.services.scheduler import autoscale as AS
 from llmgw.services.scheduler.quota import stopped_at
 from llmgw.services.scheduler.reconcile import Blocked, Clock, Config, Place, reconcile
-from llmgw.services.scheduler.state import ClusterState
+from llmgw.services.scheduler.state import ClusterState, ModelState
 
 CAP = 256  # the most extra replicas asked for: "at least 256" is answer enough
 
@@ -51,10 +53,31 @@ def headroom(state: ClusterState, model: str, clock: Clock, cfg: Config, cap: in
     return {
         "model": model,
         "current": current,
+        "one_more": one_more(state, m),
         "more": more,
         "at_least": more >= cap,
         "where": dict(sorted(where.items(), key=lambda item: (-item[1], item[0]))),
         # A capacity limit (SCHED-8) reads as where the answer stopped: "stopped at org:acme's capacity limit (…)".
         "why_not_more": (stopped_at(blocked.reason) or blocked.reason) if blocked is not None and more < cap else None,
         "notes": notes,
+    }
+
+
+def one_more(state: ClusterState, m: ModelState) -> dict[str, Any] | None:
+    """What one more replica would serve by the model's saved measurement (SCHED-10), or None without one."""
+    live = [r for r in state.replicas_of(m.name) if r.active]
+    found = AS.measurement_of(m, live, [state.nodes[r.node_id].capacity for r in live if r.node_id in state.nodes])
+    if found is None:
+        return None
+    when = datetime.fromtimestamp(found.at, UTC).strftime("%Y-%m-%d %H:%M UTC") if found.at is not None else "?"
+    requests = "request" if found.concurrency == 1 else "requests"
+    return {
+        "concurrency": found.concurrency,
+        "tokens_per_s": found.tokens_per_s,
+        "measured_at": found.at,
+        "profile": found.profile,
+        "shape": found.shape.words() if found.shape is not None else None,
+        "line": f"one more replica serves ~{found.concurrency} concurrent {requests}, ~{found.tokens_per_s:.0f} "
+        f"tokens/s, by the measurement of {when}"
+        + (f" (profile {found.profile}, {found.shape.words()})" if found.shape is not None else ""),
     }

@@ -473,7 +473,11 @@ def _model(
     replacements = [r for r in staying if r.id in surge]
     staying = [r for r in staying if r.id not in surge]
     # The load moves what the model holds between min and max, one step at a time (SCHED-9).
-    lower, upper, scaled = AS.adjust(m, lower, upper, staying, state.load.get(m.name), clock, cfg, AS.measurement_of(m))
+    # A saved measurement (SCHED-10) of the profile and node shape the replicas run on sets the lines.
+    measured = AS.measurement_of(
+        m, staying, [state.nodes[r.node_id].capacity for r in staying if r.node_id in state.nodes]
+    )
+    lower, upper, scaled = AS.adjust(m, lower, upper, staying, state.load.get(m.name), clock, cfg, measured)
     if scaled is not None:
         out.append(scaled)
     # A drain replaces first, then stops the old replica (FLEET-4): it waits for as many ready
