@@ -461,9 +461,10 @@ async def backup(
             tar.add(MANIFEST, json.dumps(msgspec.to_builtins(manifest), indent=1).encode())
             tar.close()
             f.flush()
-            os.fsync(f.fileno())
+            # Off the event loop: in `llmgw server` the gateway shares it, and a large archive's flush takes a while.
+            await asyncio.to_thread(os.fsync, f.fileno())
         os.replace(tmp, final)
-        _fsync_dir(to_dir)
+        await asyncio.to_thread(_fsync_dir, to_dir)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
