@@ -278,3 +278,11 @@ def test_requests_waiting_in_a_routers_queue_count_as_the_models_load() -> None:
     assert out[0] == "autoscale m 1 -> 2: 2 requests waiting on 1 ready replica, 2.0 a replica on average over 60 s"
     w.state.observe_queue("gw-1", {}, w.t)  # its queue emptied
     assert w.state.load["m"].samples[-1].waiting == 0
+
+
+def test_the_simulated_morning_adds_replicas_and_uses_less_than_a_fleet_held_at_the_peak() -> None:
+    from tests.bench.autoscale import simulate
+
+    out = simulate(hours=3, seed=1, slots=4, service_s=20, peak=40, trough=2, ttft_slo_s=10)
+    assert out["replicas_added"] >= 1, "the morning's rise adds replicas"
+    assert out["replica_minutes_used"] < out["static_at_peak_replica_minutes"]
