@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: up test lint bench install clean
+.PHONY: up test test-faults lint bench install clean
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 …'"; exit 1; }
@@ -28,6 +28,12 @@ up: $(STAMP)
 test: $(STAMP)
 	@sh ops/install-test-tools.sh
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The fault suite (tests/faults/, about ten minutes): a cluster on loopback under load, one fault after
+# another; the table it measures is written to $(FAULTS_REPORT) (docs/reliability.md shows one).
+FAULTS_REPORT ?= faults-report.md
+test-faults: $(STAMP)
+	LLMGW_FAULTS_REPORT=$(abspath $(FAULTS_REPORT)) $(VENV)/bin/pytest -m faults tests/faults -p no:cacheprovider -s $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -88,6 +88,7 @@ class ServerProc:
         ]
         self.env = {**os.environ, **FAST_ENV, "LLMGW_DATA_DIR": str(self.dir), "LLMGW_LOG_FORMAT": "json"}
         self.proc: subprocess.Popen[bytes] | None = None
+        self.killed_at: list[float] = []  # time.monotonic() of each kill -9
 
     @property
     def gateway_url(self) -> str:
@@ -112,6 +113,7 @@ class ServerProc:
         if self.alive():
             assert self.proc is not None
             self.proc.kill()
+            self.killed_at.append(time.monotonic())
             self.proc.wait()
 
     def stop(self, grace_s: float = 30.0) -> None:
