@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.bench.gateway [--quick] [--no-paced] [--no-real] [--json FILE]
                                             [--keep-logs DIR] [--py-spy DIR]
-    .venv/bin/python -m tests.bench.gateway --ab-queue [--quick]
+    .venv/bin/python -m tests.bench.gateway --ab-queue [--ab-same] [--quick]
 
 Starts, each as its own process: a durable nats-server (``sync_interval: always``, as llmgw runs);
 simulated engines (:mod:`tests.bench.simengine`): *sim* answers 16 tokens at once (no latency, to
@@ -28,7 +28,8 @@ issue are printed beside as ratios. Figures only: nothing passes or fails (ARCHI
 ``--ab-queue`` measures what the admission queue costs when nothing waits: two routers side by side on
 the same log and the same simulated engine (which has a slot for every request, so nothing ever
 waits), one with the queue and one without (``RouterConfig.queue``), sent the same requests in
-alternating rounds (A B B A); it prints each one's latency and CPU per request and the difference.
+alternating rounds (A B, B A, ...); it prints each one's latency and CPU per request and the
+difference. ``--ab-same`` runs both with the queue: what it prints is the machine's noise floor.
 """
 
 from __future__ import annotations
@@ -661,7 +662,8 @@ async def bench_ab_queue(args: argparse.Namespace) -> list[dict[str, Any]]:
             await b.setup()
             await b.start_sim("sim", 0, 0)
             routers: dict[str, tuple[subprocess.Popen, Target]] = {}
-            for name, queue in (("queue", True), ("no_queue", False)):
+            # --ab-same: both with the queue, so the differences printed are the machine's noise alone.
+            for name, queue in (("queue", True), ("no_queue", bool(args.ab_same))):
                 port = free_port()
                 proc = await b.spawn_router(port, name, queue=queue)
                 target = Target(url=f"http://127.0.0.1:{port}", headers=_headers(b.api_key), model="sim")
@@ -856,6 +858,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--db", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--admin-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--ab-same", action="store_true", help="with --ab-queue: both routers with the queue (the noise floor)"
+    )
     parser.add_argument("--gc-file", help=argparse.SUPPRESS)
     parser.add_argument("--no-queue", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
