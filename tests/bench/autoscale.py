@@ -40,11 +40,11 @@ import time
 
 import msgspec
 
+from llmgw.events import models as M
 from llmgw.events import nodes as N
 from llmgw.events import replicas as R
-from llmgw.services.scheduler import autoscale as AS
 from llmgw.services.scheduler.reconcile import Config, Place, Stop
-from tests.scheduler_world import World, model, node
+from tests.scheduler_world import T0, World, model, node
 
 STEP_S = 5.0
 START_S = 30.0  # placed → ready
@@ -87,13 +87,25 @@ def simulate(
     measured: int | None = None,
     cfg: Config = Config(),
 ) -> dict[str, float]:
-    """``measured``: the concurrency a saved measurement would give (SCHED-10), through the hook the
-    pass reads (``autoscale.measurement_of``); None: the rules without one."""
-    if measured is not None:
-        saved = AS.Measurement(concurrency=measured)
-        AS.measurement_of = lambda *_a, **_k: saved  # type: ignore[assignment]  # as if `ctl bench --save` had run
+    """``measured``: the concurrency of a saved measurement (SCHED-10: a ``model.measured`` in the log, as
+    `ctl bench --save` writes it); None: the rules without one."""
     rng = random.Random(seed)
     w = World().add(node("a", cpus=256, mem_gb=1024), model("m", min=1, max=MAX_REPLICAS, cores=1, mem=1))
+    if measured is not None:
+        saved = M.ModelMeasured(
+            profile="default",
+            shape=M.node_shape(256, []),
+            node_id="a",
+            replica_id="bench",
+            concurrency=measured,
+            tokens_per_s=0.0,
+            ttft_p95_s=0.0,
+            request_tokens_per_s=0.0,
+            basis="slo",
+            requests=1,
+            at=T0,
+        )
+        w.emit(M.AGGREGATE, "m", saved)
     placed_at: dict[str, float] = {}
     stop_at: dict[str, float] = {}
     in_system = 0.0
