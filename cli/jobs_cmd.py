@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import click
+import msgspec
 
 from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
 from llmgw.cli.fleet_cmd import model
+from llmgw.cli.progress import Downloads
 from llmgw.events import jobs as J
+from llmgw.events import mirror as E
 from llmgw.events.commands import CommandRejectedError
 from llmgw.events.envelope import RecordedEvent
 from llmgw.events.store import EventStore
@@ -20,26 +26,64 @@ def step_line(p: J.JobStep) -> str:
 
 
 async def follow_job(store: EventStore, job_id: str) -> int:
-    """Print the job's steps (those done already, then as they happen) until it finishes; its exit code."""
+    """Print the job's steps (those done already, then as they happen) until it finishes; its exit code.
+    While the mirror fetches, each file's progress shows as a bar (from the mirror's telemetry)."""
     subject = event_subject(J.AGGREGATE, job_id)
     if not await store.last_seq(subject):
         raise CommandRejectedError(f"there is no job {job_id}", "not_found")
-    async for batch in store.subscribe(subject):
-        for e in batch:
-            if not isinstance(e, RecordedEvent):
-                continue
-            p = e.payload
-            if isinstance(p, J.JobStarted):
-                click.echo(f"job {job_id}: serve {p.repo} (asked by {p.requested_by})")
-            elif isinstance(p, J.JobStep):
-                click.echo(step_line(p), err=p.status == J.FAILED)
-            elif isinstance(p, J.JobFinished):
-                if p.ok:
-                    click.echo(f"done: {p.summary}")
-                    return 0
-                click.echo(f"error: {p.summary}", err=True)
-                return 1
+    decided: dict[str, object] = {}  # what the steps so far decided (the fetch step names the mirror's model)
+    bars = Downloads()
+    watching = None
+    try:
+        async for batch in store.subscribe(subject):
+            for e in batch:
+                if not isinstance(e, RecordedEvent):
+                    continue
+                p = e.payload
+                if isinstance(p, J.JobStep):
+                    decided.update(p.data)
+                    if p.step == "fetch" and p.status == J.STARTED and watching is None and "model" in decided:
+                        watching = await watch_any_version(store, str(decided["model"]), bars)
+                    elif p.step == "fetch" and watching is not None:
+                        for file in list(bars.files):
+                            bars.finish(file)
+                        await watching.unsubscribe()
+                        watching = None
+                done = _show(job_id, p)
+                if done is not None:
+                    return done
+    finally:
+        if watching is not None:
+            with contextlib.suppress(Exception):
+                await watching.unsubscribe()
     return 1
+
+
+def _show(job_id: str, p: object) -> int | None:
+    """Print one of the job's events; its exit code once it has finished."""
+    if isinstance(p, J.JobStarted):
+        click.echo(f"job {job_id}: serve {p.repo} (asked by {p.requested_by})")
+    elif isinstance(p, J.JobStep):
+        click.echo(step_line(p), err=p.status == J.FAILED)
+    elif isinstance(p, J.JobFinished):
+        if p.ok:
+            click.echo(f"done: {p.summary}")
+            return 0
+        click.echo(f"error: {p.summary}", err=True)
+        return 1
+    return None
+
+
+async def watch_any_version(store: EventStore, model: str, bars: Downloads) -> Any:
+    """The mirror's progress for ``model`` (whatever version the job's fetch resolved to) into ``bars``."""
+    decoder = msgspec.json.Decoder(E.DownloadProgress)
+
+    async def on_msg(msg: Any) -> None:
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            p = decoder.decode(msg.data)
+            bars.update(p.file, p.done, p.size, p.at)
+
+    return await store.nc.subscribe(E.progress_subject(model), cb=on_msg)
 
 
 @model.command("serve")

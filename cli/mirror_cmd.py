@@ -6,15 +6,20 @@ in the log, so `mirror list` answers even while the mirror is down and shows why
 
 from __future__ import annotations
 
+import contextlib
 import json
+from typing import Any
 
 import click
+import msgspec
 
 from llmgw.cli.client import Session, run
+from llmgw.cli.progress import Downloads
 from llmgw.cli.table import table
 from llmgw.events import mirror as E
 from llmgw.events.commands import CommandError
 from llmgw.events.envelope import RecordedEvent
+from llmgw.events.store import EventStore
 from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.mirror.rules import human
 from llmgw.services.mirror.state import FETCHING, PRESENT, MirrorState
@@ -38,13 +43,42 @@ def _line(e: RecordedEvent) -> str | None:
     return None
 
 
+async def watch_progress(store: EventStore, model: str, version: str, bars: Downloads) -> Any:
+    """Feed ``bars`` with the mirror's progress telemetry for ``model``/``version``; the subscription
+    (unsubscribe it when the fetch ends). Progress is telemetry: missed samples only make a bar jump."""
+    decoder = msgspec.json.Decoder(E.DownloadProgress)
+
+    async def on_msg(msg: Any) -> None:
+        try:
+            p = decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        if p.version == version:
+            bars.update(p.file, p.done, p.size, p.at)
+
+    return await store.nc.subscribe(E.progress_subject(model), cb=on_msg)
+
+
 async def _follow(s: Session, model: str, version: str, start: int) -> int:
-    """Print a fetch's progress from the log until it completes (0) or fails (1)."""
+    """Print a fetch's progress until it completes (0) or fails (1): each file's bar from the mirror's
+    telemetry, and what lasts (a file verified, the fetch done or failed) from the log."""
     store = await s.store()
     subject = event_subject(E.AGGREGATE, model)
     start = start or await store.last_seq(subject)
     state = MirrorState()
     click.echo("(Ctrl-C stops watching; the fetch goes on in the mirror)", err=True)
+    bars = Downloads()
+    watching = await watch_progress(store, model, version, bars)
+    try:
+        return await _follow_log(store, subject, model, version, start, state, bars)
+    finally:
+        with contextlib.suppress(Exception):
+            await watching.unsubscribe()
+
+
+async def _follow_log(
+    store: EventStore, subject: str, model: str, version: str, start: int, state: MirrorState, bars: Downloads
+) -> int:
     seen = 0
     async for batch in store.subscribe(subject, after=0, follow=True):
         for e in batch:
@@ -52,6 +86,8 @@ async def _follow(s: Session, model: str, version: str, start: int) -> int:
                 continue
             state.apply(model, e)
             if e.seq > start and getattr(e.payload, "version", None) == version:
+                if isinstance(e.payload, E.FileVerified):
+                    bars.finish(e.payload.file)
                 line = _line(e)
                 if line:
                     click.echo(line)

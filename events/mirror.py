@@ -13,6 +13,7 @@ from __future__ import annotations
 import msgspec
 
 from llmgw.events.registry import EventType
+from llmgw.events.subjects import TELEMETRY_ROOT, encode_token
 
 AGGREGATE = "mirror"
 SERVICE = "mirror"
@@ -41,10 +42,32 @@ class FetchStarted(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class FileProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """Written by earlier releases as a durable event; progress is telemetry now (:class:`DownloadProgress`)."""
+
     version: str
     file: str
     done: int
     size: int
+
+
+class DownloadProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """Telemetry, not an event: bytes of one file on disk, on :func:`progress_subject` about twice a
+    second while it downloads (a person watching `mirror fetch` or `ctl model serve` sees a bar move;
+    the log keeps only what lasts: the file verified)."""
+
+    model: str
+    version: str
+    file: str
+    done: int
+    size: int
+    at: float  # epoch seconds, for the watcher's rate
+
+
+PROGRESS_ROOT = f"{TELEMETRY_ROOT}.mirror"
+
+
+def progress_subject(model: str) -> str:
+    return f"{PROGRESS_ROOT}.{encode_token(model)}"
 
 
 class FileVerified(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,7 +137,10 @@ EVENTS = (
         "The mirror began fetching a model version: the commit, and each file with its published size and checksum.",
     ),
     EventType(
-        "mirror.file_progress", 1, FileProgress, "Bytes of one file on disk (at most once a second or every 5 %)."
+        "mirror.file_progress",
+        1,
+        FileProgress,
+        "Bytes of one file on disk (written by earlier releases; progress is telemetry now, not an event).",
     ),
     EventType(
         "mirror.file_verified", 1, FileVerified, "A file arrived whole and its checksum matches what the hub published."

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
+import io
 import json
 import os
 import random
@@ -14,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
+from llmgw.cli.progress import Downloads
 from llmgw.cli.runtime import ServerConfig, serve
 from llmgw.events import mirror as E
 from llmgw.events.commands import CommandClient, CommandRejectedError
@@ -220,7 +223,7 @@ async def test_a_fetch_keeps_model_version_file_with_every_checksum_checked(
     assert (rig.root / "tiny" / version / "README.md").read_bytes() == b"# tiny\n"
 
     events = await rig.events()
-    types = [e.type for e in events if e.type != "mirror.file_progress"]
+    types = [e.type for e in events]
     assert types == [
         "mirror.fetch_started",
         "mirror.file_verified",
@@ -236,8 +239,7 @@ async def test_a_fetch_keeps_model_version_file_with_every_checksum_checked(
     assert published["README.md"].sha256 is None and published["README.md"].blob_id
     verified = {e.payload.file: e.payload for e in events if isinstance(e.payload, E.FileVerified)}
     assert verified["tiny-Q8_0.gguf"].sha256 == hashlib.sha256(gguf.read_bytes()).hexdigest()
-    progress = [e for e in events if e.type == "mirror.file_progress"]
-    assert len(progress) <= 2 * 20, "progress at most every 5 % (or second), never per chunk"
+    # Progress is telemetry for whoever watches (tested below), never a durable event.
     assert events[0].envelope.actor == "user:test", "who asked for the fetch"
     assert all(e.envelope.actor == "svc:mirror" for e in events[1:])
     assert {e.envelope.causation for e in events} == {events[0].envelope.causation}, "all caused by the command"
@@ -430,6 +432,51 @@ async def test_what_the_hub_does_not_have_is_refused_with_what_it_has(rig: Rig, 
             await rig.fetch(**kw)
         assert caught.value.code == code and said in caught.value.reason, caught.value.reason
     assert hub.resolve_requests() == [] and await rig.events() == []
+
+
+async def test_a_download_s_progress_is_telemetry_a_watcher_sees_rising_not_events_on_the_log(
+    store: EventStore, hub: FakeHub, tmp_path: Path
+) -> None:
+    hub.add_repo(REPO)
+    size = 24 * 1024 * 1024  # past what the writer holds ahead (writes overlap the download), so bytes land mid-file
+    hub.add_file(REPO, "big.gguf", b"x" * size)
+    seen: list[E.DownloadProgress] = []
+    decoder = msgspec.json.Decoder(E.DownloadProgress)
+
+    async def on_msg(msg: Any) -> None:
+        seen.append(decoder.decode(msg.data))
+
+    watching = await store.nc.subscribe(E.progress_subject("tiny"), cb=on_msg)
+    rig = await Rig(store, hub, tmp_path, progress_interval_s=0.0).start()  # every chunk, to be seen here
+    try:
+        out = await rig.fetch()
+        end = await rig.outcome()
+        assert end.type == "mirror.fetch_completed", end.payload
+        await wait_until(lambda: len(seen) >= 1, what="progress samples")
+        assert {(p.model, p.version, p.file, p.size) for p in seen} == {
+            ("tiny", out.result["version"], "big.gguf", size)
+        }
+        dones = [p.done for p in seen]
+        assert dones == sorted(dones) and 0 < dones[-1] < size, "rising, the end said by file_verified"
+        assert not [e for e in await rig.events() if e.type == "mirror.file_progress"], "no progress on the log"
+    finally:
+        await watching.unsubscribe()
+        await rig.stop()
+
+
+def test_a_watcher_s_bar_shows_share_rate_and_time_left_and_plain_lines_without_a_terminal() -> None:
+    out = io.StringIO()
+    bars = Downloads(out, terminal=True)
+    bars.update("big.gguf", 0, 100 * 1024 * 1024, at=0.0)
+    bars.update("big.gguf", 25 * 1024 * 1024, 100 * 1024 * 1024, at=1.0)
+    text = out.getvalue().split("\r")[-1]
+    assert "[######..................]" in text and " 25%" in text and "26.2 MB/s" in text and "0:03 left" in text
+    plain = io.StringIO()
+    lines = Downloads(plain, terminal=False)
+    for i in range(0, 101, 5):
+        lines.update("big.gguf", i * 1024, 100 * 1024, at=i / 10)
+    assert len(plain.getvalue().splitlines()) == 11, "a line every 10 %, no carriage returns"
+    assert "\r" not in plain.getvalue()
 
 
 def test_progress_is_reported_once_a_second_or_every_five_percent() -> None:

@@ -15,6 +15,7 @@ import errno
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 
 import aiohttp
@@ -41,6 +42,7 @@ from llmgw.services.mirror.rules import check_model, check_repo, human, plan_fet
 from llmgw.services.mirror.state import FETCHING, MirrorState, VersionState
 
 log = structlog.get_logger("llmgw.services.mirror")
+_progress_encoder = msgspec.json.Encoder()
 
 ACTOR = f"svc:{E.SERVICE}"
 
@@ -53,8 +55,8 @@ class MirrorConfig(msgspec.Struct, frozen=True, kw_only=True):
     chunk_bytes: int = 1 << 20  # written (and hashed) in pieces this large
     retries: int = 5  # attempts in a row without progress before a fetch fails
     retry_backoff_s: float = 1.0
-    progress_interval_s: float = 1.0
-    progress_step: float = 0.05
+    progress_interval_s: float = 0.5  # a download's progress telemetry at most this often
+    progress_step: float = 1.0  # …or every this share of the file (1: time only)
     hub_timeout_s: float = 20.0
     # connect to a hub (or where it redirects) at private, loopback or link-local addresses (modelfiles/outbound.py)
     hub_allow_private: bool = False
@@ -437,7 +439,12 @@ class MirrorService:
                 step=self.config.progress_step,
             ):
                 last[0], last[1] = done, now
-                await self._append(model, E.FileProgress(version=version, file=f.name, done=done, size=f.size), cause)
+                # Telemetry for whoever watches, not an event: the log keeps the verified file, not each step to it.
+                tick = E.DownloadProgress(
+                    model=model, version=version, file=f.name, done=done, size=f.size, at=time.time()
+                )
+                with contextlib.suppress(Exception):  # a watcher's bar is never worth a failed download
+                    await self.store.nc.publish(E.progress_subject(model), _progress_encoder.encode(tick))
 
         self.guard.refresh()
         try:
