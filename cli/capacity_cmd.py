@@ -82,6 +82,11 @@ def _gateway_and_key(ctx: click.Context, gateway: str | None, key: str | None) -
 @click.option("--linear", is_flag=True, help="Rise one request at a time, not 1, 2, 4, ….")
 @click.option("--max-tokens", default=64, show_default=True, help="Tokens each request asks for.")
 @click.option(
+    "--stop-at-eos",
+    is_flag=True,
+    help="Let answers end where the model ends them (default: ignore_eos, every answer --max-tokens long).",
+)
+@click.option(
     "--scale-to-one",
     is_flag=True,
     help="Hold the model at one replica (min 1, max 1) for the run, then give it back its min and max.",
@@ -99,6 +104,7 @@ def bench(
     requests_per_step: int,
     linear: bool,
     max_tokens: int,
+    stop_at_eos: bool,
     scale_to_one: bool,
     gateway: str | None,
     key: str | None,
@@ -162,7 +168,12 @@ def bench(
                 say(lines[1] + (f"   {step.why}" if step.why else ""))
 
             target = C.Target(
-                gateway=gateway_url, key=api_key, model=name, route=row.get("route", "chat"), max_tokens=max_tokens
+                gateway=gateway_url,
+                key=api_key,
+                model=name,
+                route=row.get("route", "chat"),
+                max_tokens=max_tokens,
+                ignore_eos=not stop_at_eos,
             )
             try:
                 steps, verdict, sent = await C.run_bench(
