@@ -31,6 +31,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from llmgw.events import log_context
+from llmgw.events import scheduler as SCH
 from llmgw.events import subjects as S
 from llmgw.events.ids import new_id
 from llmgw.events.live_fold import FoldRegistry, LiveFold, health_body
@@ -199,6 +200,22 @@ class Router:
             slots += slots_of(r, engines, sat)
         return in_flight, slots
 
+    async def _report_queues(self) -> None:
+        """Tell the schedulers what waits in this router's queue (SCHED-9): requests held here never
+        reach an engine's metrics, yet they are the model's load. Every ``queue_report_s`` while any
+        wait, and once more when none do."""
+        subject = f"{SCH.QUEUE_ROOT}.{S.encode_token(self.instance)}"
+        told = False
+        while True:
+            await asyncio.sleep(self.cfg.queue_report_s)
+            waiting = {model: n for model, n in self.gate.depths().items() if n}
+            if waiting or told:
+                with contextlib.suppress(Exception):  # a missed report is only a late scale-up
+                    await self.store.nc.publish(
+                        subject, _enc.encode(SCH.RouterQueues(router=self.instance, waiting=waiting))
+                    )
+            told = bool(waiting)
+
     def _pool_loads(self) -> list[tuple[str, float]]:
         ready = {m: [r.replica_id for r in self.state.ready(m)] for m in self.state.models}
         return pool_loads(ready, self.outstanding, self.cfg.saturation)
@@ -214,6 +231,7 @@ class Router:
         await self._restore()
         self._tasks.append(asyncio.create_task(self.fold.run(), name="router-follow"))
         self._tasks.append(asyncio.create_task(self.gossip.run(), name="router-gossip"))
+        self._tasks.append(asyncio.create_task(self._report_queues(), name="router-queue-report"))
         self._tasks.append(asyncio.create_task(self._follow_engines(), name="router-engines"))
         await self.gossip.subscribe()
         await asyncio.wait_for(self._caught_up.wait(), 60)

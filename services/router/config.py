@@ -20,6 +20,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     queue_max_per_model: int = 256  # requests waiting for one model; past it 429 `queue_full`
     queue_max_per_project: int = 64  # requests of one project waiting for one model; past it 429 `queue_full`
     queue_wait_s: float = 30.0  # the longest a request waits for a slot; then 503 `queue_timeout`
+    queue_report_s: float = 1.0  # how often what waits here is told to the schedulers (load for autoscaling)
     gossip_s: float = 0.1
     max_attempts: int = 3
     # Limits on what reaches an engine (docs/gateway.md, "Limits on requests").
