@@ -53,13 +53,20 @@ async def test_ctl_bench_save_measures_one_replica_and_the_scheduler_headroom_an
     send = ("--gateway", f"http://127.0.0.1:{gw.port}", "--key", key)
     small = ("--max-concurrency", "4", "--requests-per-step", "4", "--max-tokens", "16")
 
-    # Max 2: the autoscaler could spread the load over two replicas, so the bench refuses to guess.
+    # Max 2: the autoscaler could spread the load over two replicas, so the bench refuses to guess…
     code, _, err = await ctl(gw, "bench", "tiny", *send, *small)
     assert code == 2 and "--scale-to-one" in err, err
-    await gw.command("scale", M.ScaleModel(name="tiny", min=1, max=1))
 
-    code, out, err = await ctl(gw, "bench", "tiny", *send, *small, "--save", "--json")
+    # …unless told to hold the model at one replica for the run, and give back its min and max after.
+    code, out, err = await ctl(gw, "bench", "tiny", *send, *small, "--scale-to-one", "--save", "--json")
     assert code == 0, err
+    scaled = [
+        (e.payload.min, e.payload.max)
+        for e in await gw.store.read("llmgw.evt.model.tiny")
+        if isinstance(e.payload, M.ModelScaled)
+    ]
+    assert scaled == [(1, 1), (1, 2)]
+    assert "holding tiny at one replica for the run" in err and "tiny is back at min 1, max 2" in err
     result = json.loads(out)
     assert result["saved"] is True
     assert result["basis"] == "knee", "no SLO: the knee of the total tokens/s"
