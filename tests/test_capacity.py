@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from llmgw.bench import capacity as C
 from llmgw.events import models as M
@@ -284,3 +286,53 @@ def test_headroom_says_what_one_more_replica_serves_by_the_measurement() -> None
         "2023-11-14 22:13 UTC (profile default, 16 CPUs)"
     )
     assert (one["concurrency"], one["tokens_per_s"]) == (4, 120.0)
+
+
+@given(st.lists(st.tuples(st.floats(0.0, 1e4), st.booleans(), st.booleans()), min_size=1, max_size=8))
+def test_the_answer_is_always_a_step_that_qualifies_and_none_after_it_was_tried(
+    raw: list[tuple[float, bool, bool]],
+) -> None:
+    steps = [step(k + 1, total, within=w, failed=int(f)) for k, (total, w, f) in enumerate(raw)]
+    slo = M.Slo(ttft_p95_s=1.0)
+    # Steps are run until the verdict says stop: judge the prefix the bench would have reached.
+    for n in range(1, len(steps) + 1):
+        v = C.judge(steps[:n], slo)
+        if not v.more:
+            break
+    if v.best is not None:
+        assert v.best.within_slo and all(s.within_slo for s in steps[: v.best.concurrency])
+    for n in range(1, len(steps) + 1):
+        k = C.judge(steps[:n], None)
+        if not k.more:
+            break
+    if k.best is not None:
+        i = k.best.concurrency - 1
+        assert not k.best.failed
+        assert i == 0 or steps[i].tokens_per_s >= C.KNEE_RISE * steps[i - 1].tokens_per_s
+
+
+def test_the_result_says_what_one_replica_serves_and_on_what() -> None:
+    r = C.Result(
+        model="tiny",
+        replica="tiny-1",
+        node="n1",
+        profile="default",
+        shape=M.NodeShape(cpus=8),
+        slo=None,
+        basis="knee",
+        steps=[],
+        concurrency=2,
+        tokens_per_s=3204.5,
+        ttft_p95_s=0.104,
+        request_tokens_per_s=784.8,
+        requests=49,
+        at=T0,
+    )
+    assert C.result_line(r) == (
+        "tiny: one replica (default on 8 CPUs) serves 2 concurrent requests at its knee (total tokens/s "
+        "stopped rising by 10 %), 3204.5 tokens/s in all, time to first token p95 0.104 s, each request at "
+        "least 784.8 tokens/s (95 %)"
+    )
+    assert r.measured().concurrency == 2 and r.measured().basis == "knee"
+    none = msgspec.structs.replace(r, concurrency=0, note="even 1 concurrent: too slow")
+    assert C.result_line(none) == "tiny: one replica misses its SLO even at one request (even 1 concurrent: too slow)"
