@@ -336,3 +336,14 @@ def test_the_result_says_what_one_replica_serves_and_on_what() -> None:
     assert r.measured().concurrency == 2 and r.measured().basis == "knee"
     none = msgspec.structs.replace(r, concurrency=0, note="even 1 concurrent: too slow")
     assert C.result_line(none) == "tiny: one replica misses its SLO even at one request (even 1 concurrent: too slow)"
+
+
+def test_the_metrics_say_what_one_replica_serves_by_the_measurement_followed() -> None:
+    from llmgw.services.scheduler.metrics import fleet_figures
+
+    w = world()
+    [f] = fleet_figures(w.state, T0, CFG, []).models
+    assert (f.measured_concurrency, f.measured_tokens_per_s) == (None, None), "no measurement: no series"
+    w.add(on_model("m", measured(4, tokens_per_s=120.0)))
+    [f] = fleet_figures(w.state, T0, CFG, []).models
+    assert (f.measured_concurrency, f.measured_tokens_per_s) == (4, 120.0)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from llmgw.services.scheduler import autoscale as AS
 from llmgw.services.scheduler.preemption import class_of
 from llmgw.services.scheduler.quota import CAPACITY_SERIES, capacity_samples
 from llmgw.services.scheduler.reconcile import Config, wanted_replicas
@@ -35,6 +36,8 @@ class ModelFigures(msgspec.Struct, frozen=True, kw_only=True):
     autoscaled: int = 0  # replicas its load holds above the minimum (SCHED-9)
     requests_running: int | None = None  # its engines' load as the heartbeats last said
     requests_waiting: int | None = None
+    measured_concurrency: int | None = None  # what one replica serves by the measurement it follows (SCHED-10)
+    measured_tokens_per_s: float | None = None
 
 
 class FleetFigures(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,6 +55,10 @@ def fleet_figures(state: ClusterState, now_epoch: float, cfg: Config, blocked: I
         desired = 0 if m.stopped else min(lower + m.status.autoscaled, upper) if upper > lower else lower
         load = state.load.get(name)
         latest = load.samples[-1] if load is not None and load.samples else None
+        live = [r for r in state.replicas_of(name) if r.active]
+        measured = AS.measurement_of(
+            m, live, [state.nodes[r.node_id].capacity for r in live if r.node_id in state.nodes]
+        )
         models.append(
             ModelFigures(
                 model=name,
@@ -63,6 +70,8 @@ def fleet_figures(state: ClusterState, now_epoch: float, cfg: Config, blocked: I
                 autoscaled=m.status.autoscaled,
                 requests_running=latest.running if latest else None,
                 requests_waiting=latest.waiting if latest else None,
+                measured_concurrency=measured.concurrency if measured else None,
+                measured_tokens_per_s=measured.tokens_per_s if measured else None,
             )
         )
     nodes = dict.fromkeys(NODE_STATES, 0)
@@ -140,6 +149,9 @@ MODEL_SERIES = {
     "llmgw_model_replicas_autoscaled": "Replicas the model's load holds above its minimum (SCHED-9)",
     "llmgw_model_requests_running": "Requests its ready engines run, as their metrics last said",
     "llmgw_model_requests_waiting": "Requests waiting for a slot on its ready engines, as their metrics last said",
+    "llmgw_model_measured_concurrency": "Concurrent requests one replica serves within the SLO, by the measurement "
+    "autoscaling follows (SCHED-10)",
+    "llmgw_model_measured_tokens_per_second": "Tokens/s one replica serves at that concurrency, by the measurement",
 }
 
 
@@ -184,6 +196,8 @@ class FleetCollector:
                 ("llmgw_model_replicas_autoscaled", f.autoscaled),
                 ("llmgw_model_requests_running", f.requests_running),
                 ("llmgw_model_requests_waiting", f.requests_waiting),
+                ("llmgw_model_measured_concurrency", f.measured_concurrency),
+                ("llmgw_model_measured_tokens_per_second", f.measured_tokens_per_s),
             ):
                 if value is not None:  # no engine has said its load: no series, never 0
                     models[name].add_metric([f.model], float(value))
