@@ -171,6 +171,9 @@ BOUNDS: dict[str, tuple[str, float]] = {
     "signin.login_window_s": (">", 0),
 }
 
+# Shares, at most 1.
+UPPER: dict[str, float] = {"scheduler.scale_down_below": 1, "router.trace_sample_ratio": 1}
+
 # What a setting does, where its struct says nothing beside it (or says it for another reader).
 DESCRIPTIONS: dict[str, str] = {
     "scheduler.lost_after_s": "a node silent this long is lost, and its replicas are placed elsewhere",
@@ -192,6 +195,13 @@ DESCRIPTIONS: dict[str, str] = {
     "router.gossip_s": "how often each router tells the others what it admitted (limits)",
     "router.max_attempts": "the replicas a request is tried on before it is answered with an error",
     "router.body_s": "a request body that has not arrived within this is answered 408",
+    "router.trace_endpoint": "send OTLP/HTTP spans of each request to this collector URL "
+    "(http://host:4318/v1/traces); null: no traces (GW-9)",
+    "router.trace_sample_ratio": "the share of the traces a client did not start that are kept (1: every one, 0: none)",
+    "scheduler.scale_up_waiting_per_replica": "waiting requests per ready replica, on average over "
+    "scheduler.scale_up_after_s, that add a replica (a model with no measurement)",
+    "scheduler.scale_down_below": "a replica the load added is removed only if the requests of the busiest "
+    "moment fit in the other replicas under this share of their slots (or of the measured capacity)",
     "signin.login_failures": "an address that fails this many logins within signin.login_window_s is blocked",
     "signin.login_window_s": "the window in which an address's failed logins are counted",
     "signin.login_block_s": "how long an address is first blocked; each further block lasts twice the one before",
@@ -309,6 +319,12 @@ def _bound(path: str, t: Any) -> tuple[str, float] | None:
     return BOUNDS.get(path, ("≥", 0))
 
 
+def _upper(path: str, t: Any) -> float | None:
+    """The most a number takes: from the struct's Meta, else UPPER, else no limit."""
+    t = _unwrap(t)
+    return t.le if t.le is not None else UPPER.get(path)
+
+
 def _words(path: str, t: Any) -> str:
     """What a setting takes, in words: ``a number ≥ 1``, ``a list of text``, ``true or false or null``."""
     if isinstance(t, mi.UnionType):
@@ -318,7 +334,8 @@ def _words(path: str, t: Any) -> str:
     if isinstance(t, mi.IntType | mi.FloatType):
         noun = "a whole number" if isinstance(t, mi.IntType) else "a number"
         op, low = _bound(path, t) or ("≥", 0)
-        high = f" and ≤ {_num(t.le)}" if t.le is not None else ""
+        top = _upper(path, t)
+        high = f" and ≤ {_num(top)}" if top is not None else ""
         return f"{noun} {op} {_num(low)}{high}"
     if isinstance(t, mi.BoolType):
         return "true or false"
@@ -365,7 +382,8 @@ def _check_leaf(path: str, t: Any, value: Any) -> str | None:
         if isinstance(value, bool) or not ok_type:
             return f"expected {expected}, got {_shown(value)}"
         op, low = _bound(path, t) or ("≥", 0)
-        if (op == "≥" and value < low) or (op == ">" and value <= low) or (t.le is not None and value > t.le):
+        top = _upper(path, t)
+        if (op == "≥" and value < low) or (op == ">" and value <= low) or (top is not None and value > top):
             return f"expected {expected}, got {_shown(value)}"
         return None
     if isinstance(t, mi.BoolType):

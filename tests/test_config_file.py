@@ -356,7 +356,8 @@ def _valid(t: Any) -> st.SearchStrategy[Any]:
 
 def _number(path: str, t: Any) -> st.SearchStrategy[Any]:
     op, low = C._bound(path, t) or ("≥", 0)
-    high = t.le if t.le is not None else 10**6
+    top = C._upper(path, t)
+    high = top if top is not None else 10**6
     if isinstance(t, mi.IntType):
         return st.integers(min_value=int(low) + (op == ">"), max_value=int(high))
     return st.floats(min_value=low, max_value=high, exclude_min=op == ">", allow_nan=False)
