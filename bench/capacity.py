@@ -168,7 +168,11 @@ def judge(steps: list[Step], slo: M.Slo | None, last_step: bool = False) -> Verd
             if not within:
                 return Verdict(best=None, more=False, note=f"even {last.concurrency} concurrent: {last.why}")
             return Verdict(best=within[-1], more=False, note=f"at {last.concurrency} concurrent: {last.why}")
-        note = f"still within the SLO at {last.concurrency}: more could be" if last_step else ""
+        note = (
+            f"still within the SLO at {last.concurrency}, the last step (--max-concurrency): more could be"
+            if last_step
+            else ""
+        )
         return Verdict(best=last, more=not last_step, note=note)
     best = None
     for k, s in enumerate(steps):
@@ -182,7 +186,11 @@ def judge(steps: list[Step], slo: M.Slo | None, last_step: bool = False) -> Verd
                 note=f"at {s.concurrency} concurrent the total tokens/s rose {rise:+.0%}, under 10 %",
             )
         best = s
-    note = f"total tokens/s still rising at {steps[-1].concurrency}: the knee is higher" if last_step else ""
+    note = (
+        f"total tokens/s still rising at {steps[-1].concurrency}, the last step (--max-concurrency): the knee is higher"
+        if last_step
+        else ""
+    )
     return Verdict(best=best, more=not last_step, note=note)
 
 

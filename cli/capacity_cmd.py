@@ -222,7 +222,7 @@ def bench(
             return 0
         click.echo(C.result_line(result))
         if result.note:
-            click.echo(f"steps stopped: {result.note}")
+            click.echo(f"steps: {result.note}")
         click.echo(C.LEGEND)
         click.echo(f"saved: {saved}" if saved else "not saved: --save records it for autoscaling and headroom")
         return 0
