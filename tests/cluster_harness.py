@@ -40,7 +40,9 @@ MODEL = "tiny"
 SERVICES = "tenancy,access,people,catalog,fleet,scheduler,projections,api,router,accountant,mirror,jobs"
 # The servers' settings, shortened for a machine where everything restarts within seconds.
 FAST_ENV = {
-    "LLMGW_SCHEDULER_LOST_AFTER_S": "5",
+    # Above the ~15 s a NATS client takes to leave a paused server (3 missed pings): an agent on a paused
+    # node cannot heartbeat that long, and a shorter limit calls its node lost (docs/reliability.md).
+    "LLMGW_SCHEDULER_LOST_AFTER_S": "20",
     "LLMGW_SCHEDULER_BACKOFF_BASE_S": "0.2",
     "LLMGW_SCHEDULER_BACKOFF_CAP_S": "2",
     "LLMGW_SCHEDULER_STOP_GRACE_S": "5",

@@ -115,8 +115,16 @@ async def verify_clean(h: ClusterHarness) -> tuple[bool, str]:
         body: dict[str, Any] = json.loads(out.stdout)
     except ValueError:
         return False, f"verify exited {out.returncode}: {out.stdout[-500:]} {out.stderr[-500:]}"
-    differs = [r["name"] for r in body.get("verified", []) if not r.get("identical")]
-    return bool(body.get("identical")), ", ".join(differs)
+    (h.base / f"verify-{time.strftime('%H%M%S')}.json").write_text(out.stdout)  # every row that differs
+    differs = []
+    for r in body.get("verified", []):
+        for table, diff in (r.get("differences") or {}).items():
+            live, rebuilt = diff.get("only_live", []), diff.get("only_rebuilt", [])
+            first = (live or rebuilt or [None])[0]
+            differs.append(f"{r['name']}.{table}: {len(live)} only live, {len(rebuilt)} only rebuilt, e.g. {first}")
+        if not r.get("identical") and not r.get("differences"):
+            differs.append(r["name"])
+    return bool(body.get("identical")), "; ".join(differs)
 
 
 async def run_fault(h: ClusterHarness, load: Load, name: str) -> FaultResult:
@@ -233,9 +241,20 @@ async def kill_agent(h: ClusterHarness, load: Load) -> str:
 
 async def kill_engine(h: ClusterHarness, load: Load) -> str:
     assert h.fleet is not None
+    fleet = h.fleet
     replica = h.kill_engine()
-    await h.fleet.wait_ready(MODEL, h.n_replicas, deadline_s=180)
-    return f"engine of {replica} killed -9; {h.n_replicas} replicas ready again"
+    t = time.monotonic()
+
+    async def gone() -> bool:
+        return (await fleet.replicas())[replica]["state"] != "ready"
+
+    await wait_until(gone, deadline_s=120, what=f"{replica} known to have failed")
+    noticed = time.monotonic() - t
+    await fleet.wait_ready(MODEL, h.n_replicas, deadline_s=180)
+    return (
+        f"engine of {replica} killed -9; known failed after {noticed:.1f} s, "
+        f"{h.n_replicas} replicas ready again after {time.monotonic() - t:.1f} s"
+    )
 
 
 async def restart_everything(h: ClusterHarness, load: Load) -> str:
