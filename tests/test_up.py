@@ -129,6 +129,7 @@ def test_up_writes_a_demo_key_for_its_owner_only_the_first_time_and_keeps_it_on_
     assert len(json.loads(up.cli("ctl", "key", "list", "--json").stdout)) == 1, "no second demo key"
 
 
+@pytest.mark.timeout(420)  # some twenty CLI processes in a row, each a Python start: minutes on a loaded machine
 def test_a_created_key_is_printed_once_and_listed_by_its_prefix_only(up: Up) -> None:
     for args in (["org", "create", "acme"], ["team", "create", "acme/ml"], ["project", "create", "acme/ml/chat"]):
         assert up.cli("ctl", *args).returncode == 0
