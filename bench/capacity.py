@@ -18,7 +18,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import msgspec
@@ -299,7 +299,6 @@ async def run_bench(
     request_timeout_s: float = 300.0,
 ) -> tuple[list[Step], Verdict, int]:
     """Steps of rising concurrency until :func:`judge` has its answer: the steps, the verdict, requests sent."""
-    steps: list[Step] = []
     sent = 0
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -307,17 +306,44 @@ async def run_bench(
         sent += 1
         if warm.error:
             raise BenchError(f"model {t.model} did not answer through the gateway at {t.gateway}: {warm.error}")
-        plan = concurrency_steps(max_concurrency, linear)
-        verdict = Verdict(best=None, more=True)
-        for k, c in enumerate(plan):
+
+        async def measure(c: int) -> Step:
+            nonlocal sent
             samples, wall = await run_step(http, t, c, max(requests_per_step, c))
             sent += len(samples)
-            steps.append(summarize(c, samples, wall, slo))
-            on_step(steps[-1])
-            verdict = judge(steps, slo, last_step=k == len(plan) - 1)
-            if not verdict.more:
-                break
+            step = summarize(c, samples, wall, slo)
+            on_step(step)
+            return step
+
+        steps, verdict = await climb(measure, slo, concurrency_steps(max_concurrency, linear))
     return steps, verdict, sent
+
+
+async def climb(
+    measure: Callable[[int], Awaitable[Step]], slo: M.Slo | None, plan: list[int]
+) -> tuple[list[Step], Verdict]:
+    """The steps of ``plan`` until :func:`judge` has its answer; with an SLO, the gap between the last
+    step within it and the first outside is then halved until it is one request wide (doubling alone
+    would answer 4 where 7 are served). The steps come back in rising concurrency."""
+    steps: list[Step] = []
+    verdict = Verdict(best=None, more=True)
+    for k, c in enumerate(plan):
+        steps.append(await measure(c))
+        verdict = judge(steps, slo, last_step=k == len(plan) - 1)
+        if not verdict.more:
+            break
+    if slo is not None and verdict.best is not None and not steps[-1].within_slo:
+        best, outside = verdict.best, steps[-1]
+        while outside.concurrency - best.concurrency > 1:
+            step = await measure((best.concurrency + outside.concurrency) // 2)
+            steps.append(step)
+            if step.within_slo:
+                best = step
+            else:
+                outside = step
+        verdict = Verdict(best=best, more=False, note=f"at {outside.concurrency} concurrent: {outside.why}")
+        steps.sort(key=lambda s: s.concurrency)
+    return steps, verdict
 
 
 # -- words ----------------------------------------------------------------------------------------

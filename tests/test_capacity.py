@@ -347,3 +347,31 @@ def test_the_metrics_say_what_one_replica_serves_by_the_measurement_followed() -
     w.add(on_model("m", measured(4, tokens_per_s=120.0)))
     [f] = fleet_figures(w.state, T0, CFG, []).models
     assert (f.measured_concurrency, f.measured_tokens_per_s) == (4, 120.0)
+
+
+@pytest.mark.parametrize(
+    ("served", "plan", "found", "tried"),
+    [
+        (7, [1, 2, 4, 8, 16], 7, [1, 2, 4, 8, 6, 7]),  # doubling finds 4-8, halving the gap finds 7
+        (4, [1, 2, 4, 8], 4, [1, 2, 4, 8, 6, 5]),
+        (1, [1, 2, 4], 1, [1, 2]),
+        (0, [1, 2, 4], None, [1]),
+        (20, [1, 2, 4, 8, 16], 16, [1, 2, 4, 8, 16]),  # within at the last step: no gap to halve
+        (3, [1, 2, 3, 4], 3, [1, 2, 3, 4]),  # one at a time: nothing between
+    ],
+)
+async def test_with_an_slo_the_gap_between_the_last_step_within_and_the_first_outside_is_halved(
+    served: int, plan: list[int], found: int | None, tried: list[int]
+) -> None:
+    asked: list[int] = []
+
+    async def replica(c: int) -> C.Step:  # a replica that meets the SLO up to `served` concurrent requests
+        asked.append(c)
+        ok = c <= served
+        return step(c, 10.0 * min(c, served), within=ok, why="" if ok else "too slow")
+
+    steps, verdict = await C.climb(replica, M.Slo(ttft_p95_s=1.0), plan)
+    assert (verdict.best.concurrency if verdict.best else None) == found
+    assert asked == tried
+    assert [s.concurrency for s in steps] == sorted(tried)
+    assert not verdict.more
