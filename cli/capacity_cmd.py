@@ -129,6 +129,11 @@ def bench(
         row = await _model_row(s, name)
         if row["stopped"]:
             raise CommandRejectedError(f"model {name} is stopped: `llmgw ctl model start {name}` first", "stopped")
+        if row.get("route") == "embedding":
+            raise CommandRejectedError(
+                f"model {name} is an embedding model: ctl bench measures generation (time to first token, tokens/s)",
+                "invalid_route",
+            )
         explained = await _ask_scheduler(s, SCH.EXPLAIN_SUBJECT, name)
         active = [r for r in explained["replicas"] if r["state"] in ACTIVE]
         before = (row["min_replicas"], row["max_replicas"])
