@@ -50,6 +50,7 @@ from llmgw.services.router.limits import Limiter
 from llmgw.services.router.metrics import PoolSaturation, QueueDepth, RouterMetrics, UsageMetrics, pool_loads
 from llmgw.services.router.proxy import Upstream, engine_refusal
 from llmgw.services.router.queue import PROJECT_FULL, ClientLeft, Gate, QueueRefused
+from llmgw.services.router.responses import ResponsesApi
 from llmgw.services.router.routing import (
     ENGINE_STALE_S,
     Affinity,
@@ -151,6 +152,7 @@ class Router:
             export_delay_s=self.cfg.trace_export_delay_s,
         )
         self.upstream.tracing = self.tracing
+        self.responses = ResponsesApi(self.cfg.max_body_bytes)  # /v1/responses, over this router's chat path
         self.outstanding = self.upstream.outstanding  # replica id -> requests in flight there
         # replica id -> what its engine last reported in its agent's heartbeat (requests waiting, KV
         # usage, slots, unreachable): routing prefers the least loaded by it (GW-6); replicas without a
@@ -224,6 +226,7 @@ class Router:
 
     async def start(self) -> None:
         self.upstream.open(await engine_key_secret(self.store.js))
+        await self.responses.start(self.app())
         try:
             await self.usage.start()  # publishes what an earlier run left in the journal
         except JournalError as exc:
@@ -300,6 +303,7 @@ class Router:
             self.snapshotter.close()
         await self.gate.close()
         report = await self.usage.stop()
+        await self.responses.close()
         await self.upstream.close()
         await asyncio.to_thread(self.tracing.shutdown)  # the last spans sent (bounded by the exporter's timeout)
         return report
@@ -321,6 +325,7 @@ class Router:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/responses", self.responses.handle)
         return app
 
     async def healthz(self, request: web.Request) -> web.Response:
