@@ -106,6 +106,11 @@ async def test_ctl_bench_save_measures_one_replica_and_the_scheduler_headroom_an
     code, out, err = await ctl(gw, "model", "target", "tiny", "--tokens-per-sec", f"{wanted}", "--json")
     assert code == 0, err
     assert json.loads(out)["replicas"] == 3
+    code, out, err = await ctl(
+        gw, "model", "target", "tiny", "--tokens-per-sec", f"{saved.tokens_per_s / 2}", "--apply"
+    )
+    assert code == 0, err
+    assert "needs 1 replica of tiny" in out and "model tiny scaled to min 1, max 2" in out, out
 
     # An SLO set after the measurement makes it stale: nothing the autoscaler follows.
     await gw.command("slo", M.SetSlo(name="tiny", ttft_p95_s=30.0))
