@@ -78,7 +78,7 @@ def _gateway_and_key(ctx: click.Context, gateway: str | None, key: str | None) -
 @click.argument("name")
 @click.option("--replica", help="Measure this replica; refused unless it is the one the model runs on.")
 @click.option("--max-concurrency", default=16, show_default=True, help="The most concurrent requests tried.")
-@click.option("--requests-per-step", default=8, show_default=True, help="Requests per step (at least the step's).")
+@click.option("--requests-per-step", default=32, show_default=True, help="Requests per step (at least the step's).")
 @click.option("--linear", is_flag=True, help="Rise one request at a time, not 1, 2, 4, ….")
 @click.option("--max-tokens", default=64, show_default=True, help="Tokens each request asks for.")
 @click.option(
