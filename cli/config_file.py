@@ -29,8 +29,9 @@ import msgspec
 import msgspec.inspect as mi
 import yaml
 
-from llmgw.cli.runtime import ALL_SERVICES, ServerConfig, SignInConfig, SnapshotsConfig
+from llmgw.cli.runtime import ALL_SERVICES, OPTIONAL_SERVICES, ServerConfig, SignInConfig, SnapshotsConfig
 from llmgw.services.accountant.service import PRUNE_EVERY_S, RETENTION_DAYS
+from llmgw.services.backup import service as backup_service
 from llmgw.services.mirror.hub import DEFAULT_HUB
 from llmgw.services.router.config import RouterConfig
 from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
@@ -112,7 +113,14 @@ class JobsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     source: Literal["mirror", "local"] = "mirror"
 
 
-Service = Literal[ALL_SERVICES]  # type: ignore[valid-type]
+class BackupSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # The backup service's (when `services` names backup): where its archives go (none: DATA_DIR/backups).
+    dir: str | None = None
+    every_s: Positive = backup_service.EVERY_S  # how often it backs up
+    keep: Annotated[int, msgspec.Meta(ge=1)] = backup_service.KEEP  # how many archives it keeps, the newest
+
+
+Service = Literal[(*ALL_SERVICES, *OPTIONAL_SERVICES)]  # type: ignore[valid-type]
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -136,6 +144,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     hub: HubSettings = HubSettings()
     jobs: JobsSettings = JobsSettings()
     signin: SignInConfig = SignInConfig()
+    backup: BackupSettings = BackupSettings()
 
 
 # What the scheduler's and the router's structs take, where it is narrower than "a number ≥ 0" (their
@@ -593,6 +602,7 @@ def resolve(s: Settings, data_dir: Path, hub_token: str | None = None) -> Settin
             s.router, usage_journal=s.router.usage_journal or str(data_dir / "usage-journal")
         ),
         hub=msgspec.structs.replace(s.hub, token=s.hub.token or hub_token),
+        backup=msgspec.structs.replace(s.backup, dir=s.backup.dir or str(data_dir / "backups")),
     )
 
 
@@ -644,6 +654,9 @@ def server_config(s: Settings, **more: Any) -> ServerConfig:
         nats_cert=s.nats.cert,
         nats_key=s.nats.key,
         nats_creds=s.nats.creds,
+        backup_dir=s.backup.dir,
+        backup_every_s=s.backup.every_s,
+        backup_keep=s.backup.keep,
         **more,
     )
 

@@ -273,6 +273,7 @@ UP_DECIDES = {
     "mirror.peer_of": "`llmgw up` runs the primary mirror; peers are `llmgw server`s",
     "mirror.peer_name": "`llmgw up` runs the primary mirror; peers are `llmgw server`s",
     "mirror.urls": "`llmgw up`'s jobs read its own mirror; mirror.urls is for `llmgw server`",
+    "backup": "`llmgw up` runs no backup service (run `llmgw backup --every 24h` beside it); for `llmgw server`",
 }
 
 

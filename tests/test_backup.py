@@ -454,3 +454,25 @@ async def test_a_server_running_the_backup_service_publishes_its_last_success_on
     assert {f.path for f in B.read_manifest(archive).files} >= {"pki/ca.key", "nats/users/operator.json"}
     assert "llmgw_backup_last_success_timestamp_seconds 1." in text
     assert "llmgw_backup_interval_seconds 3600.0" in text
+
+
+def test_the_backup_settings_of_a_config_file_reach_the_server_and_up_refuses_them(tmp_path: Path) -> None:
+    from llmgw.cli import config_file as C
+
+    path = tmp_path / "llmgw.yaml"
+    path.write_text(
+        "nats: {url: 'nats://a:4222'}\ndb: x.db\nservices: [api, backup]\nbackup: {every_s: 3600, keep: 3}\n"
+    )
+    config = C.server_config(C.resolve(C.load(path, {}), tmp_path / "data"))
+    assert config.services == ("api", "backup")
+    assert config.backup_dir == str(tmp_path / "data" / "backups")
+    assert (config.backup_every_s, config.backup_keep) == (3600, 3)
+    with pytest.raises(C.ConfigError, match=r"backup\.keep"):
+        C.load(path, {"LLMGW_BACKUP_KEEP": "0"})
+
+    up_file = tmp_path / "up.yaml"
+    up_file.write_text("backup: {keep: 3}\n")
+    args = ["up", "--data-dir", str(tmp_path / "up"), "--config", str(up_file), "--no-agent", "--no-demo"]
+    result = CliRunner().invoke(cli_main, args)
+    assert result.exit_code == 2
+    assert "runs no backup service" in result.output

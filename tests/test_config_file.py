@@ -55,7 +55,7 @@ def write(tmp_path: Path, text: str, name: str = "llmgw.yaml") -> Path:
         ("gateway:\n  port: 70000\n", "gateway.port: expected a whole number ≥ 0 and ≤ 65535, got 70000"),
         ("scheduler:\n  stop_grace_s: -1\n", "scheduler.stop_grace_s: expected a number ≥ 0, got -1"),
         ("jobs:\n  source: disk\n", 'jobs.source: expected one of local, mirror, got "disk"'),
-        ("services: [router, routr]\n", "services[1]: expected one of access, accountant, api, catalog, fleet, jobs"),
+        ("services: [router, routr]\n", "services[1]: expected one of access, accountant, api, backup, catalog, fleet"),
         # an unknown key, with the likeliest one meant
         ("router:\n  tiemout_s: 5\n", "router.tiemout_s: unknown key (did you mean total_s?)"),
         ("schedular:\n  lost_after_s: 5\n", "schedular: unknown key (did you mean scheduler?)"),
