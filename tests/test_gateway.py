@@ -769,3 +769,16 @@ async def test_requests_past_the_slots_wait_in_the_gateway_and_are_served_fairly
     assert "waited in the queue" in (left.error or "")
     assert (records["full"].status, records["full"].replica_id) == (429, None)
     assert (records["late"].status, records["late"].cost_usd) == (503, 0.0)
+
+
+async def test_the_gateway_weighs_each_engine_by_the_load_its_agent_reports(gw: Fleet, tiny: Path) -> None:
+    await ready_model(gw, tiny)
+    [replica] = await gw.ready("tiny")
+    router = gw.handles["router"]
+
+    def reported() -> Any:
+        return router.engines.get(replica["id"])
+
+    engine = await wait_until(reported, deadline_s=30, what="the agent's heartbeat to carry the engine's load")
+    assert not engine.unreachable and engine.waiting == 0
+    assert engine.slots == 2, "the engine's own slot count (the profile's parallel), as its agent read it"
