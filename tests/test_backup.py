@@ -29,6 +29,7 @@ from llmgw.events.usage import UsageRecord
 from llmgw.projections.backends import open_backend
 from llmgw.projections.rebuild import rebuild
 from llmgw.services.backup.service import BackupService, due_in, newest
+from tests.cluster import nats_cluster
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import NatsServer, nats_server, wait_until
@@ -476,3 +477,48 @@ def test_the_backup_settings_of_a_config_file_reach_the_server_and_up_refuses_th
     result = CliRunner().invoke(cli_main, args)
     assert result.exit_code == 2
     assert "runs no backup service" in result.output
+
+
+async def test_a_single_server_s_backup_restores_into_a_three_node_cluster_with_three_replicas(
+    store: EventStore, tmp_path: Path
+) -> None:
+    for i in range(200):
+        await store.js.publish(f"llmgw.evt.x.{i % 4}", b"x" * 50, headers={"Nats-Msg-Id": f"m{i}"})
+    await engine_key_secret(store.js)
+    archive = Path((await B.backup(store.nc, tmp_path / "backups")).path)
+    with nats_cluster(tmp_path / "cluster") as cluster:
+        restored = await EventStore.connect(cluster.urls, default_registry())
+        try:
+            await B.restore(restored.nc, archive, replicas=3)
+            for stream in ("LLMGW_EVENTS", "KV_llmgw_secrets"):
+                info = await restored.js.stream_info(stream)
+                assert info.config.num_replicas == 3
+            assert await messages(restored, "LLMGW_EVENTS") == await messages(store, "LLMGW_EVENTS")
+            assert await engine_key_secret(restored.js) == await engine_key_secret(store.js)
+        finally:
+            await restored.close()
+
+
+@pytest.mark.parametrize(
+    ("why", "says"),
+    [
+        ("restore failed: io: read/write on closed pipe", "flushes every write"),
+        ("restore for stream '$G > LLMGW_EVENTS' is stalled", "flushes every write"),
+        ("insufficient storage resources available", "insufficient storage"),
+    ],
+)
+async def test_a_chunk_the_server_refuses_is_reported_with_what_to_do(why: str, says: str) -> None:
+    class Msg(msgspec.Struct):
+        data: bytes
+
+    class Server:
+        async def request(self, subject: str, payload: bytes, timeout: float) -> Msg:
+            if subject.startswith("$JS.API.STREAM.RESTORE."):
+                return Msg(data=b'{"deliver_subject": "$JS.SNAPSHOT.RESTORE.LLMGW_EVENTS.x"}')
+            return Msg(data=msgspec.json.encode({"error": {"description": why}}))
+
+    entry = B.StreamEntry(
+        name="LLMGW_EVENTS", first_seq=1, last_seq=1, messages=1, bytes=1, size=1, sha256="", config={}, state={}
+    )
+    with pytest.raises(B.BackupError, match=says):
+        await B.restore_stream(Server(), entry, [b"chunk"], None)  # type: ignore[arg-type]
