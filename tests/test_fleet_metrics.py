@@ -164,6 +164,13 @@ def test_pool_saturation_is_in_flight_over_the_slots_of_the_ready_replicas() -> 
     assert registry.get_sample_value("llmgw_pool_saturation", {"model": "chat"}) == 0.75
 
 
+def test_pool_saturation_counts_the_requests_waiting_in_the_gateway_and_each_replicas_own_slots() -> None:
+    ready = {"chat": ["c1", "c2"]}
+    # The queue keeps in flight at the slots (2 + 6): the requests waiting in it say how far past them.
+    loads = pool_loads(ready, {"c1": 2, "c2": 6}, slots={"c1": 2, "c2": 6}, waiting={"chat": 4})
+    assert loads == [("chat", 1.5)]
+
+
 def test_each_node_s_latest_heartbeat_becomes_series_and_a_missing_sensor_stays_absent() -> None:
     w = World().add(
         shaped("cpu", CPU_16C_64G), node("gpu", 64, 512, gpus=2, gpu_mem_gb=80), shaped("gone", CPU_16C_64G)

@@ -220,7 +220,9 @@ class Router:
 
     def _pool_loads(self) -> list[tuple[str, float]]:
         ready = {m: [r.replica_id for r in self.state.ready(m)] for m in self.state.models}
-        return pool_loads(ready, self.outstanding, self.cfg.saturation)
+        sat, engines = self.cfg.saturation, self.engines
+        slots = {rid: slots_of(r, engines, sat) for rs in self.state.ready_by_model.values() for rid, r in rs.items()}
+        return pool_loads(ready, self.outstanding, slots, self.gate.depths())
 
     # -- lifecycle ---------------------------------------------------------------------------
 

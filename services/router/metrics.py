@@ -80,16 +80,22 @@ class RouterMetrics:
 
 
 def pool_loads(
-    ready: Mapping[str, Iterable[str]], outstanding: Mapping[str, int], slots: int
+    ready: Mapping[str, Iterable[str]],
+    outstanding: Mapping[str, int],
+    slots: int | Mapping[str, int],
+    waiting: Mapping[str, int] | None = None,
 ) -> list[tuple[str, float]]:
     """(model, saturation) for each model with ready replicas: requests this router has in flight
-    to them over what they take at once (``slots`` each). Above 1, requests wait in the engines'
-    queues; summed over routers it is the pool's. Pure."""
+    to them, plus those waiting in its queue for them, over what they take at once (``slots`` each,
+    or by replica id). Above 1, requests wait — in the gateway's queue or the engines'; summed over
+    routers it is the pool's. Pure."""
     out = []
     for model, replicas in sorted(ready.items()):
         ids = list(replicas)
         if ids:
-            out.append((model, sum(outstanding.get(r, 0) for r in ids) / (len(ids) * max(slots, 1))))
+            room = len(ids) * slots if isinstance(slots, int) else sum(slots[r] for r in ids)
+            demand = sum(outstanding.get(r, 0) for r in ids) + (waiting or {}).get(model, 0)
+            out.append((model, demand / max(room, 1)))
     return out
 
 
