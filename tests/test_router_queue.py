@@ -292,9 +292,11 @@ def _r(rid: str, slots: int | None = None) -> ReplicaInfo:
         ({}, {"a": EngineLoad(kv_usage=0.9), "b": EngineLoad(kv_usage=0.2)}, None, ["b", "a"]),
         # An engine its agent cannot reach goes last and loses its prefix, however idle it looks.
         ({"b": 3}, {"a": EngineLoad(unreachable=True)}, "a", ["b", "a"]),
-        # The prefix's replica keeps it below its slots as its engine reports them (8, not the default 4).
-        ({"a": 5, "b": 0}, {"a": EngineLoad(slots=8)}, "a", ["a", "b"]),
-        ({"a": 8, "b": 0}, {"a": EngineLoad(slots=8)}, "a", ["b", "a"]),
+        # The prefix's replica keeps it below its slots as its engine reports them (2, under the default 4)…
+        ({"a": 1, "b": 0}, {"a": EngineLoad(slots=2)}, "a", ["a", "b"]),
+        ({"a": 2, "b": 0}, {"a": EngineLoad(slots=2)}, "a", ["b", "a"]),
+        # …and never past `saturation`, however many slots: a shared prefix must not pile onto one replica.
+        ({"a": 4, "b": 0}, {"a": EngineLoad(slots=256)}, "a", ["b", "a"]),
     ],
 )
 def test_replicas_are_ranked_by_what_their_engines_report_where_they_report_it(

@@ -104,7 +104,10 @@ def order(
             if r.replica_id != preferred:
                 continue
             e = engines.get(r.replica_id) if engines else None
-            if outstanding.get(r.replica_id, 0) < slots_of(r, engines, saturation) and not (e and e.unreachable):
+            # Affinity lets go at the replica's slots, and at ``saturation`` for an engine with many: one
+            # shared system prompt must not send a vLLM replica's 256 requests to it while others idle.
+            room = min(slots_of(r, engines, saturation), saturation)
+            if outstanding.get(r.replica_id, 0) < room and not (e and e.unreachable):
                 return [r, *ranked[:i], *ranked[i + 1 :]]
     return ranked
 
