@@ -351,3 +351,84 @@ def test_a_router_forgets_the_engine_loads_of_a_node_gone_silent() -> None:
     assert set(router.engines) == {"a", "b"}
     router.engines_seen(_beat("n2", _report("b", requests_waiting=0)), now=100.0 + ENGINE_STALE_S + 1)
     assert router.engines == {"b": EngineLoad(waiting=0)}, "n1 has said nothing for three heartbeats"
+
+
+actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("arrive"), st.sampled_from("abc")),
+        st.tuples(st.just("finish"), st.integers(0, 20)),
+        st.tuples(st.just("cancel"), st.integers(0, 20)),
+        st.tuples(st.just("leave"), st.integers(0, 20)),
+        st.tuples(st.just("finish, then cancel the waiting"), st.integers(0, 20)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), actions)
+def test_no_slot_is_ever_overgiven_or_leaked_whatever_arrives_finishes_is_cancelled_or_leaves(
+    slots_n: int, steps: list[tuple[str, object]]
+) -> None:
+    """Requests arrive, finish, are cancelled while waiting (or just after their grant) and leave, in any
+    order: in flight plus granted never exceeds the slots, and once everything has ended nothing is held."""
+
+    async def run() -> None:
+        slots = Slots(slots_n)
+        gate = Gate(slots.load, max_per_model=100, max_per_project=100, wait_s=60.0)
+        gate.SWEEP_S = 0.001  # type: ignore[misc]
+        tasks: list[asyncio.Task[None]] = []
+        done: list[asyncio.Event] = []
+        left: list[bool] = []
+        sent: set[int] = set()
+
+        async def request(i: int, project: str) -> None:
+            if not gate.passes("m"):
+                await gate.wait("m", project, lambda: left[i])
+                gate.sent("m")
+            sent.add(i)
+            slots.in_flight += 1
+            try:
+                await done[i].wait()
+            finally:
+                slots.in_flight -= 1
+                gate.released("m")
+
+        async def settle() -> None:
+            for _ in range(5):
+                await asyncio.sleep(0.002)
+            assert slots.in_flight + gate.granted.get("m", 0) <= slots.slots
+
+        for kind, arg in steps:
+            if kind == "arrive":
+                i = len(tasks)
+                done.append(asyncio.Event())
+                left.append(False)
+                tasks.append(asyncio.create_task(request(i, str(arg))))
+            elif tasks:
+                i = int(arg) % len(tasks)  # type: ignore[call-overload]
+                if kind == "finish":
+                    done[i].set()
+                    # One turn of the loop: the finished request releases its slot and the next waiter is
+                    # granted it but has not run yet, so a "cancel" next may land between grant and send.
+                    await asyncio.sleep(0)
+                    continue
+                elif kind == "finish, then cancel the waiting":
+                    for j in sent:
+                        done[j].set()
+                    await asyncio.sleep(0)
+                    for j, t in enumerate(tasks):
+                        if j not in sent:
+                            t.cancel()  # the one just granted a slot among them
+                elif kind == "cancel":
+                    tasks[i].cancel()
+                else:
+                    left[i] = True
+            await settle()
+        for e in done:
+            e.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await gate.close()
+        assert slots.in_flight == 0 and gate.granted.get("m", 0) == 0 and gate.depths().get("m", 0) == 0
+
+    asyncio.run(run())
