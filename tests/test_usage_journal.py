@@ -408,6 +408,33 @@ async def test_records_a_stopping_router_could_not_publish_are_journaled_and_pub
     shutil.rmtree(journal, ignore_errors=True)
 
 
+async def test_records_journaled_into_a_segment_being_replayed_are_published_after_the_journal_moves_on(
+    tmp_path: Path, store: EventStore
+) -> None:
+    # Found by the fault suite (a NATS node paused 30 s under load lost 1,745 records): records appended
+    # to the segment being replayed, before a later append moved on to the next segment, were deleted
+    # with it unread. Driven step by step: one record published per step, one record arriving per step.
+    first, later = make_records(4, START, prefix="first"), make_records(2, START, seed=8, prefix="later")
+    config = UsageConfig(journal_dir=str(tmp_path / "journal"), batch=1)
+    publisher = UsagePublisher(store.js, store.nc, config)
+    # Room for the first four and one more: the sixth record starts the next segment.
+    publisher._journal = Journal(tmp_path / "journal", len(frame([msgspec.json.encode(r) for r in first])) + 1)
+    publisher._bus_ok = False  # the bus has just refused: what waits goes to the journal first
+    for r in first:
+        publisher.put(r)
+    assert await publisher._step(5.0)  # journals the four, reads them back, publishes one
+    for r in later:  # each step journals what arrived, then publishes one more of the four read
+        publisher.put(r)
+        assert await publisher._step(5.0)
+    assert len(publisher._journal.segments()) == 2, "the sixth record started a second segment"
+    for _ in range(20):
+        if not publisher._has_work():
+            break
+        assert await publisher._step(5.0)
+    in_stream = await usage_in_stream(store.js)
+    assert {r.request_id: in_stream[r.request_id] for r in first + later} == {r.request_id: 1 for r in first + later}
+
+
 # -- projections -------------------------------------------------------------------------------
 
 

@@ -392,8 +392,11 @@ class UsagePublisher:
                 return True
         # Everything read from this segment is acknowledged.
         self._replay = None
-        if self._journal.is_current(segment) and self._journal.size(segment) > end:
-            self._offset = end  # more was appended since: read on from there
+        read_from, self._offset = self._offset, end
+        if self._journal.size(segment) > end and (end > read_from or self._journal.is_current(segment)):
+            # More was appended since it was read — to the segment still being written, or before a later
+            # append moved on to the next one: read on from there, never delete it unread. (A closed segment
+            # whose read found nothing whole past the offset ends in a torn record: nothing to publish.)
             return True
         await asyncio.to_thread(self._journal.delete, segment)
         self._offset = 0
