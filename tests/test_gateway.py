@@ -444,12 +444,19 @@ async def test_a_client_that_disconnects_mid_stream_is_recorded_as_499(gw: Fleet
         "ignore_eos": True,  # llama.cpp: generate all 400 unless stopped, so a short count proves the stop
         "stream": True,
     }
+    [engine] = await gw.ready("tiny")
     async with aiohttp.ClientSession() as s:
         r = await s.post(url, json=body, headers={"Authorization": f"Bearer {key}", "X-Request-Id": "gone-1"})
         assert r.status == 200
         await r.content.readline()
         await r.content.readline()
-        r.close()  # the client goes away mid-stream
+        # The engine is paused while the client goes away, so the stream cannot finish first (the tiny
+        # engine writes all 400 tokens in a tenth of a second); it resumes into a closed connection.
+        os.killpg(engine["pid"], signal.SIGSTOP)
+        try:
+            r.close()  # the client goes away mid-stream
+        finally:
+            os.killpg(engine["pid"], signal.SIGCONT)
 
     async def record() -> UsageRecord | None:
         try:

@@ -201,8 +201,12 @@ def test_engine_refusals_are_client_errors_and_engine_failures_are_retried() -> 
     chat = engine_refusal(501, "", "emb", "/v1/chat/completions")
     assert chat is not None and "does not serve chat completions" in chat.message
     too_long = engine_refusal(400, '{"error": {"code": 400, "message": "exceeds the context size"}}', "tiny", CHAT)
-    assert too_long is not None and too_long.status == 400
-    assert too_long.message == "the model tiny refused the request: exceeds the context size"
+    assert too_long is not None and (too_long.status, too_long.code) == (400, "context_length_exceeded")
+    assert too_long.message == (
+        "the request is longer than model tiny's context: shorten the messages or lower max_tokens"
+    )
+    other = engine_refusal(400, '{"error": {"code": 400, "message": "bad grammar"}}', "tiny", CHAT)
+    assert other is not None and other.message == "the model tiny refused the request: bad grammar"
     large = engine_refusal(413, "too big", "tiny", CHAT)
     assert large is not None and large.status == 413
     for status in (500, 502, 503, 401, 403):

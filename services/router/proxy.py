@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -276,10 +277,22 @@ def engine_refusal(status: int, text: str, model: str, endpoint: str) -> ApiErro
     if status >= 500 or status in (401, 403):
         return None
     message = text
+    error: Any = None
     with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
         error = _dec.decode(text.encode()).get("error")
         message = error.get("message") if isinstance(error, dict) else error
     message = str(message or text).strip()[:500] or f"the engine answered {status}"
+    if isinstance(error, dict) and (
+        error.get("type") == "exceed_context_size_error" or "n_ctx" in error or "context" in message.lower()
+    ):
+        # llama.cpp's own shape (a numeric code, n_ctx, n_prompt_tokens) said in OpenAI's words.
+        n_ctx, n_prompt = error.get("n_ctx"), error.get("n_prompt_tokens")
+        size = f" ({n_prompt} prompt tokens; the context holds {n_ctx})" if n_ctx and n_prompt else ""
+        return ApiError(
+            400,
+            f"the request is longer than model {model}'s context{size}: shorten the messages or lower max_tokens",
+            "context_length_exceeded",
+        )
     code = "request_too_large" if status == 413 else "engine_refused"
     return ApiError(413 if status == 413 else 400, f"the model {model} refused the request: {message}", code)
 

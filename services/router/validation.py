@@ -37,6 +37,8 @@ _STEP = [0] * 256
 _STEP[ord("[")] = _STEP[ord("{")] = 1
 _STEP[ord("]")] = _STEP[ord("}")] = -1
 
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
 ENDPOINT_INPUT = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}
 
 
@@ -87,6 +89,15 @@ def check_body(body: Any, endpoint: str, limits: RequestLimits) -> dict[str, Any
                 "too_many_messages",
                 need,
             )
+        for i, m in enumerate(value):
+            # An engine given a role it does not know may ignore the message or generate until max_tokens.
+            if m.get("role") not in ROLES:
+                raise Invalid(
+                    400,
+                    f"messages[{i}].role is {m.get('role')!r}; it must be one of {', '.join(sorted(ROLES))}",
+                    "invalid_role",
+                    f"messages[{i}].role",
+                )
     elif not isinstance(value, str | list) or (isinstance(value, list) and not value):
         raise Invalid(400, f"`{need}` must be a string or a non-empty list", f"invalid_{need}", need)
     elif isinstance(value, list) and len(value) > limits.max_messages and not _token_ids(value):
