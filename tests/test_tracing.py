@@ -98,22 +98,26 @@ async def traced(store: EventStore, nats: NatsServer, tmp_path: Path, collector:
     await f.stop()
 
 
-async def test_a_request_is_one_trace_continuing_the_client_s_with_a_span_per_stage(
-    traced: Fleet, collector: Collector, tiny: Path
-) -> None:
-    key, _ = await make_key(traced.store, await make_tenant(traced.store))
-    await traced.add_model("tiny", tiny)
-    await traced.wait_ready("tiny", 1)
-    await traced.router_caught_up()
-
+async def traced_chat(gw: Fleet, tiny: Path) -> str:
+    """One chat request that carries the client's ``traceparent``, answered 200: its request id."""
+    key, _ = await make_key(gw.store, await make_tenant(gw.store))
+    await gw.add_model("tiny", tiny)
+    await gw.wait_ready("tiny", 1)
+    await gw.router_caught_up()
     headers = {"Authorization": f"Bearer {key}", "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     async with (
         aiohttp.ClientSession() as s,
-        s.post(f"http://127.0.0.1:{traced.port}/v1/chat/completions", json=body, headers=headers) as r,
+        s.post(f"http://127.0.0.1:{gw.port}/v1/chat/completions", json=body, headers=headers) as r,
     ):
         assert r.status == 200
-        request_id = r.headers["X-Request-Id"]
+        return r.headers["X-Request-Id"]
+
+
+async def test_a_request_is_one_trace_continuing_the_client_s_with_a_span_per_stage(
+    traced: Fleet, collector: Collector, tiny: Path
+) -> None:
+    request_id = await traced_chat(traced, tiny)
 
     def mine() -> list[dict[str, Any]] | None:
         spans = [s for s in collector.spans if s["trace"] == CLIENT_TRACE]
@@ -138,19 +142,8 @@ async def test_a_request_is_one_trace_continuing_the_client_s_with_a_span_per_st
 async def test_with_tracing_off_nothing_is_sent_and_requests_are_answered(
     untraced: Fleet, collector: Collector, tiny: Path
 ) -> None:
-    gw = untraced
-    key, _ = await make_key(gw.store, await make_tenant(gw.store))
-    await gw.add_model("tiny", tiny)
-    await gw.wait_ready("tiny", 1)
-    await gw.router_caught_up()
-    headers = {"Authorization": f"Bearer {key}", "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(f"http://127.0.0.1:{gw.port}/v1/chat/completions", json=body, headers=headers) as r,
-    ):
-        assert r.status == 200
-    assert not gw.handles["router"].tracing.enabled
+    await traced_chat(untraced, tiny)
+    assert not untraced.handles["router"].tracing.enabled
     assert collector.posts == 0
 
 
