@@ -493,9 +493,15 @@ async def test_a_single_server_s_backup_restores_into_a_three_node_cluster_with_
         restored = await EventStore.connect(cluster.urls, default_registry())
         try:
             await B.restore(restored.nc, archive, replicas=3)
-            for stream in ("LLMGW_EVENTS", "KV_llmgw_secrets"):
+
+            async def replicated(stream: str) -> bool:
+                # Direct gets (the bucket's) may be answered by any replica: read once all have caught up.
                 info = await restored.js.stream_info(stream)
-                assert info.config.num_replicas == 3
+                peers = (info.cluster.replicas or []) if info.cluster else []
+                return info.config.num_replicas == 3 and len(peers) == 2 and all(p.current for p in peers)
+
+            for stream in ("LLMGW_EVENTS", "KV_llmgw_secrets"):
+                await wait_until(lambda stream=stream: replicated(stream), what=f"{stream}'s three replicas")
             assert await messages(restored, "LLMGW_EVENTS") == await messages(store, "LLMGW_EVENTS")
             assert await engine_key_secret(restored.js) == await engine_key_secret(store.js)
         finally:
