@@ -18,7 +18,7 @@ from llmgw.events.metrics import StoreMetrics
 from llmgw.events.pki import CertificateExpiry
 from llmgw.projections.metrics import ProjectionMetrics
 from llmgw.services.backup.service import BackupMetrics
-from llmgw.services.router.metrics import PoolSaturation, RouterMetrics, pool_loads
+from llmgw.services.router.metrics import PoolSaturation, QueueDepth, RouterMetrics, pool_loads
 from llmgw.services.scheduler.metrics import NODE_SERIES, FleetCollector, fleet_figures, node_samples
 from llmgw.services.scheduler.reconcile import Blocked
 from llmgw.services.scheduler.state import ClusterState
@@ -83,6 +83,7 @@ def published_series() -> set[str]:
     RouterMetrics(registry)
     BackupMetrics(registry)
     registry.register(PoolSaturation(lambda: [("chat", 0.5)]))
+    registry.register(QueueDepth(lambda: {"chat": 0}))
     registry.register(FleetCollector("sched-a", ClusterState, lambda: True, list, CFG))
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     return {f.name + end for f in registry.collect() for end in suffixes.get(f.type, ("",))}

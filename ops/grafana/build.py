@@ -175,6 +175,28 @@ def gateway() -> dict:
                 [prom("sum by (model, direction) (rate(llmgw_gateway_tokens_total[5m]))", "{{model}} {{direction}}")],
             ),
             panel("In flight", [prom("sum by (model) (llmgw_gateway_in_flight)", "{{model}}")]),
+            panel("Waiting in the gateways' queues", [prom("sum by (model) (llmgw_gateway_queue_depth)", "{{model}}")]),
+            panel(
+                "Queue wait p99 (requests that waited)",
+                [
+                    prom(
+                        "histogram_quantile(0.99, sum by (model, le) "
+                        "(rate(llmgw_gateway_queue_wait_seconds_bucket[5m])))",
+                        "{{model}}",
+                    )
+                ],
+                unit="s",
+            ),
+            panel(
+                "Refused by the queue / s",
+                [
+                    prom(
+                        "sum by (model, reason) (rate(llmgw_gateway_queue_rejections_total[5m]))",
+                        "{{model}} {{reason}}",
+                    )
+                ],
+                unit="reqps",
+            ),
             panel(
                 "Retries on another replica / s",
                 [prom(rate.format("llmgw_gateway_replica_retries_total"), "{{model}}")],
