@@ -16,11 +16,13 @@ nodes lost and returning, on-demand models' requests coming and going (``state.d
 Two scenarios, the same churn (same seed): **enough** capacity (the guarantees sum to 75% of the
 fleet's GPUs and cores) and **overcommitted** (150%). What it reports, and how it is counted:
 
-- **preemptions**: each ``Preempt`` decision, and the replicas given way, by the victim's class
+- **preemptions**: each winner's ``Preempt`` decisions in a pass, and the replicas given way, by the victim's class
   (a model with min 0 counts as on-demand). A preemption is **needed** when the same pass with
   preemption off (``Config(preempt=False)``) leaves the winner unplaceable (``Blocked``): no node could
   take its replica without the victims. It is **wasted** when the winner has no replica placed
   between the preemption and the end of its hold (``held_until``): victims stopped for nothing.
+  **Placed elsewhere**: the winner was placed, but not on the node its victims left; **back and
+  forth**: the winner had given way to the victim's model within the hour before.
 - **below guarantee**: a tenant is below its guarantee at a pass when, after the pass is committed,
   one of its models holds fewer placed/starting/ready replicas than it wants (its min; 1 for an
   on-demand model in use) and one more of them would still fit within the tenant's guarantee
