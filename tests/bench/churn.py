@@ -437,7 +437,8 @@ class Churn:
             if rec.placed_t is not None or rec.wasted:
                 continue
             at = T0 + rec.t
-            since = [r for r in w.state.replicas_of(rec.winner) if r.placed_at >= at]
+            # After the pass that preempted: a replica that pass placed (for an earlier preemption) is not this one's.
+            since = [r for r in w.state.replicas_of(rec.winner) if r.placed_at > at]
             if since:
                 rec.placed_t = w.t
                 rec.elsewhere = all(r.node_id != rec.node_id for r in since)
@@ -449,7 +450,7 @@ class Churn:
                     have = sum(1 for r in w.state.replicas_of(rec.winner) if r.active)
                     lower, _ = wanted_replicas(m, w.state.demand.get(rec.winner), now, CFG)
                     why = "no longer wanted more" if have >= lower else "still not placed"
-                    took = sorted({r.model for r in w.state.replicas_on(rec.node_id) if r.placed_at >= at})
+                    took = sorted({r.model for r in w.state.replicas_on(rec.node_id) if r.placed_at > at})
                     if took:
                         why += f"; the room on {rec.node_id} went to {', '.join(took)}"
                     rec.wasted = f"t={rec.t:.0f}s {rec.winner} ({have} of {lower}): {why} at the hold's end"
