@@ -10,6 +10,7 @@ docs/reliability.md shows; they are measured, never asserted.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -26,8 +27,11 @@ RESULTS: list[FaultResult] = []
 
 
 @pytest.fixture(scope="module")
-async def harness(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[ClusterHarness]:
-    base = tmp_path_factory.mktemp("faults")
+async def harness() -> AsyncIterator[ClusterHarness]:
+    # Outside pytest's own temporary directories, which later runs on this machine rotate away: the
+    # servers' logs and each verify's output stay for a look after a failure.
+    base = Path(os.environ.get("LLMGW_FAULTS_DIR") or tempfile.mkdtemp(prefix="llmgw-faults-"))
+    print(f"\nfault suite: the cluster's logs are under {base}")
     async with ClusterHarness(base) as h:
         yield h
     report = Path(os.environ.get("LLMGW_FAULTS_REPORT") or base / "reliability.md")
