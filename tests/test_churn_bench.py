@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from functools import cache
 
-import pytest
-
 from tests.bench.churn import Params, Report, simulate
 
 # The causes under which a tenant is below its guarantee because preemption is giving it room: the
@@ -30,11 +28,6 @@ def test_the_hour_has_preemptions_and_every_one_was_needed() -> None:
     assert r.needed == r.preemptions, "a preemption whose winner would have been placed without it"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a winner's replica placed in the pass that preempts for its next one ends that next preemption's "
-    "hold and earmark at once (tests/test_preemption_churn.py): the room goes to another model",
-)
 def test_every_preemptions_winner_is_placed_within_its_hold() -> None:
     r = hour()
     assert r.wasted == 0, r.wasted_why[:5]

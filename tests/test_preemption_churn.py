@@ -4,8 +4,6 @@ and its winner preempted again (2,345 preemptions in a simulated day, 350 of the
 
 from __future__ import annotations
 
-import pytest
-
 from llmgw.services.scheduler.reconcile import Place
 from tests.scheduler_world import World, beats, later, model, node, placed, ready, said, stopped
 from tests.test_preemption import OLD, preempted
@@ -52,14 +50,6 @@ def test_a_model_that_gives_way_to_two_winners_keeps_both_rooms_for_them() -> No
     assert sorted(said(d) for d in second if isinstance(d, Place)) == ["place x-crit on x", "place y-crit on y"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a winner's replica placed in the pass that preempts for its next one counts as placed for that next "
-        "preemption (placed_at >= at): its hold and earmark end at once, and the model that gave way (sorting "
-        "first) takes the room back; the winner stays short behind a replica under 5 minutes old"
-    ),
-)
 def test_a_winner_short_by_two_keeps_the_room_made_for_its_second_replica() -> None:
     w = World().add(
         node("x", cpus=8, mem_gb=64),

@@ -538,10 +538,13 @@ def _model(
             return [*out, Waiting(model=m.name, until=until)]
     if not m.spec.profiles:
         return [*out, Blocked(model=m.name, reason=f"model {m.name} has no profile", wanted=missing)]
-    if (held := held_back(state, m, clock)) is not None:
-        return [*out, held]
     order = profile_order(m.spec.profiles)
     needs = {k: need_of(m.spec.profiles[k]) for k in order}
+    if (held := held_back(state, m, clock)) is not None and not (
+        # A hold never keeps a scope below its guarantee (SCHED-8): that room is its own.
+        state.quotas and p.quota.guarantee_room(m.name, needs[order[0]]) is not None
+    ):
+        return [*out, held]
     cs: dict[str, Candidate] | None = None  # the nodes as this model's placements see them, kept up to date
     verdicts_of: dict[int, dict[str, Verdict]] = {}  # profile -> node -> verdict, redone only where it changed
     for i in range(missing):
@@ -605,10 +608,15 @@ def held_back(state: ClusterState, m: ModelState, clock: Clock) -> Waiting | Non
 
 
 def _winner_placed(state: ClusterState, pre: M.ModelPreempted) -> bool:
-    """Whether the model a preemption made room for has had a replica placed since (or is gone)."""
-    if pre.for_model not in state.models:
+    """Whether the model a preemption made room for has what it was short of (or is gone): as many
+    running replicas as its minimum (one, on demand). Not merely "a replica placed since": a winner
+    short by two is placed once in the very pass that preempts for its second, and that placement
+    must not end the second preemption's hold."""
+    m = state.models.get(pre.for_model)
+    if m is None:
         return True
-    return any(r.placed_at >= pre.at for r in state.replicas_of(pre.for_model))
+    running = sum(1 for r in state.replicas_of(pre.for_model) if r.active)
+    return running >= max(m.min, 1)
 
 
 def try_preempt(state: ClusterState, m: ModelState, have: int, clock: Clock, cfg: Config) -> list[Decision]:
