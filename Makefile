@@ -31,7 +31,7 @@ test: $(STAMP)
 
 # The fault suite (tests/faults/, about ten minutes): a cluster on loopback under load, one fault after
 # another; the table it measures is written to $(FAULTS_REPORT) (docs/reliability.md shows one).
-FAULTS_REPORT ?= faults-report.md
+FAULTS_REPORT ?= /tmp/llmgw-faults-report.md
 test-faults: $(STAMP)
 	LLMGW_FAULTS_REPORT=$(abspath $(FAULTS_REPORT)) $(VENV)/bin/pytest -m faults tests/faults -p no:cacheprovider -s $(PYTEST_ARGS)
 
