@@ -27,6 +27,7 @@ class ClusterNode:
         self.monitor_port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.server: NatsProcess | None = None
+        self.max_file_store: str | None = None  # a fixed store limit (a disk smaller than it fails with ENOSPC)
 
     @property
     def proc(self) -> subprocess.Popen[bytes] | None:
@@ -55,6 +56,7 @@ class NatsCluster:
             port=node.port,
             monitor_port=node.monitor_port,
             store_dir=str(node.store_dir),
+            max_file_store=node.max_file_store,
             cluster=ClusterConfig(
                 name="llmgw", port=node.cluster_port, routes=tuple(n.cluster_port for n in self.nodes)
             ),

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -33,6 +36,8 @@ from tests.support import wait_until
 STEADY_S = 5.0
 PAUSE_S = float(os.environ.get("LLMGW_FAULTS_PAUSE_S", "30"))  # how long a NATS node is SIGSTOPped
 RECOVER_DEADLINE_S = 240.0
+DISK_MB = 64  # the small disk a NATS node is given (a tmpfs)
+DISK_FULL_S = 20.0
 IN_FLIGHT_S = 2.0  # a usage record waits in a router's memory at most about this long while the bus acknowledges
 
 
@@ -230,6 +235,36 @@ async def pause_nats_node(h: ClusterHarness, load: Load) -> str:
     return f"{node.name} (the meta leader) SIGSTOPped for {PAUSE_S:.0f} s"
 
 
+def _fill(directory: Path) -> int:
+    """Write a junk file in ``directory`` until its disk is full; the bytes left free (a few, or none)."""
+    with contextlib.suppress(OSError), open(directory / "junk", "wb") as f:
+        while True:
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+    return shutil.disk_usage(directory).free
+
+
+async def fill_nats_disk(h: ClusterHarness, load: Load) -> str:
+    """The meta leader comes back (after a kill -9) on a disk of DISK_MB that its catch-up and a junk file
+    fill; DISK_FULL_S later it is stopped and started again on its own disk. Needs root (a tmpfs mount)."""
+    node = await asyncio.to_thread(h.nats.wait_for_leader, 60.0)
+    h.kill9(f"nats:{node.name}")
+    store = node.store_dir
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(store)]
+    await asyncio.to_thread(subprocess.run, mount, check=True)
+    try:
+        node.max_file_store = "4G"  # above the disk: writes fail with ENOSPC, not a limit of JetStream's own
+        await h.restart(f"nats:{node.name}")
+        free = await asyncio.to_thread(_fill, store)
+        await asyncio.sleep(DISK_FULL_S)  # the fault is a duration: the cluster runs with one node's disk full
+    finally:
+        h.kill9(f"nats:{node.name}")
+        await asyncio.to_thread(subprocess.run, ["umount", str(store)], check=False)
+        node.max_file_store = None
+    await h.restart(f"nats:{node.name}")
+    return f"{node.name} (the meta leader) on a full {DISK_MB} MB disk ({free} bytes free) for {DISK_FULL_S:.0f} s"
+
+
 async def kill_agent(h: ClusterHarness, load: Load) -> str:
     assert h.fleet is not None
     ready = await h.fleet.ready(MODEL)
@@ -269,6 +304,7 @@ FAULTS: dict[str, Callable[[ClusterHarness, Load], Awaitable[str]]] = {
     "kill -9 an agent": kill_agent,
     "kill -9 an engine": kill_engine,
     f"SIGSTOP a NATS node {PAUSE_S:.0f} s": pause_nats_node,
+    f"a NATS node's disk full {DISK_FULL_S:.0f} s": fill_nats_disk,
     "restart everything at once": restart_everything,
 }
 
