@@ -50,6 +50,8 @@ async def load(harness: ClusterHarness) -> AsyncIterator[Load]:
 async def test_every_request_answered_200_is_billed_once_and_the_books_verify_after(
     fault: str, harness: ClusterHarness, load: Load
 ) -> None:
+    if "disk full" in fault and os.geteuid() != 0:
+        pytest.skip("a NATS node's full disk is a tmpfs mount: it needs root")
     result = await run_fault(harness, load, fault)
     RESULTS.append(result)
     print(result)
