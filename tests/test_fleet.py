@@ -119,7 +119,8 @@ async def test_an_agent_killed_and_restarted_adopts_its_engine(fleet: Fleet, tin
         ] == [(replica["id"], replica["pid"], "ready")]
 
     # The new agent reports the old engine as its own, ready, with the same pid.
-    await wait_until(adopted, what="the restarted agent to report the adopted engine")
+    # A new agent process on a loaded machine takes a while to start and report: its deadline is a minute.
+    await wait_until(adopted, deadline_s=60, what="the restarted agent to report the adopted engine")
     after = (await fleet.replicas())[replica["id"]]
     assert after["state"] == "ready"
     assert after["pid"] == replica["pid"]
