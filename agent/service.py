@@ -429,7 +429,10 @@ class Agent:
             found = await asyncio.to_thread(self.model_dirs.rescan)
             if len(found) >= MAX_FILES:
                 log.warning("model directories hold more weight files than are reported", reported=len(found))
-        await self.store.js.publish(subject, msgspec.json.encode(self.heartbeat_payload()))
+        # A plain publish, not JetStream's: schedulers and routers hear heartbeats by subscription, and the
+        # telemetry stream still keeps them; waiting for the stream's acknowledgement held every next
+        # heartbeat for up to 10 s while a NATS node was paused, long enough to have the node called lost.
+        await self.store.nc.publish(subject, msgspec.json.encode(self.heartbeat_payload()))
 
     async def _heartbeats(self) -> None:
         while True:
