@@ -64,3 +64,25 @@ async def test_the_sdk_sees_a_prompt_past_the_context_and_a_bad_role_as_openai_e
     with pytest.raises(openai.BadRequestError) as role:
         await c.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "hi"}], max_tokens=2)  # type: ignore[list-item]
     assert role.value.code == "invalid_role"
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_a_model_s_output_bound_is_the_default_max_tokens_and_its_ceiling(
+    gw: Fleet,  # noqa: F811
+    tiny: Path,  # noqa: F811
+) -> None:
+    key, _ = await make_key(gw.store, await make_tenant(gw.store))
+    await gw.add_model("tiny", tiny, max_output=3)
+    await gw.wait_ready("tiny", 1)
+    await router_caught_up(gw, 0)
+    c = client(gw, key)
+    # No max_tokens, and an engine that would not stop by itself: the model's bound stops it.
+    chat = await c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "tell me a long story"}], extra_body={"ignore_eos": True}
+    )
+    assert chat.usage is not None and chat.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError) as refused:
+        await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=10)
+    assert refused.value.code == "max_tokens_too_large"
+    assert "`max_tokens` is 10; model tiny answers at most 3 tokens" in refused.value.message

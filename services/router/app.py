@@ -79,6 +79,28 @@ DEMAND_ROOT = f"{S.PREFIX}.demand"
 DEMAND_EVERY_S = 1.0  # how often a held request says again that its model is wanted
 
 
+def _bounded_output(body: dict[str, Any], raw: bytes, call: Call, endpoint: str) -> tuple[dict[str, Any], bytes]:
+    """The request held to its model's output bound (``max_output`` in the catalog): one without
+    ``max_tokens`` gets it as its default (an engine left alone may generate until its context is
+    full); one asking for more is refused naming the bound. Untouched when the model sets none."""
+    bound = call.model.spec.max_output if call.model is not None else None
+    if not bound or endpoint not in ("/v1/chat/completions", "/v1/completions"):
+        return body, raw
+    for field in ("max_completion_tokens", "max_tokens"):
+        asked = body.get(field)
+        if asked is not None:
+            if asked > bound:
+                raise ApiError(
+                    400,
+                    f"`{field}` is {asked}; model {call.model.name} answers at most {bound} tokens",  # type: ignore[union-attr]
+                    "max_tokens_too_large",
+                    param=field,
+                )
+            return body, raw
+    body = {**body, "max_tokens": bound}
+    return body, _enc.encode(body)
+
+
 def _span_attributes(call: Call) -> dict[str, Any]:
     """What a request's span says once it is answered (None values are left out)."""
     return {
@@ -430,6 +452,7 @@ class Router:
                 body, raw = await self._body(request, endpoint)
                 prompt = prompt_text(body, endpoint)
                 limit_headers = self._admit(call, key, body, prompt)
+                body, raw = _bounded_output(body, raw, call, endpoint)
                 await self._reserve(call, body)
             return await self._route(request, call, body, raw, prompt, limit_headers)
         except ApiError as exc:
