@@ -259,15 +259,19 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     stopped: bool = False
     saved: tuple[int, int] | None = None  # the scaling a stop keeps for the start
     parked: str | None = None
-    preempted: ModelPreempted | None = None  # the last time it gave way (SCHED-7)
-    # Its recent preemptions, newest last: one pass may make a model give way to several winners, and
-    # each one's hold and earmark last until that winner is placed (at most GAVE_WAY_KEPT kept).
+    # Its recent preemptions (SCHED-7), newest last: one pass may make a model give way to several
+    # winners, and each one's hold and earmark last until that winner is served (at most GAVE_WAY_KEPT).
     gave_way: list[ModelPreempted] = []
     preemptions: int = 0  # replicas it has given way, over its life
     autoscaled: int = 0  # replicas the load holds above the minimum (SCHED-9)
     autoscaled_at: float | None = None  # epoch of the last autoscaling step
     # What one replica serves (SCHED-10), the newest for each profile and node shape, newest last.
     measured: list[ModelMeasured] = []
+
+    @property
+    def preempted(self) -> ModelPreempted | None:
+        """The last time it gave way."""
+        return self.gave_way[-1] if self.gave_way else None
 
 
 class ModelStatusView:
@@ -354,7 +358,6 @@ def fold_model(status: ModelStatus | None, payload: msgspec.Struct) -> ModelStat
         case ModelPreempted():
             return msgspec.structs.replace(
                 status,
-                preempted=payload,
                 gave_way=[*status.gave_way[-(GAVE_WAY_KEPT - 1) :], payload],
                 preemptions=status.preemptions + len(payload.replicas),
             )

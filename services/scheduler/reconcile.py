@@ -317,7 +317,7 @@ class _Pass:
             self._earmarks = {}
             for m in self.state.models.values():
                 for pre in m.gave_way:
-                    if self.now < pre.held_until and not _winner_placed(self.state, pre):
+                    if self.now < pre.held_until and not _winner_served(self.state, pre):
                         self._earmarks[pre.node_id] = pre.for_model
         return self._earmarks
 
@@ -600,14 +600,14 @@ def _model(
 def held_back(state: ClusterState, m: ModelState, clock: Clock) -> Waiting | None:
     """A model that gave way waits until the winner is placed or its hold ends, so that its replicas
     do not take back the room they just gave (SCHED-7)."""
-    holding = [pre for pre in m.gave_way if clock.epoch < pre.held_until and not _winner_placed(state, pre)]
+    holding = [pre for pre in m.gave_way if clock.epoch < pre.held_until and not _winner_served(state, pre)]
     if not holding:
         return None  # every winner is placed (the holds did their work), or the holds ended
     pre = max(holding, key=lambda pre: pre.held_until)
     return Waiting(model=m.name, until=pre.held_until, why=f"gave room to {pre.for_model}")
 
 
-def _winner_placed(state: ClusterState, pre: M.ModelPreempted) -> bool:
+def _winner_served(state: ClusterState, pre: M.ModelPreempted) -> bool:
     """Whether the model a preemption made room for has what it was short of (or is gone): as many
     running replicas as its minimum (one, on demand). Not merely "a replica placed since": a winner
     short by two is placed once in the very pass that preempts for its second, and that placement
