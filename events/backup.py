@@ -43,6 +43,7 @@ from typing import IO, Any
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -362,6 +363,18 @@ async def snapshot_chunks(nc: NATS, stream: str, meta: dict[str, Any]) -> AsyncI
             await sub.unsubscribe()
 
 
+async def _send_chunk(nc: NATS, deliver: str, chunk: bytes) -> Any:
+    """One snapshot chunk to the server, acknowledged. In a cluster the server's interest in the
+    deliver subject reaches the node this client is on a moment after the restore is accepted
+    ("no responders"): asked again for up to 5 s, then the error stands."""
+    for _ in range(50):
+        try:
+            return await nc.request(deliver, chunk, timeout=API_TIMEOUT_S)
+        except NoRespondersError:
+            await asyncio.sleep(0.1)
+    return await nc.request(deliver, chunk, timeout=API_TIMEOUT_S)
+
+
 async def restore_stream(nc: NATS, entry: StreamEntry, chunks: Iterable[bytes], replicas: int | None) -> dict:
     """Recreate ``entry``'s stream from its snapshot ``chunks``; the new stream's info."""
     config = dict(entry.config)
@@ -371,7 +384,7 @@ async def restore_stream(nc: NATS, entry: StreamEntry, chunks: Iterable[bytes], 
     deliver = resp["deliver_subject"]
     for chunk in chunks:
         try:
-            ack = await nc.request(deliver, chunk, timeout=API_TIMEOUT_S)
+            ack = await _send_chunk(nc, deliver, chunk)
         except TimeoutError as exc:
             raise BackupError(
                 f"the server stopped taking {entry.name}'s snapshot (no ack in {API_TIMEOUT_S:.0f}s)"

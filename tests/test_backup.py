@@ -492,6 +492,16 @@ async def test_a_single_server_s_backup_restores_into_a_three_node_cluster_with_
     with nats_cluster(tmp_path / "cluster") as cluster:
         restored = await EventStore.connect(cluster.urls, default_registry())
         try:
+
+            async def answers() -> bool:
+                # A meta leader is elected before every node's JetStream API answers ("no responders").
+                try:
+                    await restored.js.account_info()
+                except Exception:
+                    return False
+                return True
+
+            await wait_until(answers, deadline_s=60, what="the cluster's JetStream API to answer")
             await B.restore(restored.nc, archive, replicas=3)
 
             async def replicated(stream: str) -> bool:
