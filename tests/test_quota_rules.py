@@ -563,3 +563,68 @@ def test_the_pass_ledger_and_the_plain_function_agree_on_room_within_a_guarantee
     w.add(placed("c2", "chat", "h2"))  # the team's guarantee is full; the org's still has room
     ledger = QU.Ledger(w.state)
     assert ledger.guarantee_room("chat", need) == QU.guarantee_room(w.state, "chat", need) == "org:acme"
+
+
+# -- the property: what the state keeps of the guarantees is what it would derive afresh -------------------
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> list[Fact]:
+    """Nodes, guarantees and owned models, then steps: passes (replicas placed, made ready), replicas
+    stopped, guarantees set or cleared, models given another owner."""
+    facts: list[Fact] = [ACME, *(shaped(f"h{i}", GPU_H100X8) for i in range(draw(st.integers(1, 3))))]
+    for path in draw(st.lists(st.sampled_from(PATHS), unique=True, max_size=4)):
+        facts.append(quota(path, gpus=draw(st.integers(0, 8)), cores=draw(st.none() | st.integers(0, 40))))
+    names = [f"m{j}" for j in range(draw(st.integers(1, 5)))]
+    for name in names:
+        facts.append(
+            gpu_model(name, draw(st.integers(0, 4)), draw(st.integers(1, 3)), draw(st.none() | st.sampled_from(PATHS)))
+        )
+    step = st.one_of(
+        st.just("pass"),
+        st.tuples(st.just("ready"), st.integers(0, 20)),
+        st.tuples(st.just("stop"), st.integers(0, 20)),
+        st.tuples(st.just("quota"), st.sampled_from(PATHS), st.none() | st.integers(0, 8)),
+        st.tuples(st.just("owner"), st.sampled_from(names), st.none() | st.sampled_from(PATHS)),
+    )
+    return [*facts, *(_step(s) for s in draw(st.lists(step, min_size=1, max_size=12)))]
+
+
+def _step(s: object) -> Fact:
+    from tests.scheduler_world import stopped
+
+    def fact(w: World) -> None:
+        if s == "pass":
+            w.step(NO_PREEMPT)
+            return
+        kind, *args = s  # type: ignore[misc]
+        live = sorted(r.id for r in w.state.replicas.values() if r.active)
+        if kind in ("ready", "stop") and live:
+            rid = live[args[0] % len(live)]
+            (ready(rid) if kind == "ready" else stopped(rid))(w)
+        elif kind == "quota":
+            (cleared(args[0]) if args[1] is None else quota(args[0], gpus=args[1]))(w)
+        elif kind == "owner":
+            m = w.state.models[args[0]]
+            w.emit(
+                M.AGGREGATE, m.name, M.ModelChanged(spec=msgspec.structs.replace(m.spec, owner=args[1]), what="owner")
+            )
+        w.advance(1)
+
+    return fact
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(histories())
+def test_the_guarantees_the_state_keeps_are_those_it_would_derive_afresh(history: list[Fact]) -> None:
+    from llmgw.services.scheduler.state import ClusterState
+
+    w = World()
+    for fact in history:
+        w.add(fact)
+        QU.guarantee_shares(w.state)  # asked after every event, so that what is kept is what is read next
+        QU.holdings(w.state)
+        fresh = ClusterState.decode(w.state.encode())  # the same facts, nothing derived yet
+        assert QU.guarantee_shares(w.state) == QU.guarantee_shares(fresh)
+        assert QU.holdings(w.state) == QU.holdings(fresh)
+        assert QU.chains(w.state) == QU.chains(fresh)

@@ -85,7 +85,12 @@ def owner_problem(state: ClusterState, owner: str | None) -> str | None:
 
 
 def chains(state: ClusterState) -> dict[str, list[str]]:
-    """Model name → its owner's chain, for every model whose owner names a scope."""
+    """Model name → its owner's chain, for every model whose owner names a scope (kept by the state
+    until an owner, scope or quota changes: read it, never change it)."""
+    return state.derived("quota.chains", _chains, ("chains", state.scopes_version, state.owners_version))
+
+
+def _chains(state: ClusterState) -> dict[str, list[str]]:
     cache: dict[str, list[str]] = {}
     out: dict[str, list[str]] = {}
     for name, m in state.models.items():
@@ -105,9 +110,14 @@ def quotas_by_scope(state: ClusterState) -> dict[str, Q.Quota]:
     return {q.scope: q for q in state.quotas.values()}
 
 
-def holdings(state: ClusterState, model_chains: dict[str, list[str]] | None = None) -> dict[str, Usage]:
-    """Scope (``team:<id>``) → what the replicas of models it (or a scope below it) owns reserve now."""
-    model_chains = chains(state) if model_chains is None else model_chains
+def holdings(state: ClusterState) -> dict[str, Usage]:
+    """Scope (``team:<id>``) → what the replicas of models it (or a scope below it) owns reserve now
+    (kept by the state until a replica, owner or scope changes: read it, never change it)."""
+    return state.derived("quota.holdings", _holdings)
+
+
+def _holdings(state: ClusterState) -> dict[str, Usage]:
+    model_chains = chains(state)
     out: dict[str, Usage] = {}
     for model, chain in model_chains.items():
         gpus = cores = memory = 0  # plain sums: a pass pays this once, over every replica (docs/benchmarks.md)
@@ -190,7 +200,7 @@ class Ledger:
         self.held: dict[str, Usage] = {}
         if every:
             self.chains = chains(state)
-            self.held = holdings(state, self.chains)
+            self.held = dict(holdings(state))  # this pass's placements are added to its own copy
 
     def guarantee_room(self, model: str, need: Need) -> str | None:
         """:func:`guarantee_room` over this pass's holdings (what it placed so far counted), without
@@ -245,46 +255,107 @@ def _within(total: list[int], guarantee: tuple[int | None, ...], use: tuple[int,
     return covers
 
 
-def guarantee_shares(state: ClusterState) -> tuple[dict[str, str], set[str]]:
-    """(protected replica id → "within org:acme's guarantee", borrowed replica ids).
+def guarantee_shares(state: ClusterState) -> tuple[dict[str, str], frozenset[str]]:
+    """(protected replica id → "within org:acme's guarantee", borrowed replica ids), for every owned
+    replica that holds capacity: what :class:`Shares` says of each. Read it, never change it."""
+    return state.derived("quota.guarantee_shares", _guarantee_shares)
 
-    Each scope with a guarantee covers the replicas under it in a stable order — ready before not
-    yet ready, oldest first — while they fit what it guarantees; a replica is protected by the nearest
-    scope on its chain that covers it. An owned replica no guarantee covers is borrowed."""
-    guarantees = {
-        s: (q.guarantee.gpus, q.guarantee.cores, q.guarantee.memory_bytes)
-        for s, q in quotas_by_scope(state).items()
-        if not q.guarantee.is_empty()
-    }
-    # Every owned replica once, in the one order every scope takes its own in: sorting them all once is
-    # each scope's order too, and cheaper than a list per scope.
-    rows: list[tuple[bool, float, str, int, int, int, tuple[str, ...]]] = []
-    for model, chain in chains(state).items():
-        covering = tuple(s for s in chain if s in guarantees)
-        for r in state.replicas_of(model):
-            if r.state in HOLDING:
-                rows.append((r.state != "ready", r.placed_at, r.id, len(r.gpus), r.cores, r.memory_bytes, covering))
-    rows.sort()
-    totals = {s: [0, 0, 0] for s in guarantees}
+
+def _guarantee_shares(state: ClusterState) -> tuple[dict[str, str], frozenset[str]]:
+    shares = Shares(state)
     protected: dict[str, str] = {}
     borrowed: set[str] = set()
-    labels: dict[str, str] = {}
-    for _, _, rid, gpus, cores, memory, covering in rows:
-        use = (gpus, cores, memory)
-        nearest = None
-        for scope in covering:  # nearest first; each scope counts what fits its own guarantee
-            total = totals[scope]
-            if _within(total, guarantees[scope], use):
-                total[0] += gpus
-                total[1] += cores
-                total[2] += memory
-                nearest = nearest or scope
-        if nearest is None:
-            borrowed.add(rid)
-        else:
-            label = labels.get(nearest) or labels.setdefault(nearest, state.tree.label(nearest))
-            protected[rid] = f"within {label}'s guarantee"
-    return protected, borrowed
+    for model in chains(state):
+        for r in state.replicas_of(model):
+            if r.state in HOLDING:
+                why = shares.protection(r)
+                if why:
+                    protected[r.id] = why
+                else:
+                    borrowed.add(r.id)
+    return protected, frozenset(borrowed)
+
+
+class Shares:
+    """Which owned replicas are within a guarantee (protected: never taken for another scope) and which
+    are borrowed (taken back first), asked replica by replica (preemption asks only of the replicas on
+    the nodes it weighs).
+
+    Each scope with a guarantee covers the replicas under it in a stable order — ready before not yet
+    ready, oldest first — while they fit what it guarantees; a replica is protected by the nearest
+    scope on its owner's chain that covers it. A scope's cover depends on its guarantee and on the
+    replicas of the models under it alone, so the state keeps each scope's cover until a scope, a
+    quota or one of those models changes: after a replica comes or goes, only the scopes above it
+    are covered again."""
+
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+        self.chains = chains(state)
+        self.guarantees = {
+            s: (q.guarantee.gpus, q.guarantee.cores, q.guarantee.memory_bytes)
+            for s, q in quotas_by_scope(state).items()
+            if not q.guarantee.is_empty()
+        }
+        self._under: dict[str, list[str]] | None = None
+        self._covered: dict[str, frozenset[str]] = {}
+
+    def protection(self, r: ReplicaState) -> str:
+        """ "within org:acme's guarantee" for a protected replica; "" for a borrowed or unowned one."""
+        for scope in self.chains.get(r.model, ()):
+            if scope in self.guarantees and r.id in self.covered(scope):
+                return f"within {self.state.tree.label(scope)}'s guarantee"
+        return ""
+
+    def borrowed(self, r: ReplicaState) -> bool:
+        """Whether an owned replica that holds capacity is beyond every guarantee on its owner's chain."""
+        return r.model in self.chains and r.state in HOLDING and not self.protection(r)
+
+    def covered(self, scope: str) -> frozenset[str]:
+        """The replicas ``scope``'s guarantee covers (kept by the state while they may not change)."""
+        found = self._covered.get(scope)
+        if found is not None:
+            return found
+        if self._under is None:
+            self._under = models_under(self.state)
+        models = self._under.get(scope, [])
+        versions = self.state.model_versions
+        version = (self.state.scopes_version, tuple((m, versions.get(m, 0)) for m in models))
+        guarantee = self.guarantees[scope]
+        found = self._covered[scope] = self.state.derived(
+            f"quota.covered:{scope}", lambda st: _cover(st, guarantee, models), version
+        )
+        return found
+
+
+def models_under(state: ClusterState) -> dict[str, list[str]]:
+    """Scope → the models owned by it or a scope below it (the inverse of :func:`chains`)."""
+
+    def build(st: ClusterState) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for model, chain in chains(st).items():
+            for scope in chain:
+                out.setdefault(scope, []).append(model)
+        return out
+
+    return state.derived("quota.models_under", build, ("models_under", state.scopes_version, state.owners_version))
+
+
+def _cover(state: ClusterState, guarantee: tuple[int | None, ...], models: list[str]) -> frozenset[str]:
+    rows = sorted(
+        (r.state != "ready", r.placed_at, r.id, len(r.gpus), r.cores, r.memory_bytes)
+        for model in models
+        for r in state.replicas_of(model)
+        if r.state in HOLDING
+    )
+    total = [0, 0, 0]
+    out = []
+    for _, _, rid, gpus, cores, memory in rows:
+        if _within(total, guarantee, (gpus, cores, memory)):
+            total[0] += gpus
+            total[1] += cores
+            total[2] += memory
+            out.append(rid)
+    return frozenset(out)
 
 
 def guarantee_room(state: ClusterState, model: str, need: Need) -> str | None:
@@ -322,7 +393,7 @@ def protected_replicas(state: ClusterState) -> dict[str, str]:
     return guarantee_shares(state)[0]
 
 
-def borrowed_replicas(state: ClusterState) -> set[str]:
+def borrowed_replicas(state: ClusterState) -> frozenset[str]:
     """Owned replicas beyond every guarantee on their owner's chain: taken back first."""
     return guarantee_shares(state)[1]
 
@@ -339,7 +410,7 @@ def quota_view(state: ClusterState) -> dict[str, object]:
     """Every scope with a quota or holdings: its guarantee, limit, what it holds, and its replicas'
     shares (protected, borrowed); models whose owner counts against nothing, and why."""
     model_chains = chains(state)
-    held = holdings(state, model_chains)
+    held = holdings(state)
     quotas = quotas_by_scope(state)
     protected, borrowed = guarantee_shares(state)
     per_scope_p: dict[str, int] = {}

@@ -36,7 +36,7 @@ from llmgw.services.scheduler.placement import (
     reserve,
     summarise,
 )
-from llmgw.services.scheduler.quota import Ledger, guarantee_shares, guarantee_words
+from llmgw.services.scheduler.quota import Ledger, Shares, guarantee_words
 from llmgw.services.scheduler.state import ClusterState, ModelState, ReplicaState, capacity_of
 
 
@@ -278,7 +278,7 @@ class _Pass:
         self.preempted: set[str] = set()  # replicas given way in this pass: not taken twice
         self._holders_on: dict[str, list[PRE.Holder]] = {}
         self._sides: dict[str, PRE.ModelSide | None] = {}
-        self._guarantees: tuple[dict[str, str], set[str]] | None = None
+        self._shares: Shares | None = None
         self._gave_way: dict[str, list[M.ModelPreempted]] | None = None
         self._earmarks: dict[str, str] | None = None
         self._quota: Ledger | None = None
@@ -329,24 +329,27 @@ class _Pass:
         preemption that asks about it (most passes try none, and most nodes cannot take the winner)."""
         held = self._holders_on.get(node_id)
         if held is None:
-            if self._guarantees is None:
-                self._guarantees = guarantee_shares(self.state) if self.state.quotas else ({}, set())
-            protected, borrowed = self._guarantees
-            held = self._holders_on[node_id] = [
-                PRE.Holder(
-                    replica_id=r.id,
-                    model=r.model,
-                    node_id=node_id,
-                    age_s=clock.epoch - r.placed_at,
-                    cores=r.cores,
-                    memory_bytes=r.memory_bytes,
-                    gpus=list(r.gpus),
-                    protected=protected.get(r.id, ""),
-                    borrowed=r.id in borrowed,
+            if self._shares is None and self.state.quotas:
+                self._shares = Shares(self.state)
+            shares = self._shares
+            held = self._holders_on[node_id] = []
+            for r in self.state.replicas_on(node_id):
+                if not r.active or r.id in self.failed_now:
+                    continue
+                protected = shares.protection(r) if shares else ""
+                held.append(
+                    PRE.Holder(
+                        replica_id=r.id,
+                        model=r.model,
+                        node_id=node_id,
+                        age_s=clock.epoch - r.placed_at,
+                        cores=r.cores,
+                        memory_bytes=r.memory_bytes,
+                        gpus=list(r.gpus),
+                        protected=protected,
+                        borrowed=not protected and shares is not None and r.model in shares.chains,
+                    )
                 )
-                for r in self.state.replicas_on(node_id)
-                if r.active and r.id not in self.failed_now
-            ]
         return held
 
     def side_of(self, model: str, clock: Clock, cfg: Config) -> PRE.ModelSide | None:

@@ -6,7 +6,9 @@ The reconcile pass reads this object and never changes it; only the shell folds 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
+from typing import TypeVar
 
 import msgspec
 
@@ -22,6 +24,7 @@ from llmgw.events.subjects import aggregate_of
 from llmgw.services.scheduler.autoscale import LoadSample, ModelLoad, fold_load
 
 GiB = 1024**3
+T = TypeVar("T")
 LOAD_STALE_S = 30.0  # a node's share of a model's load counts this long after its last heartbeat
 
 
@@ -152,6 +155,37 @@ class ClusterState:
         # the shared folds of the tree and of the quotas.
         self.tree = TF.TenancyTree()
         self.quotas: dict[str, Q.Quota] = {}
+        # What quotas derive from replicas, owners, the tree and the quotas (owner chains, holdings,
+        # guarantee shares) is kept until what it was derived from changes: most passes run at rest,
+        # and a preempting pass summed and sorted every replica again (services/scheduler/quota.py).
+        # capacity_version moves on any such change, scopes_version on a scope or quota change,
+        # owners_version when a model is added, removed or given another owner, and model_versions[m]
+        # on a change to model m or one of its replicas.
+        self.capacity_version = 0
+        self.scopes_version = 0
+        self.owners_version = 0
+        self.model_versions: dict[str, int] = {}
+        self._derived: dict[str, tuple[object, object]] = {}
+
+    def derived(self, key: str, compute: Callable[[ClusterState], T], version: object = None) -> T:
+        """``compute(self)``, kept under ``key`` while ``version`` (by default, the capacity version)
+        stays the same. What it returns is shared by every caller until then: read it, never change it."""
+        version = self.capacity_version if version is None else version
+        kept = self._derived.get(key)
+        if kept is not None and kept[0] == version:
+            return kept[1]  # type: ignore[return-value]
+        value = compute(self)
+        self._derived[key] = (version, value)
+        return value
+
+    def changed(self, model: str | None = None) -> None:
+        """What :meth:`apply` records when a model (or one of its replicas) changes, or, without a model,
+        a scope or quota: what was derived from it is derived again when next asked."""
+        self.capacity_version += 1
+        if model is None:
+            self.scopes_version += 1
+        else:
+            self.model_versions[model] = self.model_versions.get(model, 0) + 1
 
     # -- fold of durable events ---------------------------------------------------------------
 
@@ -161,13 +195,16 @@ class ClusterState:
         at = event.envelope.at.timestamp()
         match p:
             case _ if isinstance(p, M.MODEL_EVENTS):  # the shared lifecycle fold (M.fold_model)
+                self.changed(aggregate_of(event.subject)[1])
                 self._apply_model(event)
             case _ if isinstance(p, NF.NODE_EVENTS):  # the shared node fold (events/node_fold.py)
                 n = self.node(p.node_id)
                 n.fact = NF.fold_node(n.fact, p, at)
             case _ if isinstance(p, TF.TREE_EVENTS):
+                self.changed()
                 self.tree.apply(event)
             case _ if isinstance(p, Q.QUOTA_EVENTS):
+                self.changed()
                 sid = aggregate_of(event.subject)[1]
                 quota = Q.fold_quota(self.quotas.get(sid), p)
                 if quota is None:
@@ -191,6 +228,7 @@ class ClusterState:
         after = F.fold_replica(before, p, at)
         if after is None or after is before:
             return
+        self.changed(after.model)
         self._index(after)
         old = self.replicas.get(after.replaces) if after.replaces else None
         if old is not None:  # a restart's replacement moved: so does the restart of the one it replaces
@@ -220,6 +258,8 @@ class ClusterState:
         name = aggregate_of(event.subject)[1]
         old = self.models.get(name)
         status = M.fold_model(old.status if old else None, p)
+        if (old.spec.owner if old else None, old is None) != (status.spec.owner if status else None, status is None):
+            self.owners_version += 1  # a model came, went or changed hands: the quota chains change
         if status is None:
             self.models.pop(name, None)
             return
@@ -339,6 +379,7 @@ class ClusterState:
         ]:
             del self.replicas[r.id]
             self._unindex(r)
+            self.changed(r.model)
 
     # -- views -------------------------------------------------------------------------------
 
