@@ -250,7 +250,8 @@ def _install_stop(stop: asyncio.Event) -> None:
 
 
 # `llmgw up`'s flags and the settings they set; and what `up` decides itself, refused in its config file.
-UP_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+# Flags `llmgw up` and `llmgw server` both take: flag → (setting path, how its value is read).
+SHARED_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "host": ("gateway.host", str),
     "port": ("gateway.port", int),
     "admin_port": ("admin.port", int),
@@ -265,6 +266,7 @@ UP_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "tls_cert": ("tls.cert", str),
     "tls_key": ("tls.key", str),
 }
+UP_FLAGS = SHARED_FLAGS
 UP_DECIDES = {
     "nats": "`llmgw up` runs its own NATS server; this section is for `llmgw server`",
     "db": "`llmgw up` keeps its projections in DATA_DIR/projections.db; db is for `llmgw server`",
@@ -544,29 +546,17 @@ async def announce_when_ready(state: Any, model: str, line: str, stop: asyncio.E
 # `llmgw server`'s flags and the settings they set (cli/config_file.py): a flag given wins over
 # the environment and the config file; one not given leaves them be.
 SERVER_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    **SHARED_FLAGS,
     "nats_url": ("nats.url", str),
     "db_dsn": ("db", str),
     "services": ("services", lambda v: [s.strip() for s in v.split(",") if s.strip()]),
-    "host": ("gateway.host", str),
-    "port": ("gateway.port", int),
-    "admin_port": ("admin.port", int),
-    "admin_host": ("admin.host", str),
-    "insecure": ("admin.insecure", bool),
     "replicas": ("nats.stream_replicas", int),
-    "catalog_file": ("catalog", str),
     "mirror_dir": ("mirror.dir", str),
     "mirror_peer_of": ("mirror.peer_of", str),
     "mirror_peer_name": ("mirror.peer_name", str),
     "mirror_urls": ("mirror.urls", lambda v: [u.strip() for part in v for u in part.split(",") if u.strip()]),
     "usage_journal": ("router.usage_journal", str),
     "first_admin_dir": ("first_admin_dir", str),
-    "log_level": ("log_level", str.lower),
-    "mirror_port": ("mirror.port", int),
-    "mirror_max_gb": ("mirror.max_gb", float),
-    "hf_endpoint": ("hub.endpoint", str),
-    "hub_allow_private": ("hub.allow_private", bool),
-    "tls_cert": ("tls.cert", str),
-    "tls_key": ("tls.key", str),
     "nats_ca": ("nats.ca", str),
     "nats_cert": ("nats.cert", str),
     "nats_key": ("nats.key", str),
