@@ -66,6 +66,12 @@ def key() -> None:
 @click.option("--tpm", type=int, help="The key's own tokens per minute.")
 @click.option("--models", help="Models the key may call, comma-separated (default: every model).")
 @click.option("--expires", help="When the key stops working: 90m, 12h, 30d, 2w, or a date (UTC).")
+@click.option(
+    "--allow-external",
+    "allow_external",
+    is_flag=True,
+    help="The key may call models served by providers outside the cluster (its prompts leave the cluster).",
+)
 @click.pass_context
 def key_create(
     ctx: click.Context,
@@ -76,6 +82,7 @@ def key_create(
     tpm: int | None,
     models: str | None,
     expires: str | None,
+    allow_external: bool,
 ) -> None:
     """Make a key for a project and print it once: only its prefix and hash are stored."""
     expires_at = parse_expiry(expires, datetime.now(UTC)) if expires else None
@@ -90,6 +97,7 @@ def key_create(
         tpm=tpm,
         models=_csv(models),
         expires_at=expires_at,
+        external=allow_external,
     )
 
     async def go(s: Session) -> None:

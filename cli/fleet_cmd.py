@@ -67,6 +67,24 @@ def model() -> None:
 @click.option("--engine", default="llamacpp", show_default=True, type=click.Choice(M.ENGINES))
 @click.option("--ctx-size", type=int, help="Context (KV cache tokens) one replica holds.")
 @click.option("--alias", "aliases", multiple=True)
+@click.option(
+    "--external",
+    metavar="URL",
+    help="Served by an OpenAI-compatible API outside the cluster at this base URL (https://api.example.com/v1): "
+    "nothing is placed; the routers send its requests there. Several providers: -f with `external:` as a list.",
+)
+@click.option(
+    "--key-env",
+    "key_env",
+    multiple=True,
+    metavar="VAR",
+    help="The routers' environment variable holding the provider's API key (repeat for several keys, used in "
+    "turn). The key itself never goes into the catalog.",
+)
+@click.option("--upstream-model", help="The model's name at the provider (default: NAME).")
+@click.option("--price-in", type=float, help="The provider's price per million prompt tokens (USD).")
+@click.option("--price-out", type=float, help="The provider's price per million generated tokens (USD).")
+@click.option("--fallback", "fallbacks", multiple=True, help="A model tried when this one cannot answer.")
 @click.pass_context
 def model_add(
     ctx: click.Context,
@@ -80,10 +98,28 @@ def model_add(
     engine: str,
     ctx_size: int | None,
     aliases: tuple[str, ...],
+    external: str | None,
+    key_env: tuple[str, ...],
+    upstream_model: str | None,
+    price_in: float | None,
+    price_out: float | None,
+    fallbacks: tuple[str, ...],
 ) -> None:
-    """Add a model: `-f model.yaml`, or NAME --source PATH [--min N] [--cpu-cores N] [--memory-gb N]."""
+    """Add a model: `-f model.yaml`, or NAME --source PATH [--min N] [--cpu-cores N] [--memory-gb N], or
+    NAME --external URL --key-env VAR [--price-in X --price-out Y] (served outside the cluster)."""
     if file:
         specs = load_model_file(file)
+    elif external or key_env:
+        if not name or not external or not key_env or source:
+            raise click.UsageError("an external model is NAME --external URL --key-env VAR (and no --source)")
+        provider = M.ExternalProvider(
+            url=external,
+            key_env=list(key_env),
+            model=upstream_model,
+            input_usd_per_m=price_in,
+            output_usd_per_m=price_out,
+        )
+        specs = [M.ModelSpec(name=name, aliases=list(aliases), fallbacks=list(fallbacks), external=[provider])]
     else:
         if not name or not source:
             raise click.UsageError("give NAME and --source PATH, or -f model.yaml")
@@ -97,10 +133,16 @@ def model_add(
                 name=name,
                 source=source_path,
                 aliases=list(aliases),
+                fallbacks=list(fallbacks),
                 scaling=M.Scaling(min=min_, max=max_),
                 profiles=[profile],
             )
         ]
+
+    for spec in specs:  # checked here too: a key pasted as --key-env must never reach the bus
+        for i, p in enumerate(spec.external, 1):
+            if (why := M.provider_problem(p)) is not None:
+                raise click.BadParameter(f"model {spec.name}, provider #{i}: {why}")
 
     async def go(s: Session) -> None:
         for spec in specs:
@@ -550,7 +592,7 @@ def models(ctx: click.Context, as_json: bool) -> None:
             [
                 [
                     m["name"],
-                    f"{m['ready']}/{m['min_replicas']}",
+                    "external" if m.get("external") else f"{m['ready']}/{m['min_replicas']}",
                     m["starting"],
                     ",".join(m["nodes"]),
                     m.get("capacity_class") or "default",

@@ -37,6 +37,7 @@ class KeyCreated(msgspec.Struct, frozen=True, kw_only=True):
     tpm: int | None = None
     models: list[str] = []  # allow-list; empty: every model
     expires_at: datetime | None = None
+    external: bool = False  # may name models served outside the cluster (GW-12: prompts leave it)
 
 
 class KeyRevoked(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,7 +64,13 @@ class BudgetSet(msgspec.Struct, frozen=True, kw_only=True):
 
 
 EVENTS = (
-    EventType("key.created", 1, KeyCreated, "An API key was made for a project; only its hash is kept."),
+    EventType(
+        "key.created",
+        1,
+        KeyCreated,
+        "An API key was made for a project; only its hash is kept. `external`: it may call models served "
+        "outside the cluster.",
+    ),
     EventType("key.revoked", 1, KeyRevoked, "An API key was revoked; every router refuses it within seconds."),
     EventType("limit.set", 1, LimitSet, "Requests and tokens per minute for a scope (unset values: no limit)."),
     EventType("price.set", 1, PriceSet, "A model's price per million input and output tokens."),
@@ -81,6 +88,7 @@ class CreateKey(msgspec.Struct, frozen=True, kw_only=True, tag="key-create", for
     tpm: int | None = None
     models: list[str] = []
     expires_at: datetime | None = None
+    external: bool = False  # may name external models (`--allow-external`)
 
 
 class RevokeKey(msgspec.Struct, frozen=True, kw_only=True, tag="key-revoke", forbid_unknown_fields=True):

@@ -44,6 +44,7 @@ class Key(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     expires_at: datetime | None = None
     revoked: bool = False
     revoke_reason: str = ""
+    external: bool = False  # may name models served outside the cluster (GW-12); last, as fields go by position
 
     def label(self) -> str:
         return f"{self.id} ({self.name})" if self.name else self.id
@@ -90,6 +91,7 @@ def fold_key(key: Key | None, payload: msgspec.Struct) -> Key | None:
                 tpm=p.tpm,
                 models=list(p.models),
                 expires_at=p.expires_at,
+                external=p.external,
             )
         case A.KeyRevoked() if key is not None and not key.revoked:
             return msgspec.structs.replace(key, revoked=True, revoke_reason=payload.reason)

@@ -62,11 +62,87 @@ class Slo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     tokens_per_s: float | None = None  # generation speed each request should see
 
 
+class ExternalProvider(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An OpenAI-compatible API outside the cluster that serves a model (GW-12). The keys themselves are
+    never here: ``key_env`` names the router's environment variables that hold them, read per request."""
+
+    url: str  # the API's base URL as its clients take it: https://api.example.com/v1
+    key_env: list[str]  # environment variables of the router holding its API keys, used in turn
+    model: str | None = None  # the model's name at the provider; None: the catalog name
+    input_usd_per_m: float | None = None  # what the provider charges per million prompt tokens
+    output_usd_per_m: float | None = None  # … and per million generated tokens
+
+    @property
+    def host(self) -> str:
+        """The provider as errors and usage records name it: its URL's host (and port)."""
+        from urllib.parse import urlsplit
+
+        try:  # the host and port alone: never credentials a URL might carry
+            parts = urlsplit(self.url)
+            host, port = parts.hostname, parts.port
+        except ValueError:
+            return "an unreadable URL"
+        if not host:
+            return "an unreadable URL"
+        return f"{host}:{port}" if port else host
+
+    @property
+    def priced(self) -> bool:
+        return self.input_usd_per_m is not None and self.output_usd_per_m is not None
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+def provider_problem(p: ExternalProvider) -> str | None:
+    """Why a provider cannot be used as written, or None. Never quotes a ``key_env`` entry: one that is not
+    a variable's name may be the key itself, pasted by mistake, and this message goes on the log."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(p.url)
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        return "its --external URL is not a URL (http(s)://HOST[:PORT]/PATH)"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "its --external URL must be http(s)://HOST[:PORT]/PATH, the base URL its OpenAI clients use"
+    if parts.username or parts.password or parts.query or parts.fragment:
+        return (
+            "its --external URL carries credentials, a query or a fragment: give the plain base URL, and the "
+            "key in an environment variable of the router named by --key-env"
+        )
+    if not p.key_env:
+        return "it names no key: --key-env VAR, the router's environment variable that holds the provider's key"
+    for i, name in enumerate(p.key_env, 1):
+        if not _ENV_NAME.match(name):
+            return (
+                f"--key-env #{i} is not an environment variable's name (letters, digits, '_'): name the variable "
+                "that holds the key (OPENAI_API_KEY), never the key itself"
+            )
+    if len(set(p.key_env)) != len(p.key_env):
+        return "--key-env names a variable twice"
+    if p.model is not None and not p.model.strip():
+        return "--upstream-model is empty"
+    if (p.input_usd_per_m is None) != (p.output_usd_per_m is None):
+        return "give both prices (--price-in and --price-out) or neither"
+    for v in (p.input_usd_per_m, p.output_usd_per_m):
+        if v is not None and not v >= 0:
+            return "a price per million tokens must be 0 or more"
+    return None
+
+
+def cheapest_first(providers: list[ExternalProvider]) -> list[ExternalProvider]:
+    """The order the routers try a model's providers in: by input plus output price per million tokens
+    (a provider without prices counts as free), ties in the order they are listed. Pure."""
+    return sorted(providers, key=lambda p: (p.input_usd_per_m or 0.0) + (p.output_usd_per_m or 0.0))
+
+
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A model as an operator declares it (CAT-1)."""
+    """A model as an operator declares it (CAT-1). An ``external`` model is served by the providers
+    listed there (GW-12): it has no source and no profiles, and nothing is ever placed for it."""
 
     name: str
-    source: str  # a local path on the nodes, or ``mirror:MODEL/VERSION/FILE`` (fetched by the agents)
+    source: str = ""  # a local path on the nodes, or ``mirror:MODEL/VERSION/FILE`` (fetched by the agents)
     aliases: list[str] = []
     description: str = ""
     route: str = "chat"
@@ -78,6 +154,11 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     owner: str | None = None
     profiles: list[Profile] = []
     slo: Slo | None = None
+    external: list[ExternalProvider] = []  # providers outside the cluster, tried cheapest first
+
+    @property
+    def is_external(self) -> bool:
+        return bool(self.external)
 
 
 MIRROR_SCHEME = "mirror:"
@@ -369,7 +450,13 @@ def fold_model(status: ModelStatus | None, payload: msgspec.Struct) -> ModelStat
 
 
 EVENTS = (
-    EventType("model.added", 1, ModelAdded, "A model joined the catalog, with its whole definition."),
+    EventType(
+        "model.added",
+        1,
+        ModelAdded,
+        "A model joined the catalog, with its whole definition; an external one (`spec.external`) lists its "
+        "providers: base URL, the routers' key variables (never a key), the model's name there, its prices.",
+    ),
     EventType("model.changed", 1, ModelChanged, "A model's definition changed (resources, profiles, …)."),
     EventType("model.scaled", 1, ModelScaled, "A model's min and max replicas changed."),
     EventType("model.stopped", 1, ModelStopped, "An administrator stopped a model; its scaling is saved."),

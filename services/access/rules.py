@@ -256,12 +256,14 @@ def decide_create_key(state: AccessState, c: A.CreateKey, now: datetime) -> Deci
         tpm=c.tpm,
         models=list(c.models),
         expires_at=c.expires_at,
+        external=c.external,
     )
     named = f" ({c.name})" if c.name else ""
     return Decision(
         subject=event_subject(A.KEY_AGGREGATE, key_id),
         payloads=[payload],
-        message=f"key {key_id}{named} created for project {path}",
+        message=f"key {key_id}{named} created for project {path}"
+        + ("; it may call external models (its prompts may leave the cluster)" if c.external else ""),
         result={"id": key_id, "prefix": c.prefix, "project": path, "project_id": project_id},
         fence_tree=True,
     )

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from llmgw.events import access as A
+from llmgw.events import models as M
 
 ACTIVE_STATES = ("placed", "starting", "ready", "draining")
 KEYS_LIMIT = 100  # keys a replay's answer lists unless asked otherwise (all are counted)
@@ -113,6 +114,8 @@ def model_status(m: dict[str, Any], now: datetime | None = None) -> str:
     """The one phrase `ctl models` shows: why a model is not serving, or how it is serving."""
     if m["stopped"]:
         return "stopped by an administrator"
+    if m.get("external"):  # served outside the cluster (GW-12): nothing is placed, so nothing to wait for
+        return f"external, ready ({', '.join(m['external'])})"
     if m["parked"]:
         return f"parked: {m['parked']}"
     short = m["ready"] + m["starting"] < (m["min_replicas"] or 0)
@@ -153,6 +156,9 @@ def shape_model(m: dict[str, Any], active: list[dict[str, Any]]) -> dict[str, An
     m["owner"] = spec.get("owner")  # the scope whose capacity quota it counts against (SCHED-8)
     m["route"] = spec.get("route", "chat")
     m["slo"] = spec.get("slo")
+    # The hosts of its external providers, cheapest first as the routers try them (GW-12); [] for a local model.
+    providers = msgspec.convert(spec.get("external") or [], list[M.ExternalProvider])
+    m["external"] = [p.host for p in M.cheapest_first(providers)]
     # What one replica serves by `ctl bench --save` (SCHED-10), the newest per profile and node shape;
     # one taken against another SLO than the model's now is stale (the autoscaler passes over it).
     m["measured"] = [

@@ -53,6 +53,9 @@ def validate_spec(spec: M.ModelSpec) -> None:
             "starting with a letter or digit, at most 64 characters",
             "invalid_name",
         )
+    if spec.external:
+        _validate_external(spec)
+        return
     if not spec.source:
         raise Rejected(f"model {spec.name} needs a source (a GGUF path, or a mirror path)", "invalid_spec")
     try:
@@ -104,6 +107,24 @@ def validate_spec(spec: M.ModelSpec) -> None:
             raise Rejected(f"{where}: min_memory_gb {p.min_memory_gb} is negative", "invalid_spec")
         if p.cpu_cores is not None and p.cpu_cores < 0:
             raise Rejected(f"{where}: cpu_cores {p.cpu_cores} is negative", "invalid_spec")
+
+
+def _validate_external(spec: M.ModelSpec) -> None:
+    """An external model (GW-12): providers that can be called, and nothing that would run here."""
+    if spec.source or spec.profiles:
+        raise Rejected(
+            f"model {spec.name} is served by external providers, so it runs nothing here: leave out its source "
+            "and profiles (or make it a local model without --external)",
+            "invalid_spec",
+        )
+    if spec.route not in ("chat", "completion", "embedding"):
+        raise Rejected(f"model {spec.name}: route {spec.route!r} is not one of {', '.join(M.ROUTES)}", "invalid_spec")
+    for i, p in enumerate(spec.external, 1):
+        if (why := M.provider_problem(p)) is not None:
+            raise Rejected(f"model {spec.name}: provider #{i} ({p.host}): {why}", "invalid_spec")
+    urls = [p.url.rstrip("/") for p in spec.external]
+    if len(set(urls)) != len(urls):
+        raise Rejected(f"model {spec.name} lists a provider URL twice", "invalid_spec")
 
 
 def validate_catalog(specs: dict[str, M.ModelSpec]) -> None:
@@ -167,6 +188,8 @@ def decide(catalog: Catalog, command: M.CatalogCommand) -> tuple[str, list[msgsp
         case M.SetResources(name=name):
             entry = _entry(catalog, name)
             _not_declared(entry, "change resources of")
+            if entry.spec.external:
+                raise Rejected(f"model {name} is served by external providers: it reserves nothing here", "external")
             if command.memory_gb is None and command.cores is None:
                 raise Rejected("say what to change: --memory GB and/or --cores N", "invalid_spec")
             profiles = [

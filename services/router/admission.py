@@ -18,6 +18,7 @@ import msgspec
 
 from llmgw.events import access as A
 from llmgw.services.router.budgets import BudgetExceeded, max_cost, seconds_to_period_end
+from llmgw.services.router.external import dearest
 from llmgw.services.router.limits import Level, Limiter
 from llmgw.services.router.state import Budget, KeyInfo, ModelInfo, Price
 from llmgw.services.router.validation import max_prompt_tokens
@@ -92,7 +93,7 @@ def admit(
     model = choose_model(key, asked, view.resolve(asked), view.models)  # names read only to refuse
     if isinstance(model, Refusal):
         return Verdict(key=key, refusal=msgspec.structs.replace(model, layer="model"))
-    chain = chain_of(model, view)
+    chain = chain_of(model, view, key)
     verdicts = [model_servable(m, view) for m in chain]
     refusal = servable_chain(verdicts)
     if refusal is not None:
@@ -104,9 +105,30 @@ def admit(
     return Verdict(key=key, model=model, levels=within.levels, headers=within.headers)
 
 
-def chain_of(model: ModelInfo, view: View) -> list[ModelInfo]:
-    """The model, then its fallbacks that exist, in the order they are tried."""
-    return [model] + [m for m in (view.resolve(f) for f in model.spec.fallbacks) if m]
+def chain_of(model: ModelInfo, view: View, key: KeyInfo | None = None) -> list[ModelInfo]:
+    """The model, then its fallbacks that exist, in the order they are tried; for ``key``, only the
+    fallbacks it may use: an external one (GW-12) only when the key allows external models."""
+    fallbacks = [m for m in (view.resolve(f) for f in model.spec.fallbacks) if m]
+    if key is not None and not key.external:
+        fallbacks = [m for m in fallbacks if not m.spec.external]
+    return [model, *fallbacks]
+
+
+def price_for_holds(chain: list[ModelInfo], prices: Mapping[str, Price]) -> Price | None:
+    """The price a budget hold is taken at (GW-5): the dearest of the models a request may be served by
+    (its fallbacks too) and, for an external model, of any of its providers; None: no model has one."""
+    found = []
+    for m in chain:
+        table = prices.get(m.name)
+        price = dearest(m, table) if m.spec.external else table
+        if price is not None:
+            found.append(price)
+    if not found:
+        return None
+    return Price(
+        input_usd_per_m=max(p.input_usd_per_m for p in found),
+        output_usd_per_m=max(p.output_usd_per_m for p in found),
+    )
 
 
 def model_servable(model: ModelInfo, view: View) -> Refusal | None:
@@ -158,6 +180,14 @@ def choose_model(key: KeyInfo, asked: str, model: ModelInfo | None, names: Itera
             code="model_not_allowed",
             message=f"this key may not use model {model.name} (allowed: {', '.join(sorted(key.models))})",
         )
+    if model.spec.external and not key.external:
+        return Refusal(
+            status=403,
+            code="external_not_allowed",
+            message=f"model {model.name} is served by a provider outside the cluster, so prompts sent to it leave "
+            "the cluster, and this key is not allowed that: use a key made with `llmgw ctl key create --project "
+            "ORG/TEAM/PROJECT --allow-external`, or a model served here",
+        )
     return model
 
 
@@ -169,6 +199,8 @@ def servable(model: ModelInfo, ready: int, starting: int) -> Refusal | None:
     or one starting); else why not. ``ready`` and ``starting``: its replicas in those states."""
     if model.stopped:
         return Refusal(status=503, code="model_stopped", message=f"model {model.name} was stopped by an administrator")
+    if model.spec.external:
+        return None  # its providers answer, or say why not, when the request is sent (GW-12)
     if model.parked and not ready:  # ready replicas of an earlier definition still serve
         return Refusal(
             status=503,

@@ -43,6 +43,7 @@ from llmgw.services.router import admission as adm
 from llmgw.services.router.budgets import BudgetBook, BudgetExceeded
 from llmgw.services.router.config import RouterConfig
 from llmgw.services.router.errors import ApiError, http_error, id_headers
+from llmgw.services.router.external import Providers
 from llmgw.services.router.gossip import SUBJECT as GOSSIP_SUBJECT
 from llmgw.services.router.gossip import LimitGossip
 from llmgw.services.router.journal import JournalError
@@ -174,6 +175,7 @@ class Router:
             export_delay_s=self.cfg.trace_export_delay_s,
         )
         self.upstream.tracing = self.tracing
+        self.providers = Providers(self.upstream)  # external models' providers (GW-12)
         self.responses = ResponsesApi(self.cfg.max_body_bytes)  # /v1/responses, over this router's chat path
         self.outstanding = self.upstream.outstanding  # replica id -> requests in flight there
         # replica id -> what its engine last reported in its agent's heartbeat (requests waiting, KV
@@ -404,7 +406,7 @@ class Router:
         data = [
             _model_object(m)
             for m in sorted(self.state.models.values(), key=lambda m: m.name)
-            if not key.models or m.name in key.models
+            if (not key.models or m.name in key.models) and (key.external or not m.spec.external)
         ]
         return web.json_response({"object": "list", "data": data}, headers=id_headers(rid, cid))
 
@@ -545,7 +547,8 @@ class Router:
 
     async def _reserve(self, call: Call, body: dict[str, Any]) -> None:
         assert call.key is not None and call.model is not None
-        price = self.state.prices.get(call.model.name)
+        # The dearest model (or provider) that may serve it: a fallback or another provider may be dearer.
+        price = adm.price_for_holds(adm.chain_of(call.model, self.state, call.key), self.state.prices)
         if price is None:
             return
         scopes = adm.budget_scopes(self.state.scopes_of(call.key), self.state.budgets)
@@ -622,7 +625,15 @@ class Router:
             body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
             payload = _enc.encode(body)
         pkey = prefix_key(prompt)
-        for model in adm.chain_of(call.model, self.state):
+        for model in adm.chain_of(call.model, self.state, call.key):
+            if model.spec.external:  # served outside the cluster (GW-12): no replica, no queue
+                call.model = model
+                table = self.state.prices.get(model.name)
+                resp, failed = await self.providers.send(request, call, model, body, limit_headers, table)
+                if resp is not None:
+                    return resp
+                last = failed
+                continue
             try:
                 replicas = await self._replicas(call, model)
             except ApiError as exc:
@@ -697,7 +708,8 @@ class Router:
 
     async def _finish(self, call: Call) -> None:
         now = self.clock()
-        call.cost_usd = call_cost(call, self.state.prices.get(call.model.name) if call.model else None)
+        table = self.state.prices.get(call.model.name) if call.model else None
+        call.cost_usd = call_cost(call, call.price or table)  # an external provider's own price first
         for scope, when, _amount in call.holds:
             try:
                 await self.budgets.settle(scope, when, call.request_id, call.cost_usd)

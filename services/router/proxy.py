@@ -29,6 +29,22 @@ from llmgw.services.router.usage_record import Call
 _dec = msgspec.json.Decoder()
 
 
+class Target(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a request goes instead of a replica's engine: an external provider (GW-12). Its secrets
+    (the provider's key) are taken out of any text of the provider's that is passed on or recorded."""
+
+    url: str  # the whole URL of the request
+    authorization: str
+    label: str  # how errors name it: "provider api.example.com"
+    secrets: tuple[str, ...] = ()
+
+    def redact(self, text: str) -> str:
+        for s in self.secrets:
+            if s:
+                text = text.replace(s, "[key]")
+        return text
+
+
 class RetryElsewhere(Exception):
     """The replica failed before the first byte reached the client: another may be tried."""
 
@@ -107,30 +123,42 @@ class Upstream:
         payload: bytes,
         limit_headers: dict[str, str],
         fresh: bool = False,
+        target: Target | None = None,
     ) -> web.StreamResponse:
-        assert self._session is not None and replica.url
+        """One try at ``replica``'s engine, or at ``target`` (an external provider) when given."""
+        assert self._session is not None and (replica.url or target)
         rid = replica.replica_id
-        headers = {
-            "Authorization": self._engine_authorization(rid),
-            "Content-Type": "application/json",
-            "X-Request-Id": call.request_id,
-        }
-        self.tracing.inject(headers)  # the engine joins the request's trace (traceparent)
+        if target is None:
+            url, label = f"{replica.url}{call.endpoint}", f"replica {rid}"
+            headers = {
+                "Authorization": self._engine_authorization(rid),
+                "Content-Type": "application/json",
+                "X-Request-Id": call.request_id,
+            }
+            self.tracing.inject(headers)  # the engine joins the request's trace (traceparent)
+        else:
+            # A provider gets the request and its key, nothing of the cluster's (no trace context); and
+            # plain bytes, since answers pass through undecoded and their usage is read.
+            url, label = target.url, target.label
+            headers = {
+                "Authorization": target.authorization,
+                "Content-Type": "application/json",
+                "Accept-Encoding": "identity",
+                "X-Request-Id": call.request_id,
+            }
         self.outstanding[rid] = self.outstanding.get(rid, 0) + 1
         gauge = self.metrics.in_flight_of(replica.model, rid)
         gauge.inc()
         try:
             try:
                 session = self._fresh if fresh and self._fresh else self._session
-                upstream_cm = session.post(
-                    replica.url + call.endpoint, data=payload, headers=headers, timeout=self._timeout
-                )
+                upstream_cm = session.post(url, data=payload, headers=headers, timeout=self._timeout)
                 async with asyncio.timeout(self.cfg.first_token_s):
                     upstream = await upstream_cm.__aenter__()
             except TimeoutError as exc:
                 raise ApiError(
                     504,
-                    f"replica {rid} did not answer within {self.cfg.first_token_s:.0f}s (first_token timeout)",
+                    f"{label} did not answer within {self.cfg.first_token_s:.0f}s (first_token timeout)",
                     "timeout_first_token",
                 ) from exc
             except (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError, OSError) as exc:
@@ -143,6 +171,11 @@ class Upstream:
                     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
                         why = str(exc) or type(exc).__name__
                         raise RetryElsewhere(f"the engine failed while answering {upstream.status}: {why}") from exc
+                    if target is not None:
+                        text = target.redact(text)
+                        if upstream.status in (401, 403, 408, 429) or upstream.status >= 500:
+                            # Its key refused, its limits reached or itself failing: another provider may answer.
+                            raise RetryElsewhere(f"it answered {upstream.status}: {text[:300]}")
                     refusal = engine_refusal(upstream.status, text, replica.model, call.endpoint)
                     if refusal is None:
                         raise RetryElsewhere(f"engine answered {upstream.status}: {text[:300]}")

@@ -63,8 +63,8 @@ Price = K.Price
 
 SNAPSHOT_NAME = "router"
 # Bump when RouterSnapshot or a struct in it changes: older snapshots are then ignored. 2: keys and
-# replicas encoded as arrays (K.Key, ReplicaInfo), not maps. 3: a replica's slots.
-SNAPSHOT_VERSION = 3
+# replicas encoded as arrays (K.Key, ReplicaInfo), not maps. 3: a replica's slots. 4: a key's ``external``.
+SNAPSHOT_VERSION = 4
 
 
 class RouterSnapshot(msgspec.Struct, kw_only=True):

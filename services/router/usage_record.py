@@ -38,6 +38,7 @@ class Call(msgspec.Struct, kw_only=True):
     levels: list[Level] = []
     holds: list[tuple[str, str, float]] = []  # (scope, period it was held in, usd) reserved
     cost_usd: float = 0.0
+    price: Price | None = None  # an external provider's (GW-12), when one served it: the cost is at its price
     billed: bool = True  # False: refused before admission because usage could not be kept
 
 

@@ -258,6 +258,10 @@ class ClusterState:
         name = aggregate_of(event.subject)[1]
         old = self.models.get(name)
         status = M.fold_model(old.status if old else None, p)
+        if status is not None and status.spec.external:
+            # Served by providers outside the cluster (GW-12): nothing is ever placed for it, so the
+            # scheduler does not hold it at all; replicas of an earlier local definition stop as removed.
+            status = None
         if (old.spec.owner if old else None, old is None) != (status.spec.owner if status else None, status is None):
             self.owners_version += 1  # a model came, went or changed hands: the quota chains change
         if status is None:
