@@ -134,7 +134,7 @@ def key_list(ctx: click.Context, project: str | None, as_json: bool) -> None:
                 _dash(k["user"]),
                 _dash(k["rpm"]),
                 _dash(k["tpm"]),
-                _dash(",".join(k["models"])),
+                _dash(",".join(k["models"])) + (" +external" if k.get("external") else ""),
                 _dash(k["expires_at"] and k["expires_at"][:16]),
                 k["state"],
             ]

@@ -19,7 +19,8 @@ from llmgw.projections.base import Projection, Tx
 
 _KEY_INSERT = (
     "INSERT INTO {keys} (id, prefix, project_id, name, user_name, rpm, tpm, models, expires_at, revoked, revoked_at, "
-    "revoked_by, revoke_reason, created_at, created_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL, NULL, '', ?, ?) "
+    "revoked_by, revoke_reason, created_at, created_by, external) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL, NULL, '', ?, ?, ?) "
     "ON CONFLICT (id) DO NOTHING"
 )
 _KEY_REVOKE = "UPDATE {keys} SET revoked = 1, revoked_at = ?, revoked_by = ?, revoke_reason = ? WHERE id = ?"
@@ -53,12 +54,14 @@ class AccessProjection(Projection):
     name = "access"
     # 2: rows folded by events/key_fold.py (a key is created once; revoking is final); rows folded before are rebuilt
     # 3: capacity quotas (SCHED-8), so a replay shows each scope's guarantee and limit at a moment
-    version = 3
+    # 4: a key's ``external`` (GW-12: it may call models served outside the cluster)
+    version = 4
     subject = f"{EVENTS_ROOT}.>"
     tables = {
         "keys": "id TEXT PRIMARY KEY, prefix TEXT NOT NULL, project_id TEXT NOT NULL, name TEXT NOT NULL, "
         "user_name TEXT, rpm INTEGER, tpm INTEGER, models TEXT NOT NULL, expires_at TEXT, revoked INTEGER NOT NULL, "
-        "revoked_at TEXT, revoked_by TEXT, revoke_reason TEXT, created_at TEXT NOT NULL, created_by TEXT NOT NULL",
+        "revoked_at TEXT, revoked_by TEXT, revoke_reason TEXT, created_at TEXT NOT NULL, created_by TEXT NOT NULL, "
+        "external INTEGER NOT NULL",
         "limits": "scope TEXT PRIMARY KEY, rpm INTEGER, tpm INTEGER, updated_at TEXT NOT NULL, "
         "updated_by TEXT NOT NULL",
         "prices": "model TEXT PRIMARY KEY, input_usd_per_m DOUBLE PRECISION NOT NULL, "
@@ -98,6 +101,7 @@ class AccessProjection(Projection):
             key.expires_at.isoformat() if key.expires_at else None,
             e.envelope.at.isoformat(),
             e.envelope.actor,
+            int(key.external),
         )
 
     async def _key(self, tx: Tx, key_id: str) -> K.Key | None:

@@ -302,12 +302,15 @@ async def test_a_provider_that_is_down_passes_the_request_to_the_next_by_price(
     assert rec.cost_usd == pytest.approx((11 * 10 + 3 * 30) / 1e6)  # the price of the one that served
 
 
-async def test_a_provider_down_with_no_other_is_a_502_naming_its_host(gw: Fleet) -> None:
+async def test_a_provider_down_with_no_other_is_a_502_naming_its_host(gw: Fleet, providers: list[Provider]) -> None:
+    strict = await Provider((KEY_A,)).start()
+    providers.append(strict)
     port = free_port()
     tenant = await make_tenant(gw.store)
     key, _ = await make_key(gw.store, tenant, external=True)
     await add_external(gw, "ext", M.ExternalProvider(url=f"http://127.0.0.1:{port}/v1", key_env=["EXT_KEY_A"]))
     await add_external(gw, "nokey", M.ExternalProvider(url=f"http://127.0.0.1:{port}/v1", key_env=["EXT_KEY_UNSET"]))
+    await add_external(gw, "refuses", M.ExternalProvider(url=strict.url, key_env=["EXT_KEY_B"]))
     await gw.router_caught_up()
     status, body = await post(gw, key, chat("ext"), request_id="down-1")
     assert status == 502
@@ -315,6 +318,12 @@ async def test_a_provider_down_with_no_other_is_a_502_naming_its_host(gw: Fleet)
     assert f"127.0.0.1:{port}" in body["error"]["message"]
     status, body = await post(gw, key, chat("nokey"))
     assert status == 502 and "EXT_KEY_UNSET" in body["error"]["message"]  # what to set, and where
+    # A provider that refuses the key and echoes it back: the answer names the refusal, never the key.
+    status, body = await post(gw, key, chat("refuses"), request_id="refused-1")
+    assert status == 502 and "answered 401" in body["error"]["message"], body
+    assert KEY_B not in body["error"]["message"]
+    refused = await record_of(gw, tenant.project, "refused-1")
+    assert refused.error and "answered 401" in refused.error and KEY_B not in refused.error
     rec = await record_of(gw, tenant.project, "down-1")
     assert rec.status == 502 and rec.cost_usd == 0
 
@@ -390,7 +399,8 @@ async def test_ctl_adds_an_external_model_and_a_key_that_may_call_it(
         async def ctl(*args: str) -> tuple[int, str, str]:
             proc = await asyncio.create_subprocess_exec(
                 str(Path(sys.executable).parent / "llmgw"), "--nats", f.nats_url, "ctl", *args,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=f.cli_env(LLMGW_API_URL=f.admin_url),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env=f.cli_env(LLMGW_API_URL=f.admin_url),
             )  # fmt: skip
             out, err = await asyncio.wait_for(proc.communicate(), 60)
             return proc.returncode or 0, out.decode(), err.decode()
@@ -406,6 +416,8 @@ async def test_ctl_adds_an_external_model_and_a_key_that_may_call_it(
         assert code == 0 and "external, ready" in out, out + err
         code, key, err = await ctl("key", "create", "--project", "acme/ml/chat", "--allow-external")
         assert code == 0 and "may call external models" in err, err
+        code, out, err = await ctl("key", "list")
+        assert code == 0 and "+external" in out, out + err
         await f.router_caught_up()
         status, body = await post(f, key.strip(), chat("ext"))
         assert status == 200, body

@@ -92,6 +92,7 @@ ACCESS_COLUMNS = {
         "revoke_reason",
         "created_at",
         "created_by",
+        "external",
     ],
     "limits": ["scope", "rpm", "tpm", "updated_at", "updated_by"],
     "prices": ["model", "input_usd_per_m", "output_usd_per_m", "updated_at", "updated_by"],
@@ -185,6 +186,7 @@ def shape_key(k: dict[str, Any], paths: dict[str, tuple[str, str]], now: datetim
     k["user"] = k.pop("user_name")
     k["models"] = msgspec.json.decode(k["models"] or "[]")
     k["revoked"] = bool(k["revoked"])
+    k["external"] = bool(k.get("external"))  # may call models served outside the cluster (GW-12)
     k["state"] = "revoked" if k["revoked"] else "expired" if key_expired(k["expires_at"], now) else "active"
     k["display"] = f"{A.KEY_PREFIX}-{k['prefix']}-…"
     return k
