@@ -276,6 +276,32 @@ async def test_a_parked_local_model_falls_back_to_its_external_model(gw: Fleet, 
     assert provider.used == [KEY_A]
 
 
+async def test_an_on_demand_local_model_with_no_replica_falls_back_to_its_external_model_at_once_and_is_still_wanted(
+    gw: Fleet, providers: list[Provider]
+) -> None:
+    provider = await Provider((KEY_A,)).start()
+    providers.append(provider)
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant, external=True)
+    await add_external(gw, "ext", M.ExternalProvider(url=provider.url, key_env=["EXT_KEY_A"]))
+    await gw.add_model("local", "/nowhere/model.gguf", min_=0, fallbacks=["ext"])  # no node: none will start
+    wanted: list[str] = []
+
+    async def on_demand(msg: Any) -> None:
+        wanted.append(msg.subject)
+
+    sub = await gw.store.nc.subscribe("llmgw.demand.local", cb=on_demand)
+    await gw.router_caught_up()
+    # Without the fallback it would be held for an on-demand replica (activation_s); with one it is answered.
+    status, body = await post(gw, key, chat("local"), request_id="od-1")
+    assert status == 200, body
+    rec = await record_of(gw, tenant.project, "od-1")
+    assert (rec.model_asked, rec.model_served) == ("local", "ext")
+    assert rec.queue_s == 0  # never held for the replica
+    await wait_until(lambda: wanted, what="the local model's demand signal")  # a replica is still asked for
+    await sub.unsubscribe()
+
+
 async def test_a_provider_that_is_down_passes_the_request_to_the_next_by_price(
     gw: Fleet, providers: list[Provider]
 ) -> None:

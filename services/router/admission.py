@@ -114,6 +114,14 @@ def chain_of(model: ModelInfo, view: View, key: KeyInfo | None = None) -> list[M
     return [model, *fallbacks]
 
 
+def fallback_answers_now(model: ModelInfo, fallbacks: list[ModelInfo], view: View) -> bool:
+    """Whether a request should skip ``model`` for a fallback: it has no ready replica, would wait for one
+    (on demand, or one starting), and one of ``fallbacks`` can answer at once (external, or ready)."""
+    if view.ready(model.name) or model_servable(model, view) is not None:
+        return False  # it answers now, or it refuses at once and the fallbacks are tried anyway
+    return any((m.spec.external and not m.stopped) or view.ready(m.name) for m in fallbacks)
+
+
 def price_for_holds(chain: list[ModelInfo], prices: Mapping[str, Price]) -> Price | None:
     """The price a budget hold is taken at (GW-5): the dearest of the models a request may be served by
     (its fallbacks too) and, for an external model, of any of its providers; None: no model has one."""

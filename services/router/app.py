@@ -625,7 +625,13 @@ class Router:
             body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
             payload = _enc.encode(body)
         pkey = prefix_key(prompt)
-        for model in adm.chain_of(call.model, self.state, call.key):
+        chain = adm.chain_of(call.model, self.state, call.key)
+        for i, model in enumerate(chain):
+            if not model.spec.external and adm.fallback_answers_now(model, chain[i + 1 :], self.state):
+                # No replica ready yet, but a fallback answers now (GW-12): it does, and the model is
+                # still wanted (an on-demand one starts for the requests after).
+                self._demand(model.name)
+                continue
             if model.spec.external:  # served outside the cluster (GW-12): no replica, no queue
                 call.model = model
                 table = self.state.prices.get(model.name)
