@@ -1,9 +1,10 @@
 #!/usr/bin/env sh
 # Tools the test suite uses beyond Python wheels: promtool (Debian's `prometheus` package) checks the
-# alert rules and runs their unit tests (tests/test_alert_rules.py). Installed when missing and this
-# machine can (root, or sudo without a password, with apt); otherwise say how, and the tests that
-# need it are skipped with that reason.
-command -v promtool >/dev/null 2>&1 && exit 0
+# alert rules and runs their unit tests (tests/test_alert_rules.py); the same package's `prometheus`
+# scrapes the fault suite's cluster and fires those alerts (tests/faults/prometheus.py). Installed
+# when missing and this machine can (root, or sudo without a password, with apt); otherwise say how,
+# and the tests that need it are skipped with that reason.
+command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 && exit 0
 if command -v apt-get >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
   if [ "$SUDO" != none ]; then

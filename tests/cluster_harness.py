@@ -1,6 +1,7 @@
 """The cluster shape on loopback: three NATS nodes, PostgreSQL, two `llmgw server`s, agents, a model.
 
-``python -m tests.cluster up [--dir D]`` starts it in the background and prints where it is;
+``python -m tests.cluster up [--dir D] [--prometheus]`` starts it in the background (with
+``--prometheus``, a Prometheus scraping it with the project's alert rules) and prints where it is;
 ``down`` stops everything it started (the pids are in ``D/harness.json``); ``status`` says what
 runs. Tests use it as ``async with ClusterHarness(tmp_path) as c:`` and take parts away with
 :meth:`ClusterHarness.kill9`, :meth:`ClusterHarness.restart`, :meth:`ClusterHarness.pause_nats`…
@@ -175,6 +176,7 @@ class HarnessInfo(msgspec.Struct):
     model: str
     pids: dict[str, int] = {}
     supervisor_pid: int = 0
+    prometheus_url: str = ""  # with `up --prometheus`
 
 
 class ClusterHarness:
@@ -316,6 +318,18 @@ class ClusterHarness:
         leading = [s for s in self.servers if s.alive() and s.leads()]
         return leading[0] if len(leading) == 1 else None
 
+    def lost_nodes(self) -> int:
+        """How many nodes the leading scheduler calls lost (``llmgw_nodes{state="lost"}``; 0 without a leader)."""
+        leader = self.leader()
+        text = _http_text(f"{leader.admin_url}/metrics") if leader is not None else None
+        found = re.search(r'^llmgw_nodes\{state="lost"\} (\S+)$', text or "", re.M)
+        return int(float(found.group(1))) if found else 0
+
+    def metrics_targets(self) -> dict[str, str]:
+        """``name → host:port`` of every process that publishes /metrics: each server's admin port (agents,
+        engines and nats-server publish none in Prometheus's format)."""
+        return {s.name: f"127.0.0.1:{s.admin_port}" for s in self.servers}
+
     def answers(self, s: ServerProc) -> bool:
         body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         req = urllib.request.Request(
@@ -409,28 +423,55 @@ def _default_dir() -> Path:
     return Path(os.environ.get("LLMGW_HARNESS_DIR", "/tmp/llmgw-cluster"))
 
 
-async def _run(base: Path) -> None:
-    """The supervisor `up` leaves behind: holds the cluster until SIGTERM, then stops it all."""
+async def _run(base: Path, prometheus: bool = False) -> None:
+    """The supervisor `up` leaves behind: holds the cluster (and, asked, a Prometheus scraping it) until
+    SIGTERM, then stops it all."""
+    from tests.faults.prometheus import Prometheus
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with ClusterHarness(base) as h:
-        (base / STATE).write_bytes(msgspec.json.encode(h.info()))
-        await stop.wait()
+        info = h.info()
+        prom = Prometheus(base / "prometheus", h.metrics_targets()) if prometheus else None
+        try:
+            if prom is not None:
+                await asyncio.to_thread(prom.start)
+                assert prom.proc is not None
+                info.prometheus_url = prom.url
+                info.pids["prometheus"] = prom.proc.pid
+            (base / STATE).write_bytes(msgspec.json.encode(info))
+            await stop.wait()
+        finally:
+            if prom is not None:
+                await asyncio.to_thread(prom.stop)
     with contextlib.suppress(OSError):
         (base / STATE).unlink()
 
 
-def up(base: Path) -> int:
+def up(base: Path, prometheus: bool = False) -> int:
+    from tests.faults.prometheus import NO_PROMETHEUS, prometheus_binary
+
     if (base / STATE).exists():
         print(f"a cluster already runs from {base}: `python -m tests.cluster down --dir {base}` first", file=sys.stderr)
+        return 1
+    if prometheus and prometheus_binary() is None:
+        print(f"cannot start Prometheus beside the cluster: {NO_PROMETHEUS}", file=sys.stderr)
         return 1
     base.mkdir(parents=True, exist_ok=True)
     log = base / "harness.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.cluster", "_run", "--dir", str(base)],
+            [
+                sys.executable,
+                "-m",
+                "tests.cluster",
+                "_run",
+                "--dir",
+                str(base),
+                *(["--prometheus"] if prometheus else []),
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -460,6 +501,8 @@ def _print(info: HarnessInfo, base: Path) -> None:
     print(f"admin:      user {info.admin_user}, password in {info.admin_password_file}")
     print(f"CLI:        export LLMGW_NATS_URL={info.nats_urls} LLMGW_API_URL={info.admin_urls[0]}")
     print(f"            export LLMGW_TOKEN=$(cat {info.admin_token_file})")
+    if info.prometheus_url:
+        print(f"Prometheus: {info.prometheus_url}   (alerts: {info.prometheus_url}/alerts)")
     print(f"stop with:  python -m tests.cluster down --dir {base}")
 
 
@@ -519,13 +562,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.cluster", description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["up", "down", "status", "_run"])
     parser.add_argument("--dir", type=Path, default=_default_dir(), help="where the cluster's state lives")
+    parser.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="up: also a Prometheus scraping every server with ops/prometheus/alerts.yml (needs Debian's prometheus)",
+    )
     args = parser.parse_args(argv)
     base = args.dir.resolve()
     if args.command == "up":
-        return up(base)
+        return up(base, args.prometheus)
     if args.command == "down":
         return down(base)
     if args.command == "status":
         return status(base)
-    asyncio.run(_run(base))
+    asyncio.run(_run(base, args.prometheus))
     return 0

@@ -113,10 +113,13 @@ class AlertLog:
             if (alert is None or s.alert == alert) and (s.fired >= t or s.cleared is None or s.cleared >= t)
         ]
 
-    def summary(self, t0: float) -> str:
-        """Each alert that fired since ``t0``, with when it fired and cleared in seconds after ``t0``."""
+    def summary(self, t0: float, t1: float | None = None) -> str:
+        """Each alert firing at ``t0`` or fired since (until ``t1``, if given), with when it fired and cleared in
+        seconds after ``t0``."""
         parts = []
         for s in self.since(t0):
+            if t1 is not None and s.fired > t1:
+                continue
             cleared = "still firing" if s.cleared is None else f"cleared at {max(s.cleared - t0, 0):.1f} s"
             parts.append(f"{s.alert} fired at {max(s.fired - t0, 0):.1f} s, {cleared}")
         return "; ".join(parts)

@@ -38,6 +38,8 @@ PAUSE_S = float(os.environ.get("LLMGW_FAULTS_PAUSE_S", "30"))  # how long a NATS
 RECOVER_DEADLINE_S = 240.0
 DISK_MB = 64  # the small disk a NATS node is given (a tmpfs)
 DISK_FULL_S = 20.0
+LOST_HOLD_S = 10.0  # how long an agent's node stays lost before the agent is started again
+LOST_DEADLINE_S = 120.0  # the harness calls a node lost after 20 s without a heartbeat
 IN_FLIGHT_S = 2.0  # a usage record waits in a router's memory at most about this long while the bus acknowledges
 
 
@@ -53,6 +55,9 @@ class FaultResult(msgspec.Struct):
     doubled: int  # answered 200, more than one usage record
     verify_clean: bool
     note: str = ""
+    began: float = 0.0  # time.monotonic() when the fault began
+    ended: float = 0.0  # … and when its books were checked
+    alerts: str = ""  # what a Prometheus watching the cluster fired, and when it cleared (tests/faults/prometheus.py)
 
 
 async def usage_counts(h: ClusterHarness) -> collections.Counter[str]:
@@ -176,6 +181,8 @@ async def run_fault(h: ClusterHarness, load: Load, name: str) -> FaultResult:
         doubled=doubled,
         verify_clean=clean,
         note=note,
+        began=t0,
+        ended=time.monotonic(),
     )
 
 
@@ -274,6 +281,26 @@ async def kill_agent(h: ClusterHarness, load: Load) -> str:
     return f"agent {node} (serving {sum(1 for r in ready if r['node'] == node)} replica(s)) killed -9, started again"
 
 
+async def kill_agent_until_lost(h: ClusterHarness, load: Load) -> str:
+    """kill -9 the agent serving the first ready replica and keep it down until the leading scheduler has called
+    its node lost, and LOST_HOLD_S longer; then start it again."""
+    assert h.fleet is not None
+    ready = await h.fleet.ready(MODEL)
+    node = ready[0]["node"]
+    h.kill9(f"agent:{node}")
+    t = time.monotonic()
+    await wait_until(
+        lambda: asyncio.to_thread(h.lost_nodes), deadline_s=LOST_DEADLINE_S, what=f"node {node} called lost"
+    )
+    lost_after = time.monotonic() - t
+    await asyncio.sleep(LOST_HOLD_S)  # the fault is a duration: the node stays lost this long
+    await h.restart(f"agent:{node}")
+    return (
+        f"agent {node} (serving {sum(1 for r in ready if r['node'] == node)} replica(s)) killed -9; its node called "
+        f"lost {lost_after:.1f} s after, the agent started again {LOST_HOLD_S:.0f} s later"
+    )
+
+
 async def kill_engine(h: ClusterHarness, load: Load) -> str:
     assert h.fleet is not None
     fleet = h.fleet
@@ -297,16 +324,26 @@ async def restart_everything(h: ClusterHarness, load: Load) -> str:
     return "every NATS node, server and agent killed -9 at once, then started (NATS first)"
 
 
+NODE_LOST = "kill -9 an agent, back once its node is lost"
 FAULTS: dict[str, Callable[[ClusterHarness, Load], Awaitable[str]]] = {
     "kill -9 a router": kill_router,
     "kill -9 one NATS node, bring it back": kill_nats_node,
     "kill -9 the scheduler leader": kill_scheduler_leader,
     "kill -9 an agent": kill_agent,
+    NODE_LOST: kill_agent_until_lost,
     "kill -9 an engine": kill_engine,
     f"SIGSTOP a NATS node {PAUSE_S:.0f} s": pause_nats_node,
     f"a NATS node's disk full {DISK_FULL_S:.0f} s": fill_nats_disk,
     "restart everything at once": restart_everything,
 }
+
+# The alert (ops/prometheus/alerts.yml) each of these faults must fire, and clear once the cluster is whole again.
+ALERTS_EXPECTED: dict[str, str] = {
+    "kill -9 the scheduler leader": "ControlPlaneLeadership",
+    NODE_LOST: "NodeLost",
+}
+# A failover takes the lease's TTL (6 s): under ControlPlaneLeadership's own `for: 1m` it would never fire here.
+SHORTENED_FOR = {"ControlPlaneLeadership": "1s"}
 
 
 def markdown(results: list[FaultResult]) -> str:
@@ -322,4 +359,5 @@ def markdown(results: list[FaultResult]) -> str:
             f"{'clean' if r.verify_clean else 'DIFFERS'} |"
         )
     notes = [f"- {r.fault}: {r.note}" for r in results if r.note]
+    notes += [f"- {r.fault}: alerts: {r.alerts}" for r in results if r.alerts]
     return "\n".join([*rows, "", *notes]) + "\n"

@@ -43,6 +43,7 @@ def test_the_alert_log_keeps_when_each_alert_fired_and_cleared() -> None:
     assert log.summary(10.0) == (
         "NodeLost fired at 1.0 s, cleared at 4.0 s; ControlPlaneLeadership fired at 2.0 s, still firing"
     )
+    assert log.summary(10.0, 11.5) == "NodeLost fired at 1.0 s, cleared at 4.0 s"
     assert [s.alert for s in log.since(13.0)] == ["NodeLost", "ControlPlaneLeadership"]
     assert log.since(15.0, "NodeLost") == []
 
