@@ -160,9 +160,14 @@ def decode_usage(data: bytes) -> UsageRecord:
 # -- the fold ----------------------------------------------------------------------------------------
 
 
+NOT_SERVED = "(none)"  # the model row of requests refused before a catalog model was chosen
+
+
 def served_model(r: UsageRecord) -> str:
-    """The model a request is counted under: the one that answered, else the one asked for."""
-    return r.model_served or r.model_asked or ""
+    """The model a request is counted under: the catalog model that served it (or would have, for a
+    request refused by its limits); :data:`NOT_SERVED` when none was chosen — a name the client made
+    up (``gpt-4o``) or may not use is kept in the request's record, never made a row of its own."""
+    return r.model_served or NOT_SERVED
 
 
 def rollup_keys(r: UsageRecord) -> list[tuple[str, str, str | None, str | None, str | None, str | None]]:
@@ -186,7 +191,8 @@ def rollup_keys(r: UsageRecord) -> list[tuple[str, str, str | None, str | None, 
 class UsageProjection(Projection):
     name = "usage"
     # 2: the client's X-Request-Id kept beside the gateway's own (requests.client_request_id)
-    version = 2
+    # 3: rows by model are by the model served; requests no catalog model took are counted under "(none)"
+    version = 3
     stream = STREAM_USAGE
     subject = f"{USAGE_ROOT}.>"
     tables = {

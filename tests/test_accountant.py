@@ -43,6 +43,7 @@ from llmgw.projections.usage import (
     minute_of,
     parse_since,
     period_start,
+    rollup_keys,
     usage_query,
 )
 from llmgw.services.accountant.service import AccountantService
@@ -115,7 +116,7 @@ def expected_rollups(records: Iterable[UsageRecord]) -> dict[tuple[str, str, str
         if r.request_id in seen:
             continue
         seen.add(r.request_id)
-        model = r.model_served or r.model_asked
+        model = r.model_served or "(none)"
         dims = {"key": r.key_id, "project": r.project_id, "team": r.team_id, "org": r.org_id, "model": model}
         for dim, value in dims.items():
             if value is None:
@@ -407,6 +408,15 @@ async def test_pruning_drops_requests_and_rollups_older_than_the_retention(store
 )
 def test_budget_periods(description: str, period: str, now: str, start: str) -> None:
     assert period_start(period, datetime.fromisoformat(now)) == datetime.fromisoformat(start), description
+
+
+def test_a_model_name_no_catalog_model_answered_to_is_no_usage_row_of_its_own() -> None:
+    start = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    refused, served = make_records(2, start)
+    refused = msgspec.structs.replace(refused, status=404, model_asked="gpt-4o", model_served=None)
+    served = msgspec.structs.replace(served, status=200, model_asked="chat", model_served="smollm2")
+    assert [value for dim, value, *_ in rollup_keys(refused) if dim == "model"] == ["(none)"]
+    assert [value for dim, value, *_ in rollup_keys(served) if dim == "model"] == ["smollm2"]
 
 
 def test_budget_spend_sums_the_scopes_own_rollups_in_the_current_period() -> None:
