@@ -410,6 +410,15 @@ def test_the_scheduler_holds_no_external_model() -> None:
     env = Envelope(id="e1", type="model.added", v=1, at=datetime.now(UTC), actor="user:test", data=msgspec.Raw(b"{}"))
     state.apply(RecordedEvent(envelope=env, payload=M.ModelAdded(spec=spec), seq=1, subject="llmgw.evt.model.ext"))
     assert state.models == {}  # nothing to place, hold or preempt
+    from llmgw.services.scheduler.explain import explain
+    from llmgw.services.scheduler.headroom import headroom
+    from llmgw.services.scheduler.reconcile import Clock, Config
+
+    clock = Clock(monotonic=0.0, epoch=0.0, started=0.0)
+    for answer in (explain(state, "ext", Config()), headroom(state, "ext", clock, Config())):
+        assert "served outside the cluster (by x)" in answer["error"]  # said, not "no model named"
+    restored = ClusterState.decode(state.encode())  # a scheduler started from a snapshot knows it too
+    assert restored.external == {"ext": ["x"]} and restored.models == {}
 
 
 async def test_ctl_adds_an_external_model_and_a_key_that_may_call_it(

@@ -8,7 +8,7 @@ from llmgw.services.scheduler import preemption as PRE
 from llmgw.services.scheduler.placement import evaluate, need_of, profile_order
 from llmgw.services.scheduler.quota import Ledger, owner_problem
 from llmgw.services.scheduler.reconcile import Clock, Config, Preempt, Waiting, candidates, held_back, try_preempt
-from llmgw.services.scheduler.state import ClusterState
+from llmgw.services.scheduler.state import ClusterState, external_note
 
 
 def explain(
@@ -16,6 +16,8 @@ def explain(
 ) -> dict[str, Any]:
     """Pure. ``clock``: what preemption and holds are judged at (without one, they are not explained)."""
     m = state.models.get(model)
+    if m is None and (note := external_note(state, model)) is not None:
+        return {"error": note}
     if m is None:
         known = ", ".join(sorted(state.models)) or "none"
         return {"error": f"no model named {model!r} (models: {known})"}

@@ -18,7 +18,7 @@ import msgspec
 from llmgw.services.scheduler import autoscale as AS
 from llmgw.services.scheduler.quota import stopped_at
 from llmgw.services.scheduler.reconcile import Blocked, Clock, Config, Place, reconcile
-from llmgw.services.scheduler.state import ClusterState, ModelState
+from llmgw.services.scheduler.state import ClusterState, ModelState, external_note
 
 CAP = 256  # the most extra replicas asked for: "at least 256" is answer enough
 
@@ -26,6 +26,8 @@ CAP = 256  # the most extra replicas asked for: "at least 256" is answer enough
 def headroom(state: ClusterState, model: str, clock: Clock, cfg: Config, cap: int = CAP) -> dict[str, Any]:
     """Pure: ``state`` is not changed."""
     m = state.models.get(model)
+    if m is None and (note := external_note(state, model)) is not None:
+        return {"error": note}
     if m is None:
         known = ", ".join(sorted(state.models)) or "none"
         return {"error": f"no model named {model!r} (models: {known})"}

@@ -113,7 +113,8 @@ ReplicaState = F.Replica
 
 
 SNAPSHOT_NAME = "scheduler"
-SNAPSHOT_VERSION = 2  # bump when ClusterSnapshot or a struct in it changes: older snapshots are then ignored
+SNAPSHOT_VERSION = 3  # bump when ClusterSnapshot or a struct in it changes: older snapshots are then ignored
+# 3: the external models (GW-12), by name with their providers' hosts
 
 
 class ClusterSnapshot(msgspec.Struct, kw_only=True):
@@ -129,6 +130,18 @@ class ClusterSnapshot(msgspec.Struct, kw_only=True):
     scopes: dict[str, TF.Scope] = {}
     placed_scopes: dict[str, tuple[str, str | None]] = {}
     quotas: dict[str, Q.Quota] = {}
+    external: dict[str, list[str]] = {}
+
+
+def external_note(state: ClusterState, model: str) -> str | None:
+    """What `ctl explain` and headroom say of a model served outside the cluster (GW-12); None for others."""
+    hosts = state.external.get(model)
+    if hosts is None:
+        return None
+    return (
+        f"model {model} is served outside the cluster (by {', '.join(hosts)}): the scheduler places nothing "
+        "for it, so nothing here can run it or fit more of it"
+    )
 
 
 class ClusterState:
@@ -138,6 +151,9 @@ class ClusterState:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeState] = {}
         self.models: dict[str, ModelState] = {}
+        # Models served outside the cluster (GW-12) -> their providers' hosts: never placed, so not in
+        # ``models``; kept only so `ctl explain` and headroom can say why there is nothing to say.
+        self.external: dict[str, list[str]] = {}
         self.replicas: dict[str, ReplicaState] = {}
         self.position = 0
         # Indexes of ``replicas`` (a replica's model and node never change): a pass asks "what is
@@ -258,9 +274,11 @@ class ClusterState:
         name = aggregate_of(event.subject)[1]
         old = self.models.get(name)
         status = M.fold_model(old.status if old else None, p)
+        self.external.pop(name, None)
         if status is not None and status.spec.external:
             # Served by providers outside the cluster (GW-12): nothing is ever placed for it, so the
             # scheduler does not hold it at all; replicas of an earlier local definition stop as removed.
+            self.external[name] = [p.host for p in M.cheapest_first(status.spec.external)]
             status = None
         if (old.spec.owner if old else None, old is None) != (status.spec.owner if status else None, status is None):
             self.owners_version += 1  # a model came, went or changed hands: the quota chains change
@@ -293,6 +311,7 @@ class ClusterState:
             scopes=self.tree.scopes,
             placed_scopes=self.tree.placed,
             quotas=self.quotas,
+            external=self.external,
         )
 
     def encode(self) -> bytes:
@@ -309,6 +328,7 @@ class ClusterState:
         state.tree.scopes = dict(snap.scopes)
         state.tree.placed = {k: (v[0], v[1]) for k, v in snap.placed_scopes.items()}
         state.quotas = dict(snap.quotas)
+        state.external = dict(snap.external)
         for r in snap.replicas.values():
             state._index(r)
         return state
