@@ -47,7 +47,13 @@ def configure(level: str = "info", json_lines: bool | None = None, extra: list |
         json_lines = json_wanted()
     lvl = getattr(logging, level.upper(), logging.INFO)
     logging.basicConfig(stream=sys.stderr, level=lvl, format="%(message)s")
-    renderer = structlog.processors.JSONRenderer(serializer=_dumps) if json_lines else structlog.dev.ConsoleRenderer()
+    # On a terminal, tracebacks as plain text: with rich installed the console renderer would print
+    # every frame's local variables, and a frame may hold a secret (an outside provider's key).
+    renderer = (
+        structlog.processors.JSONRenderer(serializer=_dumps)
+        if json_lines
+        else structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
