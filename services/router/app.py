@@ -59,6 +59,8 @@ from llmgw.services.router.routing import (
     engine_loads,
     order,
     prefix_key,
+    round_robin,
+    shuffled,
     slots_of,
 )
 from llmgw.services.router.state import SNAPSHOT_NAME, SNAPSHOT_VERSION, KeyInfo, ModelInfo, ReplicaInfo, RouterState
@@ -203,6 +205,9 @@ class Router:
         self.fold = LiveFold(store, f"{S.EVENTS_ROOT}.>", self.state, name="router", after=0, registry=folds)
         self._caught_up = self.fold.caught_up
         self._rng = random.Random()
+        # routing.POLICIES: "llmgw" serves; benchmarks and tests set a baseline here to compare with.
+        self.routing_policy = "llmgw"
+        self._turn = 0
         self._request_limits = RequestLimits(
             max_messages=self.cfg.max_messages,
             max_json_depth=self.cfg.max_json_depth,
@@ -649,10 +654,20 @@ class Router:
                 await self._queue(request, call, model)
                 replicas = self.state.ready(model.name) or replicas  # replicas may have come or gone meanwhile
                 self.gate.sent(model.name)  # from here to the send nothing awaits: the slot cannot be taken
-            preferred = self.affinity.get(pkey)
-            ranked = order(
-                replicas, self.outstanding, preferred, self.cfg.saturation, self._rng.getrandbits(16), self.engines
-            )
+            if self.routing_policy == "round_robin":
+                self._turn += 1
+                ranked = round_robin(replicas, self._turn)
+            elif self.routing_policy == "random":
+                ranked = shuffled(replicas, self._rng.getrandbits(32))
+            else:
+                ranked = order(
+                    replicas,
+                    self.outstanding,
+                    self.affinity.get(pkey),
+                    self.cfg.saturation,
+                    self._rng.getrandbits(16),
+                    self.engines,
+                )
             call.model = model
             resp, failed = await self.upstream.attempt(request, call, ranked, payload, limit_headers)
             if resp is None:

@@ -10,6 +10,7 @@ caller passes the load and a seed.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections import OrderedDict
 from collections.abc import Mapping
 
@@ -19,6 +20,9 @@ from llmgw.events.nodes import NodeHeartbeat
 from llmgw.services.router.state import ReplicaInfo
 
 PREFIX_CHARS = 512
+# How a router orders replicas: "llmgw" (:func:`order`) in service; the others are baselines that benchmarks
+# and tests set on a Router to compare against (not a setting: a gateway routes by load and prefix).
+POLICIES = ("llmgw", "round_robin", "random")
 
 
 def prefix_key(text: str) -> str | None:
@@ -109,6 +113,22 @@ def order(
             room = min(slots_of(r, engines, saturation), saturation)
             if outstanding.get(r.replica_id, 0) < room and not (e and e.unreachable):
                 return [r, *ranked[:i], *ranked[i + 1 :]]
+    return ranked
+
+
+def round_robin(replicas: list[ReplicaInfo], turn: int) -> list[ReplicaInfo]:
+    """The baseline that ignores load and prefix: the replicas by id, rotated by ``turn`` (the request's
+    number), so consecutive requests start at consecutive replicas."""
+    ranked = sorted(replicas, key=lambda r: r.replica_id)
+    k = turn % len(ranked) if ranked else 0
+    return [*ranked[k:], *ranked[:k]]
+
+
+def shuffled(replicas: list[ReplicaInfo], seed: int) -> list[ReplicaInfo]:
+    """The baseline that picks at random: the replicas by id, shuffled by ``seed`` (the same seed, the
+    same order)."""
+    ranked = sorted(replicas, key=lambda r: r.replica_id)
+    random.Random(seed).shuffle(ranked)
     return ranked
 
 
