@@ -24,8 +24,10 @@ gateway does), ``round_robin`` and ``random`` — in an order rotated every run,
 falls on all three alike. Each policy's rounds get documents of their own (same lengths, new words),
 so no round finds another's prefixes in a cache. It prints, by policy, the time to the first token
 (p50 and p90), output tokens per second over the round (first request sent to last answer), the
-share of prompt tokens llama.cpp served from its cache (``timings.cache_n`` over the prompt), errors,
-and the ratios against llmgw. Figures only: nothing passes or fails.
+share of prompt tokens llama.cpp served from its cache (``timings.cache_n`` over the prompt), the
+requests whose prefix was prefilled again (under half the prompt from a cache; a tenant's first
+request in a round is one under any policy), errors, and the ratios against llmgw. Figures only:
+nothing passes or fails.
 """
 
 from __future__ import annotations
@@ -146,6 +148,8 @@ class Summary(msgspec.Struct, frozen=True, kw_only=True):
     ttft_p90_ms: float
     tokens_per_s: float
     cached_share: float  # of all prompt tokens answered, served from a cache
+    misses: int  # requests that found under half their prompt in a cache: their prefix was prefilled again
+    first_sight: int  # of those, a tenant's first request on any replica (no policy avoids these)
     prompt_tokens: float  # mean per request
 
 
@@ -160,6 +164,14 @@ def summarize(rounds: list[list[Result]]) -> Summary:
         if any(not r.error for r in rs)
     )
     prompt = sum(r.prompt_tokens for r in answered)
+    missed = [r for r in answered if r.cached_tokens * 2 < r.prompt_tokens]
+    seen: set[tuple[int, int]] = set()
+    first = 0
+    for i, rs in enumerate(rounds):
+        for r in sorted((r for r in rs if not r.error), key=lambda r: r.sent):
+            if (i, r.tenant) not in seen:
+                seen.add((i, r.tenant))
+                first += r.cached_tokens * 2 < r.prompt_tokens
     return Summary(
         requests=sum(len(rs) for rs in rounds),
         errors=sum(1 for rs in rounds for r in rs if r.error),
@@ -168,19 +180,22 @@ def summarize(rounds: list[list[Result]]) -> Summary:
         tokens_per_s=tokens / span if span else math.nan,
         cached_share=sum(r.cached_tokens for r in answered) / prompt if prompt else math.nan,
         prompt_tokens=prompt / len(answered) if answered else math.nan,
+        misses=len(missed),
+        first_sight=first,
     )
 
 
 def table(summaries: dict[str, Summary]) -> str:
     """The figures by policy, then each baseline's ratio to llmgw's."""
     lines = [
-        "| policy | requests | errors | TTFT p50 (ms) | TTFT p90 (ms) | tokens/s | prompt from cache |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| policy | requests | errors | TTFT p50 (ms) | TTFT p90 (ms) | tokens/s | prompt from cache "
+        "| prefix prefilled |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p, s in summaries.items():
         lines.append(
             f"| {p} | {s.requests} | {s.errors} | {s.ttft_p50_ms:.0f} | {s.ttft_p90_ms:.0f} | "
-            f"{s.tokens_per_s:.1f} | {100 * s.cached_share:.0f}% |"
+            f"{s.tokens_per_s:.1f} | {100 * s.cached_share:.0f}% | {s.misses} ({s.first_sight} first) |"
         )
     ours = summaries.get("llmgw")
     if ours:
@@ -358,7 +373,8 @@ def main() -> None:
         s = summarize([results])
         print(
             f"run {run + 1} {policy:>11}: {s.requests} requests, {s.errors} errors, TTFT p50 {s.ttft_p50_ms:.0f} ms "
-            f"p90 {s.ttft_p90_ms:.0f} ms, {s.tokens_per_s:.1f} tokens/s, {100 * s.cached_share:.0f}% of prompt cached",
+            f"p90 {s.ttft_p90_ms:.0f} ms, {s.tokens_per_s:.1f} tokens/s, {100 * s.cached_share:.0f}% of prompt cached, "
+            f"{s.misses} prefixes prefilled ({s.first_sight} a tenant's first)",
             flush=True,
         )
 
