@@ -5,6 +5,7 @@ refused by the server (nats-py hears "permissions violation" through its error c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -200,10 +201,19 @@ async def test_a_cli_sends_commands_and_reads_their_outcomes_and_nothing_else(ro
     ack = await cli.js.publish(f"{S.COMMANDS_ROOT}.tenancy.create", b"{}")
     assert ack.stream == S.STREAM_COMMANDS
     outcome = S.command_outcome_subject("c1")
-    heard = await cli.nc.subscribe(outcome, max_msgs=1)
+    heard = await cli.nc.subscribe(outcome)
     await cli.nc.flush()  # the server has the subscription before another connection publishes
-    await stores[NP.CONTROL].publish_raw(outcome, b"done")
-    assert (await heard.next_msg(timeout=10)).data == b"done"
+    # Sent again each second until heard (for up to 10 s): on a loaded machine one publish was once not
+    # heard within 10 s; what is asserted is that the CLI may hear an outcome at all.
+    for _ in range(10):
+        await stores[NP.CONTROL].publish_raw(outcome, b"done")
+        with contextlib.suppress(nats.errors.TimeoutError):
+            got = await heard.next_msg(timeout=1)
+            break
+    else:
+        raise AssertionError(f"the CLI never heard {outcome}")
+    assert got.data == b"done"
+    await heard.unsubscribe()
     assert (await cli.js.get_last_msg(S.STREAM_EVENTS, outcome, direct=True)).data == b"done"
 
     probe = probes[NP.CLI]
