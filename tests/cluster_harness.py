@@ -35,7 +35,7 @@ from llmgw.events.store import EventStore
 from tests.cluster import ClusterNode, NatsCluster
 from tests.fleet import LLMGW, AgentProc, Fleet
 from tests.gguf_tiny import write_tiny_gguf
-from tests.support import Postgres, free_port, wait_until
+from tests.support import Postgres, free_port, stop_process, wait_until
 
 MODEL = "tiny"
 SERVICES = "tenancy,access,people,catalog,fleet,scheduler,projections,api,router,accountant,mirror,jobs"
@@ -120,14 +120,7 @@ class ServerProc:
             self.proc.wait()
 
     def stop(self, grace_s: float = 30.0) -> None:
-        if self.alive():
-            assert self.proc is not None
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace_s)
 
     def healthy(self) -> bool:
         return _http_status(f"{self.admin_url}/healthz") == 200

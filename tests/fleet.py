@@ -29,7 +29,7 @@ from llmgw.events.store import EventStore
 from llmgw.services.router.app import RouterConfig
 from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
 from tests.signin import cli_env, sign_in_tester
-from tests.support import free_port, wait_until
+from tests.support import free_port, stop_process, wait_until
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
 FAST = SchedulerConfig(lost_after_s=3.0, backoff_base_s=0.2, backoff_cap_s=2.0, stop_grace_s=5.0)
@@ -74,13 +74,7 @@ class AgentProc:
         self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def kill_engines(self) -> None:
         for state in self.dir.glob("replicas/*/state.json"):

@@ -38,6 +38,18 @@ def nats_server_binary() -> str:
     return natsd.nats_server_binary()
 
 
+def stop_process(proc: subprocess.Popen | None, grace_s: float = 15.0) -> None:
+    """SIGTERM a child still running, SIGKILL it if it has not ended within ``grace_s``, and reap it."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_for_port(port: int, deadline_s: float = 10.0, proc: subprocess.Popen | None = None) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from tests.support import free_port
+from tests.support import free_port, stop_process
 
 RULES = Path(__file__).resolve().parents[2] / "ops" / "prometheus" / "alerts.yml"
 NO_PROMETHEUS = (
@@ -179,13 +179,7 @@ class Prometheus:
         return bool(groups) and sum(1 for r in up if r["value"][1] == "1") == len(self.targets)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def tail(self) -> str:
         with contextlib.suppress(OSError):
