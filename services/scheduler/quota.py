@@ -268,10 +268,10 @@ def _guarantee_shares(state: ClusterState) -> tuple[dict[str, str], frozenset[st
     for model in chains(state):
         for r in state.replicas_of(model):
             if r.state in HOLDING:
-                why = shares.protection(r)
+                why, lent = shares.share(r)
                 if why:
                     protected[r.id] = why
-                else:
+                elif lent:
                     borrowed.add(r.id)
     return protected, frozenset(borrowed)
 
@@ -306,9 +306,11 @@ class Shares:
                 return f"within {self.state.tree.label(scope)}'s guarantee"
         return ""
 
-    def borrowed(self, r: ReplicaState) -> bool:
-        """Whether an owned replica that holds capacity is beyond every guarantee on its owner's chain."""
-        return r.model in self.chains and r.state in HOLDING and not self.protection(r)
+    def share(self, r: ReplicaState) -> tuple[str, bool]:
+        """(:meth:`protection`, borrowed): an owned replica holding capacity beyond every guarantee on its
+        owner's chain is borrowed."""
+        why = self.protection(r)
+        return why, not why and r.model in self.chains and r.state in HOLDING
 
     def covered(self, scope: str) -> frozenset[str]:
         """The replicas ``scope``'s guarantee covers (kept by the state while they may not change)."""

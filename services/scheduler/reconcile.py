@@ -336,7 +336,7 @@ class _Pass:
             for r in self.state.replicas_on(node_id):
                 if not r.active or r.id in self.failed_now:
                     continue
-                protected = shares.protection(r) if shares else ""
+                protected, borrowed = shares.share(r) if shares else ("", False)
                 held.append(
                     PRE.Holder(
                         replica_id=r.id,
@@ -347,7 +347,7 @@ class _Pass:
                         memory_bytes=r.memory_bytes,
                         gpus=list(r.gpus),
                         protected=protected,
-                        borrowed=not protected and shares is not None and r.model in shares.chains,
+                        borrowed=borrowed,
                     )
                 )
         return held
