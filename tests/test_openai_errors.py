@@ -12,7 +12,7 @@ import pytest
 from llmgw.services.router.proxy import engine_refusal
 from llmgw.services.router.validation import Invalid, RequestLimits, check_body
 from tests.fleet import Fleet
-from tests.test_gateway import client, gw, make_key, make_tenant, router_caught_up, tiny  # noqa: F401
+from tests.test_gateway import client, gw, make_key, make_tenant, ready_model, router_caught_up, tiny  # noqa: F401
 
 LIMITS = RequestLimits(max_messages=100, max_json_depth=64, max_prompt_tokens=10**6, max_output_tokens=4096)
 
@@ -51,8 +51,7 @@ async def test_the_sdk_sees_a_prompt_past_the_context_and_a_bad_role_as_openai_e
     tiny: Path,  # noqa: F811
 ) -> None:
     key, _ = await make_key(gw.store, await make_tenant(gw.store))
-    await gw.add_model("tiny", tiny)
-    await gw.wait_ready("tiny", 1)
+    await ready_model(gw, tiny)
     await router_caught_up(gw, 0)
     c = client(gw, key)
     with pytest.raises(openai.BadRequestError) as long:
@@ -73,8 +72,7 @@ async def test_a_model_s_output_bound_is_the_default_max_tokens_and_its_ceiling(
     tiny: Path,  # noqa: F811
 ) -> None:
     key, _ = await make_key(gw.store, await make_tenant(gw.store))
-    await gw.add_model("tiny", tiny, max_output=3)
-    await gw.wait_ready("tiny", 1)
+    await ready_model(gw, tiny, max_output=3)
     await router_caught_up(gw, 0)
     c = client(gw, key)
     # No max_tokens, and an engine that would not stop by itself: the model's bound stops it.

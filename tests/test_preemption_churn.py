@@ -5,7 +5,7 @@ and its winner preempted again (2,345 preemptions in a simulated day, 350 of the
 from __future__ import annotations
 
 from llmgw.services.scheduler.reconcile import Place
-from tests.scheduler_world import World, beats, later, model, node, placed, ready, said, stopped
+from tests.scheduler_world import Fact, World, beats, later, model, node, placed, ready, said, stopped
 from tests.test_preemption import OLD, preempted
 
 
@@ -28,8 +28,9 @@ def test_the_room_a_preemption_makes_goes_to_its_winner_not_to_a_model_that_sort
     assert [said(d) for d in second if isinstance(d, Place)] == ["place z-crit on n"]
 
 
-def test_a_model_that_gives_way_to_two_winners_keeps_both_rooms_for_them() -> None:
-    w = World().add(
+def two_nodes_each_running_a_low_replica() -> list[Fact]:
+    """Nodes x and y, full with one old, ready replica each of the opportunistic model v-low (v1, v2)."""
+    return [
         node("x", cpus=8, mem_gb=64),
         node("y", cpus=8, mem_gb=64),
         model("v-low", 2, cores=8, cls="opportunistic"),
@@ -39,6 +40,12 @@ def test_a_model_that_gives_way_to_two_winners_keeps_both_rooms_for_them() -> No
         ready("v2"),
         later(OLD),
         beats(),
+    ]
+
+
+def test_a_model_that_gives_way_to_two_winners_keeps_both_rooms_for_them() -> None:
+    w = World().add(
+        two_nodes_each_running_a_low_replica(),
         model("c-low", cores=8, cls="opportunistic"),  # short too, sorts first, may take nobody's room
         model("x-crit", cores=8, cls="critical"),
         model("y-crit", cores=8, cls="critical"),
@@ -52,15 +59,7 @@ def test_a_model_that_gives_way_to_two_winners_keeps_both_rooms_for_them() -> No
 
 def test_a_winner_short_by_two_keeps_the_room_made_for_its_second_replica() -> None:
     w = World().add(
-        node("x", cpus=8, mem_gb=64),
-        node("y", cpus=8, mem_gb=64),
-        model("v-low", 2, cores=8, cls="opportunistic"),
-        placed("v1", "v-low", "x"),
-        ready("v1"),
-        placed("v2", "v-low", "y"),
-        ready("v2"),
-        later(OLD),
-        beats(),
+        two_nodes_each_running_a_low_replica(),
         model("w-crit", 2, cores=8, cls="critical"),
     )
     assert preempted(w.step()) == ["v1"]
