@@ -9,6 +9,7 @@ CLI read them as such.
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -75,8 +76,6 @@ class ExternalProvider(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     @property
     def host(self) -> str:
         """The provider as errors and usage records name it: its URL's host (and port)."""
-        from urllib.parse import urlsplit
-
         try:  # the host and port alone: never credentials a URL might carry
             parts = urlsplit(self.url)
             host, port = parts.hostname, parts.port
@@ -97,8 +96,6 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 def provider_problem(p: ExternalProvider) -> str | None:
     """Why a provider cannot be used as written, or None. Never quotes a ``key_env`` entry: one that is not
     a variable's name may be the key itself, pasted by mistake, and this message goes on the log."""
-    from urllib.parse import urlsplit
-
     try:
         parts = urlsplit(p.url)
         parts.port  # noqa: B018 (raises on a port that is not a number)
@@ -155,10 +152,6 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     profiles: list[Profile] = []
     slo: Slo | None = None
     external: list[ExternalProvider] = []  # providers outside the cluster, tried cheapest first
-
-    @property
-    def is_external(self) -> bool:
-        return bool(self.external)
 
 
 MIRROR_SCHEME = "mirror:"

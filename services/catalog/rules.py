@@ -53,6 +53,8 @@ def validate_spec(spec: M.ModelSpec) -> None:
             "starting with a letter or digit, at most 64 characters",
             "invalid_name",
         )
+    if spec.route not in M.ROUTES:
+        raise Rejected(f"model {spec.name}: route {spec.route!r} is not one of {', '.join(M.ROUTES)}", "invalid_spec")
     if spec.external:
         _validate_external(spec)
         return
@@ -62,8 +64,6 @@ def validate_spec(spec: M.ModelSpec) -> None:
         M.mirror_ref(spec.source)
     except ValueError as exc:
         raise Rejected(f"model {spec.name}: {exc}", "invalid_spec") from exc
-    if spec.route not in M.ROUTES:
-        raise Rejected(f"model {spec.name}: route {spec.route!r} is not one of {', '.join(M.ROUTES)}", "invalid_spec")
     if spec.capacity_class is not None and spec.capacity_class not in M.CLASSES:
         raise Rejected(
             f"model {spec.name}: class {spec.capacity_class!r} is not one of {', '.join(M.CLASSES)} (or default)",
@@ -117,8 +117,6 @@ def _validate_external(spec: M.ModelSpec) -> None:
             "and profiles (or make it a local model without --external)",
             "invalid_spec",
         )
-    if spec.route not in ("chat", "completion", "embedding"):
-        raise Rejected(f"model {spec.name}: route {spec.route!r} is not one of {', '.join(M.ROUTES)}", "invalid_spec")
     for i, p in enumerate(spec.external, 1):
         if (why := M.provider_problem(p)) is not None:
             raise Rejected(f"model {spec.name}: provider #{i} ({p.host}): {why}", "invalid_spec")
