@@ -23,6 +23,13 @@ def bind(*pairs: tuple[str, str]) -> Token[Fields]:
     return _CURRENT.set(tuple(p for p in pairs if p[1]))
 
 
+def bind_request(request_id: str, client_request_id: str | None) -> Token[Fields]:
+    """:func:`bind` for a gateway request: its id, and the client's own when it sent one."""
+    if client_request_id:
+        return _CURRENT.set((("request_id", request_id), ("client_request_id", client_request_id)))
+    return _CURRENT.set((("request_id", request_id),))
+
+
 def unbind(token: Token[Fields]) -> None:
     _CURRENT.reset(token)
 

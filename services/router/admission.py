@@ -51,6 +51,8 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     headers: dict[str, str] = {}  # x-ratelimit-* for the answer
     refusal: Refusal | None = None
     wanted: list[str] = []  # models to tell the scheduler about (refused for want of a replica)
+    chain: list[ModelInfo] = []  # the model, then the fallbacks the key may use, in the order tried
+    scopes: list[str] = []  # the key's levels (key:…, project:…, team:…, org:…), found once per request
 
 
 class View(Protocol):
@@ -94,15 +96,18 @@ def admit(
     if isinstance(model, Refusal):
         return Verdict(key=key, refusal=msgspec.structs.replace(model, layer="model"))
     chain = chain_of(model, view, key)
+    scopes = view.scopes_of(key)
     verdicts = [model_servable(m, view) for m in chain]
     refusal = servable_chain(verdicts)
     if refusal is not None:
         wanted = [m.name for m, v in zip(chain, verdicts, strict=True) if v is not None and v.demand]
-        return Verdict(key=key, model=model, refusal=msgspec.structs.replace(refusal, layer="servable"), wanted=wanted)
-    within = within_limits(limiter, limit_levels(view.scopes_of(key), view.limits), now, tokens)
+        refusal = msgspec.structs.replace(refusal, layer="servable")
+        return Verdict(key=key, model=model, refusal=refusal, wanted=wanted, chain=chain, scopes=scopes)
+    within = within_limits(limiter, limit_levels(scopes, view.limits), now, tokens)
     if isinstance(within, Refusal):
-        return Verdict(key=key, model=model, refusal=msgspec.structs.replace(within, layer="limits"))
-    return Verdict(key=key, model=model, levels=within.levels, headers=within.headers)
+        refusal = msgspec.structs.replace(within, layer="limits")
+        return Verdict(key=key, model=model, refusal=refusal, chain=chain, scopes=scopes)
+    return Verdict(key=key, model=model, levels=within.levels, headers=within.headers, chain=chain, scopes=scopes)
 
 
 def chain_of(model: ModelInfo, view: View, key: KeyInfo | None = None) -> list[ModelInfo]:

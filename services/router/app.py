@@ -198,6 +198,9 @@ class Router:
         self.metrics.registry.register(QueueDepth(self.gate.depths))
         self.gossip = LimitGossip(store.nc, self.limiter, self.instance, self.cfg.gossip_s, clock)
         self._tasks: list[asyncio.Task] = []
+        # Bound once, to the logging set up when the router is made: the module's lazy logger would
+        # be bound again on each of its per-request lines.
+        self._access = access_log.bind()
         self._demand_sent: dict[str, float] = {}
         # Everything the router answers from is folded by one supervised live fold: a handler that
         # raises quarantines its event and the fold goes on (a revocation after it still lands), and a
@@ -447,7 +450,7 @@ class Router:
             at=datetime.fromtimestamp(self.clock(), UTC),
             endpoint=endpoint,
         )
-        bound = log_context.bind(("request_id", call.request_id), ("client_request_id", call.client_request_id or ""))
+        bound = log_context.bind_request(call.request_id, call.client_request_id)
         traced = self.tracing.start_request(
             request.headers, f"{request.method} {endpoint}", {"llmgw.request_id": call.request_id}
         )
@@ -488,8 +491,11 @@ class Router:
     async def _body(self, request: web.Request, endpoint: str) -> tuple[dict[str, Any], bytes]:
         encoding = request.headers.get("content-encoding", "identity")
         try:
-            async with asyncio.timeout(self.cfg.body_s):
-                raw = await request.read()
+            if request.content.is_eof():
+                raw = await request.read()  # all of it came with the head (most bodies do): nothing to wait for
+            else:
+                async with asyncio.timeout(self.cfg.body_s):
+                    raw = await request.read()
         except TimeoutError as exc:
             raise ApiError(
                 408,
@@ -530,6 +536,7 @@ class Router:
         now = self.clock()
         verdict = adm.admit(key, body["model"], tokens, self.state, self.limiter, now, self.usage.refusal())
         call.key, call.model = verdict.key, verdict.model
+        call.chain, call.scopes = verdict.chain, verdict.scopes
         refusal = verdict.refusal
         if refusal is not None and refusal.layer == "usage":
             call.billed = False  # nothing was served: no record to keep
@@ -553,10 +560,10 @@ class Router:
     async def _reserve(self, call: Call, body: dict[str, Any]) -> None:
         assert call.key is not None and call.model is not None
         # The dearest model (or provider) that may serve it: a fallback or another provider may be dearer.
-        price = adm.price_for_holds(adm.chain_of(call.model, self.state, call.key), self.state.prices)
+        price = adm.price_for_holds(call.chain, self.state.prices)
         if price is None:
             return
-        scopes = adm.budget_scopes(self.state.scopes_of(call.key), self.state.budgets)
+        scopes = adm.budget_scopes(call.scopes, self.state.budgets)
         if not scopes:
             return
         amount = adm.most_it_may_cost(body, call.endpoint, call.model, price, self.cfg.default_max_tokens)
@@ -630,7 +637,7 @@ class Router:
             body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
             payload = _enc.encode(body)
         pkey = prefix_key(prompt)
-        chain = adm.chain_of(call.model, self.state, call.key)
+        chain = call.chain
         for i, model in enumerate(chain):
             if not model.spec.external and adm.fallback_answers_now(model, chain[i + 1 :], self.state):
                 # No replica ready yet, but a fallback answers now (GW-12): it does, and the model is
@@ -741,11 +748,12 @@ class Router:
             self.gossip.note(call.levels, 0, call.tokens_in + call.tokens_out)
         total = time.monotonic() - call.started
         key = call.key
-        record = usage_record(call, self.state.scopes_of(key) if key else [], total, self.instance)
+        scopes = call.scopes if call.scopes or key is None else self.state.scopes_of(key)  # refused before admission
+        record = usage_record(call, scopes, total, self.instance)
         if key is not None and call.billed:
             with self.tracing.span("usage publish"):
                 self.usage.put(record)  # unauthenticated noise is logged, not billed
-        access_log.info(
+        self._access.info(
             "request",
             request_id=call.request_id,
             client_request_id=call.client_request_id,
