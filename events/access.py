@@ -11,6 +11,9 @@ by id, so renames do not orphan them; commands accept paths and resolve them.
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+import string
 from datetime import datetime
 
 import msgspec
@@ -124,10 +127,6 @@ KEY_PREFIX = "llmgw"
 
 def make_api_key() -> tuple[str, str, str]:
     """(key, lookup prefix, sha256 of the key). The key is ``llmgw-<8 chars>-<43 chars>``."""
-    import hashlib
-    import secrets
-    import string
-
     alphabet = string.ascii_lowercase + string.digits
     prefix = "".join(secrets.choice(alphabet) for _ in range(8))
     key = f"{KEY_PREFIX}-{prefix}-{secrets.token_urlsafe(32)}"
@@ -143,6 +142,4 @@ def key_prefix(key: str) -> str | None:
 
 
 def hash_api_key(key: str) -> str:
-    import hashlib
-
     return hashlib.sha256(key.encode()).hexdigest()

@@ -67,7 +67,7 @@ from llmgw.services.router.state import SNAPSHOT_NAME, SNAPSHOT_VERSION, KeyInfo
 from llmgw.services.router.tracing import Tracing
 from llmgw.services.router.usage import StopReport, UsageConfig, UsagePublisher
 from llmgw.services.router.usage_record import Call, call_cost, usage_record
-from llmgw.services.router.validation import Invalid, RequestLimits, check_body, check_depth, prompt_text
+from llmgw.services.router.validation import Invalid, RequestLimits, check_body, check_depth
 
 # Re-exported: where the CLI and the tests have always found them.
 __all__ = ["GOSSIP_SUBJECT", "ApiError", "Call", "Router", "RouterConfig", "engine_refusal"]
@@ -459,8 +459,7 @@ class Router:
             # 401 (not which body would be too large or malformed) and costs no body's read.
             with self.tracing.span("admission"):
                 key = self._authenticate(request)
-                body, raw = await self._body(request, endpoint)
-                prompt = prompt_text(body, endpoint)
+                body, raw, prompt = await self._body(request, endpoint)
                 limit_headers = self._admit(call, key, body, prompt)
                 body, raw = _bounded_output(body, raw, call, endpoint)
                 await self._reserve(call, body)
@@ -488,7 +487,8 @@ class Router:
                 self.tracing.end_request(traced, call.status, _span_attributes(call))
             log_context.unbind(bound)
 
-    async def _body(self, request: web.Request, endpoint: str) -> tuple[dict[str, Any], bytes]:
+    async def _body(self, request: web.Request, endpoint: str) -> tuple[dict[str, Any], bytes, str]:
+        """The body decoded and checked, its bytes, and its prompt's text."""
         encoding = request.headers.get("content-encoding", "identity")
         try:
             if request.content.is_eof():
@@ -524,10 +524,10 @@ class Router:
                 raise Invalid(400, "the body nests too deeply to decode", "too_deeply_nested") from exc
             except msgspec.DecodeError as exc:
                 raise Invalid(400, f"the body is not valid JSON: {exc}", "invalid_json") from exc
-            body = check_body(decoded, endpoint, limits)
+            body, prompt = check_body(decoded, endpoint, limits)
         except Invalid as exc:
             raise ApiError(exc.status, exc.message, exc.code, param=exc.param) from exc
-        return body, raw
+        return body, raw, prompt
 
     def _admit(self, call: Call, key: KeyInfo, body: dict[str, Any], prompt: str) -> dict[str, str]:
         """Key → model → servable → limits (:func:`.admission.admit`); admitted, the request counts

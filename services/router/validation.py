@@ -70,8 +70,9 @@ def check_depth(raw: bytes, limits: RequestLimits) -> None:
         )
 
 
-def check_body(body: Any, endpoint: str, limits: RequestLimits) -> dict[str, Any]:
-    """The decoded body if it may go on to an engine; else :class:`Invalid` saying why."""
+def check_body(body: Any, endpoint: str, limits: RequestLimits) -> tuple[dict[str, Any], str]:
+    """The decoded body if it may go on to an engine, and its prompt's text (:func:`prompt_text`);
+    else :class:`Invalid` saying why."""
     if not isinstance(body, dict):
         raise Invalid(400, "the body must be a JSON object", "invalid_body")
     model = body.get("model")
@@ -131,7 +132,8 @@ def check_body(body: Any, endpoint: str, limits: RequestLimits) -> dict[str, Any
                 "max_tokens_too_large",
                 field,
             )
-    bound = max_prompt_tokens(body, endpoint)
+    text = prompt_text(body, endpoint)
+    bound = max_prompt_tokens(body, endpoint, text)
     if bound > limits.max_prompt_tokens:
         raise Invalid(
             413,
@@ -140,7 +142,7 @@ def check_body(body: Any, endpoint: str, limits: RequestLimits) -> dict[str, Any
             "prompt_too_long",
             need,
         )
-    return body
+    return body, text
 
 
 def prompt_text(body: dict[str, Any], endpoint: str) -> str:
@@ -162,11 +164,12 @@ def prompt_text(body: dict[str, Any], endpoint: str) -> str:
     return ""
 
 
-def max_prompt_tokens(body: dict[str, Any], endpoint: str) -> int:
+def max_prompt_tokens(body: dict[str, Any], endpoint: str, text: str | None = None) -> int:
     """An upper bound on the prompt's tokens, without a tokenizer: a token covers at least one byte,
     and a chat template adds a few special tokens per message. Budgets reserve with it, so a request
-    can never cost more than was held for it."""
-    text = prompt_text(body, endpoint)
+    can never cost more than was held for it. ``text``: the prompt's, when already found."""
+    if text is None:
+        text = prompt_text(body, endpoint)
     messages = body.get("messages")
     per_message = 16 * (len(messages) if isinstance(messages, list) else 1)
     value = body.get("prompt" if endpoint == "/v1/completions" else "input")
