@@ -357,16 +357,25 @@ async def _read_lines(content: aiohttp.StreamReader, rest: bytes, timeout_s: flo
     return data[:cut], data[cut:]
 
 
+class _Usage(msgspec.Struct):
+    """An answer's ``usage`` alone: the rest (the choices, their text) is skipped, not built."""
+
+    usage: Any = None
+
+
+_usage_dec = msgspec.json.Decoder(_Usage)
+
+
 def _count(call: Call, data: bytes) -> None:
-    with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
-        usage = _dec.decode(data).get("usage") or {}
+    with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):  # ValidationError is a DecodeError
+        usage = _usage_dec.decode(data).usage or {}
         call.tokens_in = int(usage.get("prompt_tokens", call.tokens_in) or 0)
         call.tokens_out = int(usage.get("completion_tokens", 0) or 0)
 
 
 def _count_chunk(call: Call, line: bytes) -> None:
     with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError, ValueError):
-        usage = _dec.decode(line[6:]).get("usage")
+        usage = _usage_dec.decode(line[6:]).usage
         if usage:
             call.tokens_in = int(usage.get("prompt_tokens", call.tokens_in) or 0)
             call.tokens_out = int(usage.get("completion_tokens", call.tokens_out) or 0)

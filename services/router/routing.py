@@ -93,6 +93,8 @@ def order(
     has a replica's report, the requests waiting in its engine add to its load and its KV usage
     breaks ties; elsewhere the load is this router's requests in flight alone. An engine its agent
     cannot reach goes last (still tried: it may be the only one) and keeps no prefix."""
+    if len(replicas) < 2:
+        return list(replicas)  # one way to go (most models have one replica): nothing to weigh
 
     def load(r: ReplicaInfo) -> tuple[bool, int, float, int]:
         rid = r.replica_id

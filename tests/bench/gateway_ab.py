@@ -186,6 +186,7 @@ async def compare(
     rounds: int,
     requests: int,
     cells: list[tuple[int, bool]],
+    together: bool = False,
     spy: Path | None = None,
     syscalls: Path | None = None,
 ) -> list[dict[str, Any]]:
@@ -200,6 +201,11 @@ async def compare(
             spies = [py_spy(side, spy / cell) for side in (base, after)] if spy else []
             spies += [strace(side, syscalls / cell) for side in (base, after)] if syscalls else []
             for i in range(rounds):
+                if together:
+                    both = await asyncio.gather(*(side.round(session, c, stream, requests) for side in (base, after)))
+                    got["base"].append(both[0])
+                    got["after"].append(both[1])
+                    continue
                 for side in (base, after) if i % 2 == 0 else (after, base):
                     got[side.label].append(await side.round(session, c, stream, requests))
             for p in spies:
@@ -241,7 +247,9 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
             print("each cell: BASE → AFTER (medians of the rounds), ×: median of AFTER ÷ BASE over the pairs")
             spy = Path(args.py_spy) if args.py_spy else None
             syscalls = Path(args.strace) if args.strace else None
-            return await compare(base, after, args.rounds, args.requests, cells_of(args.cells), spy, syscalls)
+            return await compare(
+                base, after, args.rounds, args.requests, cells_of(args.cells), args.together, spy, syscalls
+            )
         finally:
             base.close()
             after.close()
@@ -262,6 +270,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=8, help="rounds per side and cell, alternated")
     parser.add_argument("--requests", type=int, default=400, help="requests per round")
     parser.add_argument("--cells", help='which cells, e.g. "16,64s" (16 concurrent whole, 64 streamed); all by default')
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="each round loads both gateways at once (c each): the machine's bursts fall on both alike",
+    )
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--py-spy", help="sample both routers with py-spy, a folder of folded stacks per cell")
     parser.add_argument("--strace", help="count both routers' system calls with strace, a folder per cell")
