@@ -11,8 +11,9 @@ from tests.bench.gateway_ab import ROOT, cells_of, export, ratios
 
 def test_an_exported_revision_imports_from_its_own_tree(tmp_path: Path) -> None:
     tree = export("HEAD", tmp_path / "head")
+    code = "import llmgw.events.store as m, tests.bench.gateway as g; print(m.__file__, g.__file__)"
     out = subprocess.run(
-        [sys.executable, "-c", "import llmgw.events.store as m, tests.bench.gateway as g; print(m.__file__, g.__file__)"],
+        [sys.executable, "-c", code],
         cwd=tree / "src",
         env={"PYTHONPATH": f"{tree / 'pkg'}:{tree / 'src'}", "PATH": "/usr/bin:/bin"},
         capture_output=True,
