@@ -20,14 +20,10 @@ _CURRENT: ContextVar[Fields] = ContextVar("llmgw_log_context", default=())
 def bind(*pairs: tuple[str, str]) -> Token[Fields]:
     """Bind ``pairs`` (name, value) to every log line until :func:`unbind` with the token returned.
     Empty values are left out."""
-    return _CURRENT.set(tuple(p for p in pairs if p[1]))
-
-
-def bind_request(request_id: str, client_request_id: str | None) -> Token[Fields]:
-    """:func:`bind` for a gateway request: its id, and the client's own when it sent one."""
-    if client_request_id:
-        return _CURRENT.set((("request_id", request_id), ("client_request_id", client_request_id)))
-    return _CURRENT.set((("request_id", request_id),))
+    for _, value in pairs:
+        if not value:
+            return _CURRENT.set(tuple(p for p in pairs if p[1]))
+    return _CURRENT.set(pairs)  # the common case (every value given): kept as passed, no copy
 
 
 def unbind(token: Token[Fields]) -> None:

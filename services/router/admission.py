@@ -87,16 +87,16 @@ def admit(
     key = authorization if isinstance(authorization, KeyInfo) else authenticate(authorization, view.keys, now)
     if isinstance(key, Refusal):
         return Verdict(refusal=msgspec.structs.replace(key, layer="key"))
+    scopes = view.scopes_of(key)
     if usage_refusal is not None:
         refusal = Refusal(
             status=503, code="usage_unavailable", message=usage_refusal, headers={"retry-after": "10"}, layer="usage"
         )
-        return Verdict(key=key, refusal=refusal)
+        return Verdict(key=key, refusal=refusal, scopes=scopes)
     model = choose_model(key, asked, view.resolve(asked), view.models)  # names read only to refuse
     if isinstance(model, Refusal):
-        return Verdict(key=key, refusal=msgspec.structs.replace(model, layer="model"))
+        return Verdict(key=key, refusal=msgspec.structs.replace(model, layer="model"), scopes=scopes)
     chain = chain_of(model, view, key)
-    scopes = view.scopes_of(key)
     verdicts = [model_servable(m, view) for m in chain]
     refusal = servable_chain(verdicts)
     if refusal is not None:

@@ -450,7 +450,7 @@ class Router:
             at=datetime.fromtimestamp(self.clock(), UTC),
             endpoint=endpoint,
         )
-        bound = log_context.bind_request(call.request_id, call.client_request_id)
+        bound = log_context.bind(("request_id", call.request_id), ("client_request_id", call.client_request_id or ""))
         traced = self.tracing.start_request(
             request.headers, f"{request.method} {endpoint}", {"llmgw.request_id": call.request_id}
         )
@@ -491,11 +491,9 @@ class Router:
         """The body decoded and checked, its bytes, and its prompt's text."""
         encoding = request.headers.get("content-encoding", "identity")
         try:
-            if request.content.is_eof():
-                raw = await request.read()  # all of it came with the head (most bodies do): nothing to wait for
-            else:
-                async with asyncio.timeout(self.cfg.body_s):
-                    raw = await request.read()
+            # No timer when all of the body came with the head (most do): there is nothing to wait for.
+            async with asyncio.timeout(None if request.content.is_eof() else self.cfg.body_s):
+                raw = await request.read()
         except TimeoutError as exc:
             raise ApiError(
                 408,
@@ -748,8 +746,7 @@ class Router:
             self.gossip.note(call.levels, 0, call.tokens_in + call.tokens_out)
         total = time.monotonic() - call.started
         key = call.key
-        scopes = call.scopes if call.scopes or key is None else self.state.scopes_of(key)  # refused before admission
-        record = usage_record(call, scopes, total, self.instance)
+        record = usage_record(call, call.scopes, total, self.instance)
         if key is not None and call.billed:
             with self.tracing.span("usage publish"):
                 self.usage.put(record)  # unauthenticated noise is logged, not billed

@@ -100,9 +100,6 @@ class RouterState:
         self.ready_by_model: dict[str, dict[str, ReplicaInfo]] = {}
         self.position = 0
         self._ready_signal: dict[str, asyncio.Event] = {}
-        # key id -> its scopes, found on the request path; any event folded clears it (a key, a project
-        # or a team may have moved), so it only ever holds what the tree says now.
-        self._scopes: dict[str, list[str]] = {}
 
     # -- queries on the request path ---------------------------------------------------------
 
@@ -119,15 +116,8 @@ class RouterState:
         return sum(1 for r in self.replicas.values() if r.model == model and r.state in ("placed", "starting"))
 
     def scopes_of(self, key: K.Key) -> list[str]:
-        """The key's scopes, most specific first: key, project, team, org (not to be changed: kept
-        for the next request with the key until the next event is folded)."""
-        scopes = self._scopes.get(key.id)
-        if scopes is None:
-            scopes = [f"key:{key.id}", f"project:{key.project_id}", *self.tree.scopes_above(key.project_id)]
-            if len(self._scopes) >= 100_000:
-                self._scopes.clear()  # keys come and go: keep it bounded
-            self._scopes[key.id] = scopes
-        return scopes
+        """The key's scopes, most specific first: key, project, team, org."""
+        return [f"key:{key.id}", f"project:{key.project_id}", *self.tree.scopes_above(key.project_id)]
 
     def scope_label(self, scope: str, key: K.Key | None = None) -> str:
         """A scope as a person reads it: ``project:acme/ml/chat``, ``key:llmgw-abcd1234`` (not ids)."""
@@ -188,8 +178,6 @@ class RouterState:
 
     def apply(self, e: RecordedEvent) -> None:
         self.position = max(self.position, e.seq)
-        if self._scopes:
-            self._scopes.clear()
         p = e.payload
         match p:
             case _ if isinstance(p, K.ACCESS_EVENTS):  # the shared fold (events/key_fold.py)

@@ -20,8 +20,8 @@ and streaming or not, it sends the same chat request (two messages, ``max_tokens
 the engine and through the gateway, in two rounds (direct then gateway, gateway then direct), after
 a warm-up, and reports per percentile the gateway minus the direct figure (*added*; p50 and p99),
 the time to first byte added when streaming, requests/s through the gateway, the router's CPU time
-per request (``/proc/PID/stat`` before and after its rounds, read once every usage record is in the
-log, so publishing them is counted), the nats-server's, and the router's longest GC pause (the
+per request (``/proc/PID/task/*/schedstat`` before and after its rounds, read once every usage
+record is in the log, so publishing them is counted), the nats-server's, and the router's longest GC pause (the
 collector's CPU time / wall-clock time, which includes being preempted). LiteLLM's figures from the
 issue are printed beside as ratios. Figures only: nothing passes or fails (ARCHITECTURE §10).
 
@@ -251,9 +251,18 @@ async def load(session: aiohttp.ClientSession, target: Target, stream: bool, con
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    """CPU seconds a process's threads have run so far: the scheduler's own count, to the nanosecond
+    (``/proc/PID/task/*/schedstat``); user + system time from ``/proc/PID/stat`` (10 ms ticks) where a
+    kernel keeps no schedstat."""
+    try:
+        total = 0
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                total += int((task / "schedstat").read_text().split()[0])
+        return total / 1e9
+    except FileNotFoundError:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 class Cell(msgspec.Struct, kw_only=True):
@@ -768,11 +777,13 @@ async def close_bench(b: Bench, tmp: Path, keep_logs: str | None) -> None:
             shutil.copy(f, dest / f.name)
 
 
-def _py_spy(pid: int, out: Path) -> subprocess.Popen:
+def _py_spy(pid: int, out: Path, rate: int = 200, fmt: str = "speedscope") -> subprocess.Popen:
+    """py-spy sampling ``pid`` into ``out`` (+ ``.speedscope.json``, or ``.txt`` for ``raw``, folded
+    stacks) until it is sent SIGINT."""
     out.parent.mkdir(parents=True, exist_ok=True)
     spy = str(Path(sys.executable).parent / "py-spy")
-    argv = [spy, "record", "--pid", str(pid), "--nonblocking", "--rate", "200", "--format", "speedscope"]
-    argv += ["--output", str(out.with_suffix(".speedscope.json"))]
+    argv = [spy, "record", "--pid", str(pid), "--nonblocking", "--rate", str(rate), "--format", fmt]
+    argv += ["--output", str(out.with_suffix(".txt" if fmt == "raw" else f".{fmt}.json"))]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

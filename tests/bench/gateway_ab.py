@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -37,10 +36,9 @@ from typing import Any
 
 import aiohttp
 
-from tests.bench.gateway import Target, load, pct
+from tests.bench.gateway import Target, _py_spy, cpu_s, load, pct
 
 ROOT = Path(__file__).parents[2]
-PACKAGES = ("agent", "bench", "cli", "events", "modelfiles", "ops", "projections", "services")
 CELLS = [(c, stream) for stream in (False, True) for c in (1, 16, 64)]
 
 # Run in each side's own tree (its tests.bench.gateway): set up, say where the gateway is, then
@@ -88,20 +86,10 @@ def export(rev: str, into: Path) -> Path:
         archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     (pkg / "__init__.py").touch()
-    for name in PACKAGES:
-        if (src / name).is_dir():
-            (pkg / name).symlink_to(src / name)
+    for package in src.iterdir():  # the tree's own top-level packages (they differ between revisions)
+        if package.name != "tests" and (package / "__init__.py").exists():
+            (pkg / package.name).symlink_to(package)
     return into
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds a process's threads have run, to the nanosecond (the scheduler's own count,
-    ``/proc/PID/task/*/schedstat``; ``/proc/PID/stat`` counts in 10 ms ticks)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
-            total += int((task / "schedstat").read_text().split()[0])
-    return total / 1e9
 
 
 class Side:
@@ -167,10 +155,7 @@ def ratios(a: list[dict[str, float]], b: list[dict[str, float]], metric: str) ->
 
 def py_spy(side: Side, out: Path) -> subprocess.Popen:
     """py-spy sampling ``side``'s router (folded stacks, 1,000 a second) until it is sent SIGINT."""
-    out.mkdir(parents=True, exist_ok=True)
-    argv = [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(side.router_pid), "--nonblocking"]
-    argv += ["--rate", "1000", "--format", "raw", "--output", str(out / f"{side.label}.txt")]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return _py_spy(side.router_pid, out / side.label, rate=1000, fmt="raw")
 
 
 def strace(side: Side, out: Path) -> subprocess.Popen:
