@@ -41,7 +41,7 @@ from llmgw.cli.ctl import ctl
 from llmgw.cli.events_cmd import events
 from llmgw.cli.fleet_cmd import load_model_file
 from llmgw.cli.mirror_cmd import mirror
-from llmgw.cli.natsd import EmbeddedNats, NatsStartError
+from llmgw.cli.natsd import EmbeddedNats, NatsStartError, pick_port
 from llmgw.cli.people_cmd import login, logout  # also registers `ctl user|token`
 from llmgw.cli.runtime import ALL_SERVICES, DEMO_KEY_FILE, ServerConfig, serve
 from llmgw.events import nats_permissions as NP
@@ -148,15 +148,17 @@ def _hub_token() -> str | None:
     return get_token()
 
 
-def _port_or_another(host: str, port: int) -> int:
-    """``port`` when it is free, else one the system picks (for defaults derived from another port)."""
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return port
-        except OSError:
-            s.bind((host, 0))
-            return s.getsockname()[1]
+def _port_or_another(host: str, port: int, avoid: frozenset[int] = frozenset()) -> int:
+    """``port`` when it is free, else one the system picks outside ``avoid`` (the process's other
+    ports, not bound yet): for defaults derived from another port."""
+    if port not in avoid:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                pass
+    return pick_port(0, None, host, avoid)
 
 
 def _mirror_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -377,8 +379,21 @@ def up(
                 f"stopped engine {rec.replica_id} ({rec.model}, pid {rec.pid}): no local agent adopts it", err=True
             )
     node = socket.gethostname()
+    mirror_port = mirror_port or _port_or_another(host, admin_port + 2, frozenset({port, admin_port}))
+    http_ports = frozenset({port, admin_port, mirror_port})
+    if nats_port and nats_port in http_ports:
+        raise click.ClickException(
+            f"--nats-port {nats_port} is also one of this `up`'s HTTP ports (gateway {port}, admin {admin_port}, "
+            f"mirror {mirror_port}): give it another, or leave it out"
+        )
     # Every role gets a NATS user at the first start (DATA_DIR/nats/users/), the local agent its node's.
-    natsd = EmbeddedNats(data_dir, port=nats_port, durable=not unsafe_no_fsync, local_node=None if no_agent else node)
+    natsd = EmbeddedNats(
+        data_dir,
+        port=nats_port,
+        durable=not unsafe_no_fsync,
+        local_node=None if no_agent else node,
+        avoid_ports=http_ports,  # NATS starts first: it must not take a port `up` binds after it
+    )
     try:
         natsd.start()
     except NatsStartError as exc:
@@ -409,7 +424,7 @@ def up(
         admin_port=admin_port,
         insecure=insecure,
         mirror_dir=settings.mirror.dir or str(data_dir / "mirror"),
-        mirror_port=mirror_port or _port_or_another(host, admin_port + 2),
+        mirror_port=mirror_port,
         mirror_max_bytes=int(mirror_max_gb * 1e9) if mirror_max_gb else None,
         hub_endpoint=hf_endpoint,
         hub_token=settings.hub.token or _hub_token(),

