@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.bench.gateway_ab import ROOT, cells_of, export, ratios
 
 
@@ -29,6 +31,22 @@ def test_the_working_tree_is_linked_not_copied(tmp_path: Path) -> None:
     tree = export("WORK", tmp_path / "work")
     assert (tree / "src").resolve() == ROOT.resolve()
     assert (tree / "pkg" / "llmgw" / "services").resolve() == (ROOT / "services").resolve()
+
+
+def test_a_patch_is_applied_to_the_export_and_one_that_does_not_apply_is_refused_by_name(tmp_path: Path) -> None:
+    adds = tmp_path / "adds.patch"
+    adds.write_text(
+        "diff --git a/PATCHED b/PATCHED\nnew file mode 100644\n--- /dev/null\n+++ b/PATCHED\n@@ -0,0 +1 @@\n+yes\n"
+    )
+    tree = export("HEAD", tmp_path / "head", adds)
+    assert (tree / "src" / "PATCHED").read_text() == "yes\n"
+    assert not (ROOT / "PATCHED").exists(), "the working tree untouched"
+    stale = tmp_path / "stale.patch"
+    stale.write_text("diff --git a/NOT_THERE b/NOT_THERE\n--- a/NOT_THERE\n+++ b/NOT_THERE\n@@ -1 +1 @@\n-a\n+b\n")
+    with pytest.raises(ValueError, match=r"stale\.patch does not apply to HEAD: .*NOT_THERE"):
+        export("HEAD", tmp_path / "stale", stale)
+    with pytest.raises(ValueError, match="not to the working tree"):
+        export("WORK", tmp_path / "work", adds)
 
 
 def test_cells_are_named_by_concurrency_with_s_for_streamed() -> None:

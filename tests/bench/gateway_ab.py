@@ -4,7 +4,8 @@
 
 BASE and AFTER are git revisions of this repository (``WORK`` is the working tree, uncommitted
 changes and all). Each is exported (``git archive``) into a folder of its own, laid out as an
-install would see it (``pkg/llmgw/<package>`` links to the export), and run as a *side*: a process
+install would see it (``pkg/llmgw/<package>`` links to the export; ``--after-patch FILE`` applied to
+AFTER's, e.g. to turn features off and see what they cost), and run as a *side*: a process
 from that tree which starts, through that tree's own :mod:`tests.bench.gateway`, a durable
 nats-server, a simulated engine with no latency, a router process and the events that make the
 engine a ready replica behind an API key, then waits for this process's word.
@@ -75,16 +76,23 @@ asyncio.run(main())
 """
 
 
-def export(rev: str, into: Path) -> Path:
-    """``rev``'s tree as an install sees it: ``into/src`` (the files), ``into/pkg/llmgw`` (links)."""
+def export(rev: str, into: Path, patch: Path | None = None) -> Path:
+    """``rev``'s tree as an install sees it: ``into/src`` (the files), ``into/pkg/llmgw`` (links);
+    ``patch`` applied to the files (``git apply``), never to the working tree."""
     src, pkg = into / "src", into / "pkg" / "llmgw"
     pkg.mkdir(parents=True)
     if rev == "WORK":
+        if patch is not None:
+            raise ValueError("a patch applies to a revision's export, not to the working tree: commit it first")
         src.symlink_to(ROOT)
     else:
         src.mkdir()
         archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    if patch is not None:
+        applied = subprocess.run(["git", "apply", str(patch.resolve())], cwd=src, capture_output=True, text=True)
+        if applied.returncode != 0:
+            raise ValueError(f"{patch} does not apply to {rev}: {applied.stderr.strip()}")
     (pkg / "__init__.py").touch()
     for package in src.iterdir():  # the tree's own top-level packages (they differ between revisions)
         if package.name != "tests" and (package / "__init__.py").exists():
@@ -224,11 +232,13 @@ async def compare(
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="llmgw-ab-") as tmp:
-        trees = {name: export(rev, Path(tmp) / name) for name, rev in (("base", args.base), ("after", args.after))}
-        base, after = Side(args.base, trees["base"], "base"), Side(args.after, trees["after"], "after")
+        patch = Path(args.after_patch) if args.after_patch else None
+        trees = {"base": export(args.base, Path(tmp) / "base"), "after": export(args.after, Path(tmp) / "after", patch)}
+        after_name = f"{args.after}+{patch.name}" if patch else args.after
+        base, after = Side(args.base, trees["base"], "base"), Side(after_name, trees["after"], "after")
         try:
             await asyncio.gather(base.ready(), after.ready())
-            print(f"BASE {args.base} router pid {base.router_pid}; AFTER {args.after} router pid {after.router_pid}")
+            print(f"BASE {base.name} router pid {base.router_pid}; AFTER {after.name} router pid {after.router_pid}")
             print("each cell: BASE → AFTER (medians of the rounds), ×: median of AFTER ÷ BASE over the pairs")
             spy = Path(args.py_spy) if args.py_spy else None
             syscalls = Path(args.strace) if args.strace else None
@@ -260,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="each round loads both gateways at once (c each): the machine's bursts fall on both alike",
     )
+    parser.add_argument("--after-patch", help="a patch applied to AFTER's export (e.g. tests/bench/patches/*.patch)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--py-spy", help="sample both routers with py-spy, a folder of folded stacks per cell")
     parser.add_argument("--strace", help="count both routers' system calls with strace, a folder per cell")
