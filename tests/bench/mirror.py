@@ -12,8 +12,8 @@ port), then, in each of ``--runs`` rounds, side by side:
 - **plain copy from the hub**: an aiohttp GET (redirect followed) streamed to disk in 1 MiB writes,
   no hashing — the baseline for the mirror;
 - **mirror fetch**: a `mirror.fetch` command to a MirrorService in this process (its defaults:
-  1 MiB writes), timed from the command to `mirror.fetch_completed` (both sha256 and the git blob
-  id checked), a fresh model name each round;
+  1 MiB writes), timed from the command to `mirror.fetch_completed` (the published sha256 checked;
+  git's blob id is computed only for files the hub publishes no sha256 for), a fresh model name each round;
 - **plain copy from the mirror's file server**: the same GET with the mirror token — the baseline
   for the agent;
 - **agent fetch**: `WeightsCache.ensure` (agent/weights/cache.py) of that file into an empty cache:
