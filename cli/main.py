@@ -41,7 +41,7 @@ from llmgw.cli.ctl import ctl
 from llmgw.cli.events_cmd import events
 from llmgw.cli.fleet_cmd import load_model_file
 from llmgw.cli.mirror_cmd import mirror
-from llmgw.cli.natsd import EmbeddedNats, NatsStartError, pick_port
+from llmgw.cli.natsd import EmbeddedNats, NatsStartError, pick_port, port_free
 from llmgw.cli.people_cmd import login, logout  # also registers `ctl user|token`
 from llmgw.cli.runtime import ALL_SERVICES, DEMO_KEY_FILE, ServerConfig, serve
 from llmgw.events import nats_permissions as NP
@@ -159,6 +159,21 @@ def _port_or_another(host: str, port: int, avoid: frozenset[int] = frozenset()) 
             except OSError:
                 pass
     return pick_port(0, None, host, avoid)
+
+
+def _http_ports_problem(listeners: list[tuple[str, str, int]]) -> str | None:
+    """Why `up` could not listen on one of its HTTP ports — ``(what, host, port)`` each, port 0 for
+    any — asked before anything starts, so a taken port costs no NATS start and no service's."""
+    seen: dict[int, str] = {}
+    for what, host, port in listeners:
+        if not port:
+            continue
+        if port in seen:
+            return f"{port} is both {seen[port]} and {what}: give each its own port"
+        seen[port] = what
+        if not port_free(port, host):
+            return f"cannot listen on {host}:{port}, {what}: another program listens there; choose another port"
+    return None
 
 
 def _mirror_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -379,7 +394,14 @@ def up(
                 f"stopped engine {rec.replica_id} ({rec.model}, pid {rec.pid}): no local agent adopts it", err=True
             )
     node = socket.gethostname()
+    explicit_mirror_port = mirror_port
     mirror_port = mirror_port or _port_or_another(host, admin_port + 2, frozenset({port, admin_port}))
+    problem = _http_ports_problem(
+        [("the gateway's port (--port)", host, port), ("the admin port (--admin-port)", admin_host, admin_port)]
+        + ([("the mirror's port (--mirror-port)", host, mirror_port)] if explicit_mirror_port else [])
+    )
+    if problem:
+        raise click.ClickException(problem)
     http_ports = frozenset({port, admin_port, mirror_port})
     if nats_port and nats_port in http_ports:
         raise click.ClickException(

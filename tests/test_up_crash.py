@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -241,6 +242,34 @@ def test_up_refuses_a_nats_port_that_is_also_its_gateway_port(tmp_path: Path) ->
     assert done.returncode != 0
     assert f"--nats-port {port} is also one of this `up`'s HTTP ports (gateway {port}" in done.stderr
     assert nats_servers(tmp_path / "data") == [], "nothing was started"
+
+
+def test_up_refuses_a_gateway_port_another_program_listens_on_before_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [LLMGW, "up", "--data-dir", str(tmp_path / "data"), "--port", str(port), "--no-demo"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode != 0
+    assert (
+        f"cannot listen on 127.0.0.1:{port}, the gateway's port (--port): another program listens there; "
+        "choose another port" in done.stderr
+    )
+    assert "nats-server started" not in done.stderr + done.stdout, "refused before NATS started"
+
+
+def test_up_refuses_one_port_given_for_both_the_gateway_and_the_admin_api(tmp_path: Path) -> None:
+    port = free_port()
+    argv = [LLMGW, "up", "--data-dir", str(tmp_path / "data"), "--port", str(port), "--admin-port", str(port)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert f"{port} is both the gateway's port (--port) and the admin port (--admin-port)" in done.stderr
+    assert nats_servers(tmp_path / "data") == []
 
 
 def test_a_projection_database_deleted_while_running_is_recreated_and_verifies_clean(
