@@ -742,6 +742,14 @@ def server(
         config.admin_host, config.admin_port, "api" in config.services, config.insecure, bool(config.tls_cert)
     )
     _refuse_bad_certificate(config.tls_cert, config.tls_key)
+    listeners = [("the admin port (--admin-port)", config.admin_host, config.admin_port)]
+    if "router" in config.services:
+        listeners.append(("the gateway's port (--port)", config.host, config.port))
+    if "mirror" in config.services:
+        listeners.append(("the mirror's port (--mirror-port)", config.host, config.mirror_port))
+    problem = _http_ports_problem(listeners)
+    if problem:
+        raise click.ClickException(problem)
     if settings.catalog:
         config = msgspec.structs.replace(config, declared_models=tuple(load_model_file(settings.catalog)))
 

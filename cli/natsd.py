@@ -70,7 +70,7 @@ class ServerRecord(msgspec.Struct, frozen=True, kw_only=True):
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether nats-server could listen on ``port``: bound as it binds (SO_REUSEADDR), so a port whose
     only sockets are in TIME_WAIT — a server that just died — is free, and one with a listener is not."""
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))

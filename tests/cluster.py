@@ -15,16 +15,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from llmgw.events.natsd import ClusterConfig, NatsConfig, NatsProcess, free_port
+from llmgw.events.natsd import ClusterConfig, NatsConfig, NatsProcess
+from tests.support import free_ports
 
 
 class ClusterNode:
     def __init__(self, name: str, store_dir: Path) -> None:
         self.name = name
         self.store_dir = store_dir
-        self.port = free_port()
-        self.cluster_port = free_port()
-        self.monitor_port = free_port()
+        self.port, self.cluster_port, self.monitor_port = free_ports(3)
         self.url = f"nats://127.0.0.1:{self.port}"
         self.server: NatsProcess | None = None
         self.max_file_store: str | None = None  # a fixed store limit (a disk smaller than it fails with ENOSPC)

@@ -35,7 +35,7 @@ from llmgw.events.store import EventStore
 from tests.cluster import ClusterNode, NatsCluster
 from tests.fleet import LLMGW, AgentProc, Fleet
 from tests.gguf_tiny import write_tiny_gguf
-from tests.support import Postgres, free_port, stop_process, wait_until
+from tests.support import Postgres, free_ports, stop_process, wait_until
 
 MODEL = "tiny"
 SERVICES = "tenancy,access,people,catalog,fleet,scheduler,projections,api,router,accountant,mirror,jobs"
@@ -61,9 +61,7 @@ class ServerProc:
     def __init__(self, name: str, base: Path, nats_urls: str, db: str, first_admin_dir: Path | None) -> None:
         self.name = name
         self.dir = base / name
-        self.port = free_port()
-        self.admin_port = free_port()
-        self.mirror_port = free_port()
+        self.port, self.admin_port, self.mirror_port = free_ports(3)
         self.argv = [
             LLMGW,
             "server",

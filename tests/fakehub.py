@@ -24,7 +24,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from tests.support import free_port
+from tests.support import free_ports
 
 CHUNK = 64 * 1024
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
@@ -84,8 +84,7 @@ class FakeHub:
         self.repos: dict[str, HubRepo] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         self.auth_seen: list[str | None] = []
-        self.port = free_port()
-        self.cdn_port = free_port()
+        self.port, self.cdn_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
         self.cdn_url = f"http://127.0.0.1:{self.cdn_port}"
         self._runner: web.AppRunner | None = None

@@ -29,7 +29,7 @@ from llmgw.events.store import EventStore
 from llmgw.services.router.app import RouterConfig
 from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
 from tests.signin import cli_env, sign_in_tester
-from tests.support import free_port, stop_process, wait_until
+from tests.support import free_port, free_ports, stop_process, wait_until
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
 FAST = SchedulerConfig(lost_after_s=3.0, backoff_base_s=0.2, backoff_cap_s=2.0, stop_grace_s=5.0)
@@ -96,8 +96,7 @@ class Fleet:
         self.nats_url = nats_url
         self.base = base
         self.agents: dict[str, AgentProc] = {}
-        self.admin_port = free_port()
-        self.port = free_port()
+        self.admin_port, self.port = free_ports(2)
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.client = CommandClient.for_service(store, "tests")

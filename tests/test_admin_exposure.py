@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,27 @@ def test_llmgw_server_refuses_an_exposed_admin_api_before_it_connects_to_anythin
     )
     assert out.returncode != 0
     assert "the admin API would listen on 0.0.0.0:" in out.stderr and "--insecure" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_llmgw_server_refuses_an_admin_port_another_program_listens_on_before_it_connects(tmp_path: Path) -> None:
+    # Nothing listens on this NATS port either: the port's refusal comes first, not a connection error.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [
+                *(LLMGW, "server", "--nats", f"nats://127.0.0.1:{free_port()}", "--db", "sqlite:///unused.db"),
+                *("--admin-port", str(port)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+    assert out.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}, the admin port (--admin-port): another program listens" in out.stderr
     assert "Traceback" not in out.stderr
 
 

@@ -33,7 +33,7 @@ from llmgw.events.commands import Unreachable
 from llmgw.events.store import EventStore, NewEvent, StoreError
 from llmgw.events.subjects import event_subject
 from llmgw.events.tenancy import OrgCreated
-from tests.support import NatsServer, free_port, wait_until
+from tests.support import NatsServer, free_port, free_ports, wait_until
 from tests.up import wait_for
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
@@ -295,8 +295,7 @@ class Served:
     """`llmgw server` with a few services, its own ports and files, as a person starts it."""
 
     def __init__(self, tmp: Path, nats_url: str, *extra: str) -> None:
-        self.port = free_port()
-        self.admin_port = free_port()
+        self.port, self.admin_port = free_ports(2)
         self.log = tmp / f"server-{self.port}.log"
         argv = [
             LLMGW,
@@ -410,7 +409,7 @@ async def test_a_nats_cluster_whose_routes_and_clients_use_mutual_tls_replicates
     tmp_path: Path, ca: tuple[pki.Issued, Path]
 ) -> None:
     ca_file = ca[1] / "ca.crt"
-    route_ports = tuple(free_port() for _ in range(3))
+    route_ports = tuple(free_ports(3))
     nodes = []
     try:
         for i, route_port in enumerate(route_ports):

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from llmgw.agent.supervisor import pid_alive
-from llmgw.cli.natsd import pick_port, port_candidates
+from llmgw.cli.natsd import pick_port, port_candidates, port_free
 from llmgw.events import models as M
 from llmgw.events.catalog import default_registry
 from llmgw.events.nats_permissions import NatsCredential
@@ -261,6 +261,18 @@ def test_up_refuses_a_gateway_port_another_program_listens_on_before_starting_an
         "choose another port" in done.stderr
     )
     assert "nats-server started" not in done.stderr + done.stdout, "refused before NATS started"
+
+
+def test_a_port_is_free_or_taken_on_an_ipv6_host_as_on_an_ipv4_one() -> None:
+    with socket.socket(socket.AF_INET6) as taken:
+        try:
+            taken.bind(("::", 0))
+        except OSError:
+            pytest.skip("no IPv6 on this machine")
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert not port_free(port, "::") and not port_free(port, "0.0.0.0")
+    assert port_free(port, "::"), "free again once its listener is closed"
 
 
 def test_up_refuses_one_port_given_for_both_the_gateway_and_the_admin_api(tmp_path: Path) -> None:
