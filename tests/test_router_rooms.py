@@ -482,6 +482,22 @@ def test_an_exhausted_budget_says_to_retry_when_its_period_ends(now: str, period
     assert refusal.headers["retry-after"] == str(wait)
 
 
+def test_a_budget_hold_covers_the_whole_prompt_and_every_output_token_it_may_ask_for() -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo"}],
+        "max_tokens": 10,
+    }
+    price = Price(input_usd_per_m=1e6, output_usd_per_m=2e6)  # a dollar a prompt token, two an output one
+    endpoint = "/v1/chat/completions"
+    prompt = "be brief\nhéllo"
+    # 15 bytes of text, 16 a message, 16 more: 63 prompt tokens at most; 10 output tokens.
+    assert adm.most_it_may_cost(body, endpoint, _model("m"), price, 4096) == 63 + 2 * 10
+    assert adm.most_it_may_cost(body, endpoint, _model("m"), price, 4096, prompt) == 63 + 2 * 10, "text found once"
+    no_max = {k: v for k, v in body.items() if k != "max_tokens"}
+    assert adm.most_it_may_cost(no_max, endpoint, _model("m"), price, 4096, prompt) == 63 + 2 * 4096
+
+
 def test_a_budget_full_only_of_running_requests_holds_says_to_retry_in_seconds() -> None:
     # $6 spent, $3 held by requests still running, $2 asked: once they settle there is room again.
     exc = BudgetExceeded("project:p", budget=10.0, period="day", spent=6.0, held=3.0, need=2.0)

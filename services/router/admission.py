@@ -288,11 +288,18 @@ def budget_scopes(scopes: list[str], budgets: Mapping[str, Budget]) -> list[str]
 
 
 def most_it_may_cost(
-    body: Mapping[str, Any], endpoint: str, model: ModelInfo, price: Price, default_max_tokens: int
+    body: Mapping[str, Any],
+    endpoint: str,
+    model: ModelInfo,
+    price: Price,
+    default_max_tokens: int,
+    prompt: str | None = None,
 ) -> float:
-    """What a request may cost at most: its prompt's upper bound and every output token it may ask for."""
+    """What a request may cost at most: its prompt's upper bound and every output token it may ask for.
+    ``prompt``: the prompt's text, when already found (:func:`.validation.prompt_text`)."""
     out = body.get("max_tokens") or body.get("max_completion_tokens") or model.spec.max_output or default_max_tokens
-    return max_cost(max_prompt_tokens(body, endpoint), int(out), price.input_usd_per_m, price.output_usd_per_m)
+    bound = max_prompt_tokens(body, endpoint, prompt)
+    return max_cost(bound, int(out), price.input_usd_per_m, price.output_usd_per_m)
 
 
 HELD_RETRY_S = 5  # a budget full only of running requests' holds frees up as soon as they settle

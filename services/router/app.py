@@ -462,7 +462,7 @@ class Router:
                 body, raw, prompt = await self._body(request, endpoint)
                 limit_headers = self._admit(call, key, body, prompt)
                 body, raw = _bounded_output(body, raw, call, endpoint)
-                await self._reserve(call, body)
+                await self._reserve(call, body, prompt)
             return await self._route(request, call, body, raw, prompt, limit_headers)
         except ApiError as exc:
             call.status, call.error = exc.status, exc.message
@@ -555,7 +555,7 @@ class Router:
             call.levels = verdict.levels
         return verdict.headers
 
-    async def _reserve(self, call: Call, body: dict[str, Any]) -> None:
+    async def _reserve(self, call: Call, body: dict[str, Any], prompt: str) -> None:
         assert call.key is not None and call.model is not None
         # The dearest model (or provider) that may serve it: a fallback or another provider may be dearer.
         price = adm.price_for_holds(call.chain, self.state.prices)
@@ -564,7 +564,7 @@ class Router:
         scopes = adm.budget_scopes(call.scopes, self.state.budgets)
         if not scopes:
             return
-        amount = adm.most_it_may_cost(body, call.endpoint, call.model, price, self.cfg.default_max_tokens)
+        amount = adm.most_it_may_cost(body, call.endpoint, call.model, price, self.cfg.default_max_tokens, prompt)
         for scope in scopes:
             b = self.state.budgets[scope]
             try:
