@@ -7,10 +7,13 @@ skipped with the reason.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -30,6 +33,7 @@ from llmgw.events.usage import UsageRecord
 from llmgw.projections.backends import open_backend
 from llmgw.projections.usage import UsageProjection
 from llmgw.services.router.app import RouterConfig
+from llmgw.services.router.inflight import InflightLog
 from llmgw.services.router.journal import Journal, JournalError, frame
 from llmgw.services.router.usage import UsageConfig, UsagePublisher
 from tests.fleet import Fleet
@@ -39,6 +43,8 @@ from tests.test_accountant import START, make_records, publish_all, request_ids,
 from tests.test_gateway import GATEWAY, make_key, make_tenant
 
 pytestmark = [pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).parents[1]
 
 
 def journaled_router(journal: Path) -> RouterConfig:
@@ -433,6 +439,89 @@ async def test_records_journaled_into_a_segment_being_replayed_are_published_aft
         assert await publisher._step(5.0)
     in_stream = await usage_in_stream(store.js)
     assert {r.request_id: in_stream[r.request_id] for r in first + later} == {r.request_id: 1 for r in first + later}
+
+
+# -- the in-flight log -------------------------------------------------------------------------
+
+KILLED_AFTER_PUT = """
+import asyncio, os, signal, sys
+from llmgw.services.router.usage import UsageConfig, UsagePublisher
+from tests.test_accountant import START, make_records
+
+async def main():
+    publisher = UsagePublisher(None, None, UsageConfig(journal_dir=sys.argv[1]))
+    await publisher.start()
+    for record in make_records(int(sys.argv[2]), START, prefix="killed"):
+        publisher.put(record)  # the client was answered; the publisher has not run yet
+    os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_router_killed_right_after_answering_loses_no_usage_record(tmp_path: Path, store: EventStore) -> None:
+    journal = tmp_path / "journal"
+    argv = [sys.executable, "-c", KILLED_AFTER_PUT, str(journal), "40"]
+    done = await asyncio.to_thread(subprocess.run, argv, cwd=ROOT, capture_output=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+    assert not list(journal.glob("*.journal")), "nothing had been spilled: the records were only in flight"
+
+    with structlog.testing.capture_logs() as logs:
+        publisher = UsagePublisher(store.js, store.nc, UsageConfig(journal_dir=str(journal)))
+        await publisher.start()
+    try:
+        moved = [e for e in logs if e["event"].startswith("usage records an earlier run had not seen acknowledged")]
+        assert moved and moved[0]["records"] == 40
+        expected = {r.request_id for r in make_records(40, START, prefix="killed")}
+
+        async def published() -> bool:
+            return expected <= set(await usage_in_stream(store.js))
+
+        await wait_until(published, deadline_s=30, what="the killed router's records to be published")
+        in_stream = await usage_in_stream(store.js)
+        assert {rid: in_stream[rid] for rid in expected} == dict.fromkeys(expected, 1)
+    finally:
+        await publisher.stop()
+    assert not list((journal / "inflight").iterdir()), "published: nothing left in flight"
+    assert not list(journal.glob("*.journal")), "published: the journal is empty"
+
+
+async def test_acknowledged_records_leave_the_in_flight_log_and_a_clean_stop_leaves_it_empty(
+    tmp_path: Path, store: EventStore
+) -> None:
+    journal = tmp_path / "journal"
+    records = make_records(300, START, prefix="steady")
+    publisher = UsagePublisher(store.js, store.nc, UsageConfig(journal_dir=str(journal)))
+    await publisher.start()
+    assert publisher._inflight is not None
+    publisher._inflight.file_bytes = 4096  # a new file every dozen records or so
+    try:
+        for r in records:
+            publisher.put(r)
+        await wait_until(lambda: publisher.published == len(records), deadline_s=30, what="every record acknowledged")
+        # Every file but the one being written is deleted once its records are acknowledged.
+        assert len(list((journal / "inflight").glob("*.inflight"))) == 1
+    finally:
+        report = await publisher.stop()
+    assert report.lost == 0 and report.journaled == 0
+    assert not list((journal / "inflight").iterdir())
+
+
+def test_the_in_flight_log_gives_back_what_a_dead_run_left_up_to_a_torn_record(tmp_path: Path) -> None:
+    first = InflightLog(tmp_path, file_bytes=64)
+    files = [first.write(f"record-{i}".encode()) for i in range(10)]
+    assert len(set(files)) > 1, "small files: the records span several"
+    first.done(files[0])  # one acknowledged; the process then dies without closing anything
+    with open(tmp_path / f"{files[-1]:012d}.inflight", "ab") as f:
+        f.write(b"\x20\x00\x00\x00torn")  # a write cut short by the kill
+
+    again = InflightLog(tmp_path)
+    left = again.left_behind()
+    # The acknowledged record's file may still hold it (its file was current): sent again, kept once by id.
+    assert [p.decode() for p in left][-9:] == [f"record-{i}" for i in range(1, 10)]
+    again.forget_left()
+    assert not list(tmp_path.glob("*.inflight"))
+    assert again.write(b"next") > max(files), "a new run never appends to an old file"
 
 
 # -- projections -------------------------------------------------------------------------------

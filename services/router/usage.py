@@ -8,6 +8,11 @@ a directory on the router's own disk, one fsync per batch) and published from th
 first, when the bus accepts again; a segment is deleted once all its records are acknowledged.
 A router that starts with records in its journal publishes them first.
 
+Every record is also on the router's disk from the moment it is made: :meth:`UsagePublisher.put`
+appends it to the in-flight log (:mod:`.inflight`, one write, no fsync) and it leaves that log
+once acknowledged or journaled, so a router killed while a record waits for the bus loses nothing;
+the next start moves what it finds there into the journal.
+
 When a record can be kept neither way — the bus does not acknowledge and the journal cannot be
 written (disk full, read-only) — :meth:`UsagePublisher.refusal` says why, and the router refuses
 billable requests with it rather than serve them unbilled. It admits again by itself as soon as
@@ -31,6 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 
 import msgspec
 import structlog
@@ -40,6 +46,7 @@ from nats.js import JetStreamContext
 from llmgw.events import subjects as S
 from llmgw.events.retry import backoff_delay
 from llmgw.events.usage import UsageRecord, usage_subject
+from llmgw.services.router.inflight import InflightLog
 from llmgw.services.router.journal import Journal
 from llmgw.services.router.metrics import UsageMetrics
 
@@ -48,6 +55,7 @@ _enc = msgspec.json.Encoder()
 
 RETRY_MIN_S = 0.1
 SPILL_CHUNK = 1024  # records per journal write (one fsync each)
+INFLIGHT_DIR = "inflight"  # the in-flight log's folder, in the journal's
 LOG_EVERY_S = 10.0
 
 
@@ -96,6 +104,14 @@ class _Item(msgspec.Struct):
     subject: str
     data: bytes
     at: float
+
+
+class _Held(msgspec.Struct):
+    """A record waiting in memory: encoded once, and the in-flight file it was written to (None: not written)."""
+
+    record: UsageRecord
+    data: bytes
+    inflight: int | None
 
 
 _head = msgspec.json.Decoder(_Head)
@@ -153,9 +169,11 @@ class UsagePublisher:
         self.cfg = config or UsageConfig()
         self.metrics = metrics
         self.published = 0
-        self._memory: deque[UsageRecord] = deque()
+        self._memory: deque[_Held] = deque()
         self._sending = 0  # taken from memory, awaiting acknowledgement
         self._journal: Journal | None = None
+        self._inflight: InflightLog | None = None
+        self._inflight_error: str | None = None
         self._journaled = 0
         self._journal_oldest: float | None = None
         self._offset = 0  # into the oldest segment: what is before it is acknowledged
@@ -174,6 +192,7 @@ class UsagePublisher:
         """Open the journal (raises :class:`JournalError` with a sentence) and publish what it holds."""
         if self.cfg.journal_dir:
             self._journal = Journal(self.cfg.journal_dir, self.cfg.segment_bytes)
+            await asyncio.to_thread(self._recover_inflight)
             count, oldest = await asyncio.to_thread(self._scan)
             self._journaled, self._journal_oldest = count, oldest
             if count:
@@ -186,9 +205,61 @@ class UsagePublisher:
         self._wake.set()
 
     def put(self, record: UsageRecord) -> None:
-        self._memory.append(record)
+        data = _enc.encode(record)
+        self._memory.append(_Held(record, data, self._write_inflight(data)))
         if not self._wake.is_set():
             self._wake.set()
+
+    def _write_inflight(self, data: bytes) -> int | None:
+        """The record on disk before anything else happens (:mod:`.inflight`); None when it cannot be
+        (said once per failure, and again when it can)."""
+        if self._inflight is None:
+            return None
+        try:
+            file = self._inflight.write(data)
+        except OSError as exc:
+            problem = journal_problem(str(self._inflight.directory), exc)
+            if problem != self._inflight_error:
+                log.error("usage records cannot be written to the in-flight log; a crash now loses them", error=problem)
+            self._inflight_error = problem
+            return None
+        if self._inflight_error is not None:
+            log.info("usage records are written to the in-flight log again", directory=str(self._inflight.directory))
+            self._inflight_error = None
+        return file
+
+    def _kept(self, held: list[_Held]) -> None:
+        """``held`` are kept elsewhere now (acknowledged, or in the spill journal): out of the in-flight log."""
+        if self._inflight is None:
+            return
+        for h in held:
+            if h.inflight is not None:
+                self._inflight.done(h.inflight)
+
+    def _recover_inflight(self) -> None:
+        """Move what an earlier run left in the in-flight log into the spill journal (fsynced), from
+        where it is published; then start a log of this run's own."""
+        assert self._journal is not None and self.cfg.journal_dir
+        inflight = InflightLog(Path(self.cfg.journal_dir) / INFLIGHT_DIR)
+        left = inflight.left_behind()
+        if left:
+            try:
+                self._journal.append(left)
+            except OSError as exc:
+                # Left where they are: the next start tries again. Nothing is lost by not starting the log.
+                log.error(
+                    "usage records an earlier run left in the in-flight log cannot be moved to the journal",
+                    records=len(left),
+                    error=journal_problem(str(self._journal.directory), exc),
+                )
+                self._inflight = inflight
+                return
+            log.warning(
+                "usage records an earlier run had not seen acknowledged are moved to the journal; publishing them",
+                records=len(left),
+            )
+        inflight.forget_left()
+        self._inflight = inflight
 
     async def stop(self, timeout_s: float | None = None) -> StopReport:
         """Publish what is held within ``timeout_s``; journal the rest; log and report what neither took."""
@@ -209,7 +280,7 @@ class UsagePublisher:
         while self._has_work() and time.monotonic() < end:
             if not await self._step(min(self.cfg.ack_timeout_s, max(0.1, end - time.monotonic()))):
                 break
-        lost = list(self._memory)
+        lost = [h.record for h in self._memory]
         report = StopReport(
             published=self.published - published_before,
             journaled=self._journaled,
@@ -235,6 +306,8 @@ class UsagePublisher:
             )
         if self._journal is not None:
             self._journal.close()
+        if self._inflight is not None:
+            self._inflight.close()  # what is still needed stays for the next start
         return report
 
     # -- state -------------------------------------------------------------------------------
@@ -258,7 +331,7 @@ class UsagePublisher:
         in_memory = len(self._memory) + self._sending
         oldest = []
         if self._memory:
-            oldest.append(self._memory[0].at.timestamp())
+            oldest.append(self._memory[0].record.at.timestamp())
         if self._journaled and self._journal_oldest is not None:
             oldest.append(self._journal_oldest)
         refusing = self.refusal()
@@ -321,7 +394,7 @@ class UsagePublisher:
         while self._memory:
             chunk = [self._memory.popleft() for _ in range(min(SPILL_CHUNK, len(self._memory)))]
             try:
-                await asyncio.to_thread(self._journal.append, [_enc.encode(r) for r in chunk])
+                await asyncio.to_thread(self._journal.append, [h.data for h in chunk])
             except OSError as exc:
                 self._memory.extendleft(reversed(chunk))
                 problem = journal_problem(str(self._journal.directory), exc)
@@ -336,8 +409,9 @@ class UsagePublisher:
                 self._journal_error = problem
                 return False
             if self._journaled == 0:
-                self._journal_oldest = chunk[0].at.timestamp()
+                self._journal_oldest = chunk[0].record.at.timestamp()
             self._journaled += len(chunk)
+            self._kept(chunk)
             if self.metrics:
                 self.metrics.journaled.inc(len(chunk))
             if self._journal_error is not None:
@@ -346,23 +420,30 @@ class UsagePublisher:
         return True
 
     async def _publish_memory(self, ack_timeout_s: float) -> bool:
-        records = [self._memory.popleft() for _ in range(min(self.cfg.batch, len(self._memory)))]
+        held = [self._memory.popleft() for _ in range(min(self.cfg.batch, len(self._memory)))]
         items = [
             _Item(
-                request_id=r.request_id, subject=usage_subject(r.project_id), data=_enc.encode(r), at=r.at.timestamp()
+                request_id=h.record.request_id,
+                subject=usage_subject(h.record.project_id),
+                data=h.data,
+                at=h.record.at.timestamp(),
             )
-            for r in records
+            for h in held
         ]
-        self._sending = len(records)
+        self._sending = len(held)
         try:
             failed = await self._publish(items, ack_timeout_s)
         except BaseException:
-            self._memory.extendleft(reversed(records))  # cancelled mid-publish: keep them all
+            self._memory.extendleft(reversed(held))  # cancelled mid-publish: keep them all
             raise
         finally:
             self._sending = 0
         if failed:
-            self._memory.extendleft(reversed([records[i] for i in failed]))
+            again = set(failed)
+            self._memory.extendleft(reversed([held[i] for i in failed]))
+            self._kept([h for i, h in enumerate(held) if i not in again])
+        else:
+            self._kept(held)
         return not failed
 
     async def _replay_batch(self, ack_timeout_s: float) -> bool:
