@@ -240,7 +240,12 @@ class UsagePublisher:
         """Move what an earlier run left in the in-flight log into the spill journal (fsynced), from
         where it is published; then start a log of this run's own."""
         assert self._journal is not None and self.cfg.journal_dir
-        inflight = InflightLog(Path(self.cfg.journal_dir) / INFLIGHT_DIR)
+        try:
+            inflight = InflightLog(Path(self.cfg.journal_dir) / INFLIGHT_DIR)
+        except OSError as exc:
+            problem = journal_problem(str(Path(self.cfg.journal_dir) / INFLIGHT_DIR), exc)
+            log.error("no in-flight log: a crash loses the records waiting for the bus", error=problem)
+            return
         left = inflight.left_behind()
         if left:
             try:
