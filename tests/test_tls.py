@@ -341,13 +341,16 @@ async def test_a_server_given_a_certificate_answers_https_trusting_the_ca_refuse
     try:
 
         def answers() -> bool:
+            # The admin API listens first; the gateway once its router has caught up with the log.
             assert served.proc.poll() is None, f"llmgw server exited:\n{served.output()}"
             with contextlib.suppress(OSError):
-                return get(f"https://127.0.0.1:{served.admin_port}/healthz", trusting)[0] == 200
+                return (
+                    get(f"https://127.0.0.1:{served.admin_port}/healthz", trusting)[0] == 200
+                    and get(f"https://localhost:{served.port}/healthz", trusting)[0] == 200  # by the name it holds
+                )
             return False
 
-        wait_for(answers, f"the admin API to answer https; its output:\n{served.output()}")
-        assert get(f"https://localhost:{served.port}/healthz", trusting)[0] == 200  # the gateway too
+        wait_for(answers, f"the admin API and the gateway to answer https; its output:\n{served.output()}")
         for port in (served.admin_port, served.port):
             with pytest.raises((OSError, http.client.HTTPException)):
                 get(f"http://127.0.0.1:{port}/healthz")
