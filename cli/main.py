@@ -148,19 +148,6 @@ def _hub_token() -> str | None:
     return get_token()
 
 
-def _port_or_another(host: str, port: int, avoid: frozenset[int] = frozenset()) -> int:
-    """``port`` when it is free, else one the system picks outside ``avoid`` (the process's other
-    ports, not bound yet): for defaults derived from another port."""
-    if port not in avoid:
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-                return port
-            except OSError:
-                pass
-    return pick_port(0, None, host, avoid)
-
-
 def _http_ports_problem(listeners: list[tuple[str, str, int]]) -> str | None:
     """Why `up` could not listen on one of its HTTP ports — ``(what, host, port)`` each, port 0 for
     any — asked before anything starts, so a taken port costs no NATS start and no service's."""
@@ -395,7 +382,8 @@ def up(
             )
     node = socket.gethostname()
     explicit_mirror_port = mirror_port
-    mirror_port = mirror_port or _port_or_another(host, admin_port + 2, frozenset({port, admin_port}))
+    # The mirror's default: the admin port + 2 while it is free, else the kernel's pick (never the other two).
+    mirror_port = mirror_port or pick_port(admin_port + 2, None, host, frozenset({port, admin_port}))
     problem = _http_ports_problem(
         [("the gateway's port (--port)", host, port), ("the admin port (--admin-port)", admin_host, admin_port)]
         + ([("the mirror's port (--mirror-port)", host, mirror_port)] if explicit_mirror_port else [])

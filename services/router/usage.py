@@ -246,25 +246,24 @@ class UsagePublisher:
             problem = journal_problem(str(Path(self.cfg.journal_dir) / INFLIGHT_DIR), exc)
             log.error("no in-flight log: a crash loses the records waiting for the bus", error=problem)
             return
+        self._inflight = inflight
         left = inflight.left_behind()
         if left:
             try:
                 self._journal.append(left)
             except OSError as exc:
-                # Left where they are: the next start tries again. Nothing is lost by not starting the log.
+                # Left where they are: the next start tries again. This run's log is its own files.
                 log.error(
                     "usage records an earlier run left in the in-flight log cannot be moved to the journal",
                     records=len(left),
                     error=journal_problem(str(self._journal.directory), exc),
                 )
-                self._inflight = inflight
                 return
             log.warning(
                 "usage records an earlier run had not seen acknowledged are moved to the journal; publishing them",
                 records=len(left),
             )
-        inflight.forget_left()
-        self._inflight = inflight
+        inflight.forget_left()  # files with nothing whole in them go too
 
     async def stop(self, timeout_s: float | None = None) -> StopReport:
         """Publish what is held within ``timeout_s``; journal the rest; log and report what neither took."""
@@ -443,12 +442,10 @@ class UsagePublisher:
             raise
         finally:
             self._sending = 0
+        again = set(failed)
+        self._kept([h for i, h in enumerate(held) if i not in again])
         if failed:
-            again = set(failed)
             self._memory.extendleft(reversed([held[i] for i in failed]))
-            self._kept([h for i, h in enumerate(held) if i not in again])
-        else:
-            self._kept(held)
         return not failed
 
     async def _replay_batch(self, ack_timeout_s: float) -> bool:
