@@ -7,7 +7,7 @@ found, so a new folder under ``services/`` needs no edit here.
 
 from setuptools import find_packages, setup
 
-ROOTS = ["events", "projections", "services", "agent", "cli", "bench", "modelfiles"]
+ROOTS = ["events", "infra", "projections", "services", "agent", "cli", "bench", "modelfiles"]
 
 packages: list[str] = []
 package_dir: dict[str, str] = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from llmgw.events.nodes import GpuInfo
+from llmgw.events.schema.nodes import GpuInfo
 
 THROTTLE_BITS = {
     0x4: "sw_power_cap",

@@ -27,18 +27,25 @@ from llmgw.agent.plan import Desired, ReportFailed, ReportStopped, Start, StopEn
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig, tail
 from llmgw.agent.weights.cache import WeightsCache, WeightsError
 from llmgw.agent.weights.local import MAX_FILES, ModelDirs
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import replica_fold as F
-from llmgw.events import replicas as R
-from llmgw.events import subjects as S
-from llmgw.events.agent_rpc import LogsReply, LogsRequest, WeightsReply, WeightsRequest, logs_subject, weights_subject
-from llmgw.events.envelope import RecordedEvent, sanitize_actor
-from llmgw.events.live_fold import FoldRegistry, LiveFold
-from llmgw.events.secrets import engine_key, engine_key_secret, mirror_token
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import encode_token, event_subject
-from llmgw.events.tasks import cancel_and_wait
+from llmgw.events.folds import replicas as F
+from llmgw.events.runtime.follower import Follower, FollowerRegistry
+from llmgw.events.runtime.secrets import engine_key, engine_key_secret, mirror_token
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.runtime.tasks import cancel_and_wait
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema.agent_rpc import (
+    LogsReply,
+    LogsRequest,
+    WeightsReply,
+    WeightsRequest,
+    logs_subject,
+    weights_subject,
+)
+from llmgw.events.schema.envelope import RecordedEvent, sanitize_actor
+from llmgw.events.schema.subjects import encode_token, event_subject
 
 log = structlog.get_logger("llmgw.agent")
 
@@ -85,10 +92,10 @@ class LogRing:
 
 class Agent:
     def __init__(
-        self, store: EventStore, cfg: AgentConfig, ring: LogRing | None = None, folds: FoldRegistry | None = None
+        self, store: EventStore, cfg: AgentConfig, ring: LogRing | None = None, folds: FollowerRegistry | None = None
     ) -> None:
         self.store = store
-        self.folds = folds if folds is not None else FoldRegistry()
+        self.folds = folds if folds is not None else FollowerRegistry()
         self.cfg = cfg
         self.actor = sanitize_actor("node", cfg.node_id)
         self.ring = ring or LogRing()
@@ -170,9 +177,9 @@ class Agent:
 
     # -- the log -----------------------------------------------------------------------------
 
-    def _follow(self) -> LiveFold:
-        """The replica events, folded by the supervised live fold; each batch wakes the reconciler."""
-        return LiveFold(
+    def _follow(self) -> Follower:
+        """The replica events, folded by the supervised follower; each batch wakes the reconciler."""
+        return Follower(
             self.store,
             f"{S.EVENTS_ROOT}.{R.AGGREGATE}.>",
             self.apply,
@@ -195,7 +202,7 @@ class Agent:
         current = self.desired[rid].state
         if current in ("stopped", "failed"):
             return  # terminal here, whatever the log says next: the engine is gone or going
-        # The move is the shared fold's (events/replica_fold.py), from what this agent already knows,
+        # The move is the shared fold's (events/folds/replicas.py), from what this agent already knows,
         # which may be ahead of the log: a late report of our own never undoes a stop request.
         if isinstance(p, R.ReplicaStopRequested):
             self.grace[rid] = p.grace_s  # a later request's grace holds, even for one already draining

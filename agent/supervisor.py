@@ -32,7 +32,7 @@ from llmgw.agent.engines.commands import (
     with_prompt_cache_bound,
 )
 from llmgw.agent.engines.health import EngineStartError, probe, wait_healthy
-from llmgw.events.replicas import ReplicaPlaced
+from llmgw.events.schema.replicas import ReplicaPlaced
 
 log = structlog.get_logger("llmgw.agent.supervisor")
 

@@ -37,13 +37,13 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 from prometheus_client import CollectorRegistry
 
 from llmgw.bench import BenchError
-from llmgw.events import subjects as S
-from llmgw.events.catalog import all_event_types
-from llmgw.events.codec import encode_envelope
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.natsd import NatsConfig, NatsProcess, NatsStartError, free_port, nats_server_binary
-from llmgw.events.registry import EventRegistry, EventType
-from llmgw.events.store import MAX_ATOMIC_BATCH, STREAMS, EventStore, NewEvent
+from llmgw.events.runtime.store import MAX_ATOMIC_BATCH, STREAMS, EventStore, NewEvent
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema.catalog import all_event_types
+from llmgw.events.schema.codec import encode_envelope
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.registry import EventRegistry, EventType
+from llmgw.infra.natsd import NatsConfig, NatsProcess, NatsStartError, free_port, nats_server_binary
 from llmgw.projections.backends import Backend, open_backend
 from llmgw.projections.base import Projection, Tx
 from llmgw.projections.reader import read_log

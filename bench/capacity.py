@@ -24,7 +24,7 @@ import aiohttp
 import msgspec
 
 from llmgw.bench import BenchError
-from llmgw.events import models as M
+from llmgw.events.schema import models as M
 
 KNEE_RISE = 1.10  # a step's total tokens/s must rise by this over the step before to be worth its concurrency
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

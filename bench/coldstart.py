@@ -4,7 +4,7 @@ a snapshot plus its tail — and what a snapshot costs to write.
 It starts its own nats-server (durable, how llmgw runs) in a temporary directory, writes a log of a
 realistic mix (nodes registered, 200 models, keys created and revoked, replicas placed, ready,
 stopped and failed) with ``append_many``, then times each service's start as the service does it: a
-fresh state folded by a :class:`~llmgw.events.live_fold.LiveFold` over the whole log until it has
+fresh state folded by a :class:`~llmgw.events.runtime.follower.Follower` over the whole log until it has
 caught up with the log as it was at its start. The "from a snapshot" figure is the same start after
 a snapshot taken :data:`TAIL` events before the head (the most a service that saves every
 ``EVERY_EVENTS`` events leaves behind): loading and decoding it, then folding the tail. Both are
@@ -32,17 +32,17 @@ import nats.errors
 
 from llmgw.bench import BenchError
 from llmgw.bench.backbone import events_spec, nats_server
-from llmgw.events import access as A
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import replicas as R
-from llmgw.events import subjects as S
-from llmgw.events import tenancy as T
-from llmgw.events.catalog import default_registry
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.live_fold import LiveFold
-from llmgw.events.snapshots import EVERY_EVENTS, SnapshotStore
-from llmgw.events.store import EventStore, NewEvent
+from llmgw.events.runtime.follower import Follower
+from llmgw.events.runtime.snapshots import EVERY_EVENTS, SnapshotStore
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import access as A
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.services.router import state as RS
 from llmgw.services.scheduler import state as SS
 from llmgw.services.scheduler.service import FOLDED
@@ -188,9 +188,9 @@ def scheduler_fold(state: SS.ClusterState | None = None) -> tuple[SS.ClusterStat
 
 
 async def fold_until_caught_up(store: EventStore, name: str, fold: Any, after: int) -> tuple[float, int]:
-    """A LiveFold of the whole log from ``after`` until caught up: (seconds, events read)."""
+    """A Follower of the whole log from ``after`` until caught up: (seconds, events read)."""
     started = time.perf_counter()
-    lf = LiveFold(store, f"{S.EVENTS_ROOT}.>", fold, name=f"bench-{name}", after=after)
+    lf = Follower(store, f"{S.EVENTS_ROOT}.>", fold, name=f"bench-{name}", after=after)
     lf.start()
     try:
         if not await lf.wait_caught_up(TIMEOUT_S):

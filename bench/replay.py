@@ -38,9 +38,9 @@ from prometheus_client import CollectorRegistry
 from llmgw.bench import BenchError
 from llmgw.bench.backbone import events_spec, nats_server
 from llmgw.bench.coldstart import Echo, realistic_log
-from llmgw.events.catalog import default_registry
-from llmgw.events.snapshots import SnapshotStore
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.snapshots import SnapshotStore
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.catalog import default_registry
 from llmgw.projections.backends import open_backend
 from llmgw.projections.replay import stamp_of
 from llmgw.projections.replay_snapshots import (

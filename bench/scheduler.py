@@ -30,11 +30,11 @@ from typing import Any
 import msgspec
 
 from llmgw.bench import BenchError
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import replicas as R
-from llmgw.events.envelope import Envelope, RecordedEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema.envelope import Envelope, RecordedEvent
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.scheduler.placement import GiB, Need, check, need_of, place
 from llmgw.services.scheduler.reconcile import Clock, Config, Place, Preempt, candidates, reconcile
 from llmgw.services.scheduler.state import ClusterState, capacity_of

@@ -3,10 +3,10 @@ before signing; ≥ 5,000 signature checks a second on one core).
 
 Two figures, each against a baseline measured in the same run:
 
-- **Checks per second**: :func:`~llmgw.events.command_auth.check_token_signature` (what a command
+- **Checks per second**: :func:`~llmgw.events.commands.auth.check_token_signature` (what a command
   service runs for a person's command: find the token, check the signature, the actor) over many
   signed commands, on this one thread; beside it the bare Ed25519 verification of the same bytes.
-- **End to end**: a command sent by :class:`~llmgw.events.commands.CommandClient`, signed with a
+- **End to end**: a command sent by :class:`~llmgw.events.commands.client.CommandClient`, signed with a
   person's token, verified and authorized by the tenancy service, decided, appended, and its
   outcome read back — against the same service whose verifier accepts everything unchecked (what
   a command cost before signing), rounds alternating so that both see the same machine.
@@ -26,17 +26,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from llmgw.bench import BenchError
 from llmgw.bench.backbone import nats_server
-from llmgw.events import people as P
-from llmgw.events import roles as R
-from llmgw.events import signing
-from llmgw.events import tenancy as T
-from llmgw.events.catalog import default_registry
-from llmgw.events.command_auth import TokenSigner, Verified, check_token_signature
-from llmgw.events.commands import Command, CommandClient
-from llmgw.events.envelope import Envelope, RecordedEvent, utc_now
-from llmgw.events.ids import new_id
-from llmgw.events.people_fold import People
-from llmgw.events.store import EventStore
+from llmgw.events.commands import roles as R
+from llmgw.events.commands import signing
+from llmgw.events.commands.auth import TokenSigner, Verified, check_token_signature
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.commands.command import Command
+from llmgw.events.folds.people import People
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import people as P
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.envelope import Envelope, RecordedEvent, utc_now
+from llmgw.events.schema.ids import new_id
 from llmgw.services.people.service import PeopleService
 from llmgw.services.tenancy.service import TenancyService
 

@@ -1,6 +1,6 @@
 """`llmgw ctl` for access (SPEC TEN-2, GW-4, GW-5): keys, limits, prices, budgets.
 
-Keys are made here, on the caller's machine (:func:`~llmgw.events.access.make_api_key`): only
+Keys are made here, on the caller's machine (:func:`~llmgw.events.schema.access.make_api_key`): only
 the lookup prefix and the SHA-256 of the key travel, and the key is printed once.
 """
 
@@ -15,7 +15,7 @@ import click
 
 from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
-from llmgw.events import access as A
+from llmgw.events.schema import access as A
 
 _DURATION = re.compile(r"^(\d+)([mhdw])$")
 _UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}

@@ -23,10 +23,11 @@ from llmgw.agent.supervisor import stop_recorded_engines
 from llmgw.agent.weights.cache import mirror_list
 from llmgw.cli import logs
 from llmgw.cli.client import load_creds, nats_creds_option, nats_tls, nats_tls_options
-from llmgw.events import models as M
-from llmgw.events import pki
-from llmgw.events.catalog import default_registry
-from llmgw.events.store import EventStore, StoreError
+from llmgw.events.runtime.connection import StoreError
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import models as M
+from llmgw.events.schema.catalog import default_registry
+from llmgw.infra import pki
 
 
 def _port_range(value: str) -> tuple[int, int]:

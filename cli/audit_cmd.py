@@ -9,7 +9,7 @@ import click
 from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
 from llmgw.cli.events_cmd import one_line, parse_since
-from llmgw.events.envelope import RecordedEvent
+from llmgw.events.schema.envelope import RecordedEvent
 
 
 @ctl.command("audit")

@@ -20,11 +20,12 @@ import msgspec
 from llmgw.cli.client import Session, run
 from llmgw.cli.context import default_data_dir, read_run_info
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError, read_credential
-from llmgw.events import backup as B
-from llmgw.events import nats_permissions as NP
-from llmgw.events.catalog import default_registry
-from llmgw.events.commands import CommandError, CommandRejectedError
-from llmgw.events.store import EventStore, StoreError
+from llmgw.events.commands.client import CommandError, CommandRejectedError
+from llmgw.events.runtime.connection import StoreError
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.catalog import default_registry
+from llmgw.infra import backup as B
+from llmgw.infra import nats_permissions as NP
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -23,9 +23,9 @@ from llmgw.cli.context import default_data_dir, read_run_info
 from llmgw.cli.ctl import ctl
 from llmgw.cli.fleet_cmd import _ask_scheduler, model
 from llmgw.cli.table import table
-from llmgw.events import models as M
-from llmgw.events import scheduler as SCH
-from llmgw.events.commands import CommandError, CommandRejectedError, Unreachable
+from llmgw.events.commands.client import CommandError, CommandRejectedError, Unreachable
+from llmgw.events.schema import models as M
+from llmgw.events.schema import scheduler as SCH
 from llmgw.services.access.bootstrap import DEMO_KEY_FILE
 
 ONE_READY_WAIT_S = 300.0  # how long `--scale-to-one` waits for the model to stand at one ready replica

@@ -20,7 +20,7 @@ import msgspec
 
 from llmgw.cli.context import default_data_dir
 from llmgw.cli.table import table
-from llmgw.events import pki
+from llmgw.infra import pki
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 PREVIOUS = ".previous"

@@ -1,6 +1,6 @@
 """The CLI's two ways in: the bus (commands, the log) and the admin API (read models).
 
-Errors follow one small hierarchy (:mod:`llmgw.events.commands`): rejected, timed out,
+Errors follow one small hierarchy (:mod:`llmgw.events.commands.client`): rejected, timed out,
 unreachable; each becomes one line on stderr and its own exit code.
 """
 
@@ -21,13 +21,13 @@ import msgspec
 
 from llmgw.cli.context import Target, default_data_dir, resolve
 from llmgw.cli.natsd import CredentialError, read_credential
-from llmgw.events import pki
-from llmgw.events.catalog import default_registry
-from llmgw.events.command_auth import TokenSigner
-from llmgw.events.commands import CommandClient, CommandError, CommandRejectedError, Unreachable
-from llmgw.events.nats_permissions import NatsCredential
-from llmgw.events.outcomes import CommandCompleted
-from llmgw.events.store import EventStore, StoreError
+from llmgw.events.commands.auth import TokenSigner
+from llmgw.events.commands.client import CommandClient, CommandError, CommandRejectedError, Unreachable
+from llmgw.events.runtime.connection import NatsCredential, StoreError
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.outcomes import CommandCompleted
+from llmgw.infra import pki
 
 CONNECT_GIVE_UP_S = 10.0  # a person waits this long for NATS, then is told it cannot be reached (exit 4)
 

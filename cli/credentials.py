@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 
-from llmgw.events.private import write_private
+from llmgw.infra.private import write_private
 from llmgw.services.people.bootstrap import TOKEN_FILE
 
 

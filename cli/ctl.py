@@ -7,7 +7,7 @@ import json
 import click
 
 from llmgw.cli.client import Session, run
-from llmgw.events import tenancy as T
+from llmgw.events.schema import tenancy as T
 
 
 @click.group()

@@ -11,12 +11,12 @@ import click
 import msgspec
 
 from llmgw.cli.client import Session, run
-from llmgw.events.command_audit import CommandAudit
-from llmgw.events.commands import CommandError, CommandRejectedError
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.secrets import signing_secret
-from llmgw.events.store import Quarantined
-from llmgw.events.subjects import EVENTS_ROOT, aggregate_of
+from llmgw.events.commands.audit import CommandAudit
+from llmgw.events.commands.client import CommandError, CommandRejectedError
+from llmgw.events.runtime.connection import Quarantined
+from llmgw.events.runtime.secrets import signing_secret
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of
 from llmgw.services.api.views import KEYS_LIMIT, KEYS_LIMIT_MAX
 
 
@@ -198,7 +198,7 @@ def show(ctx: click.Context, event_id: str, as_json: bool) -> None:
 @events.command("catalog")
 def catalog() -> None:
     """Print the catalogue of event types (docs/events.md is this output)."""
-    from llmgw.events.catalog import render_markdown
+    from llmgw.events.schema.catalog import render_markdown
 
     click.echo(render_markdown(), nl=False)
 

@@ -15,12 +15,14 @@ import yaml
 from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
 from llmgw.cli.table import table
-from llmgw.events import jobs as J
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import replicas as R
-from llmgw.events import scheduler as SCH
-from llmgw.events.agent_rpc import (
+from llmgw.events.commands.client import CommandRejectedError, Unreachable
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import jobs as J
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema import scheduler as SCH
+from llmgw.events.schema.agent_rpc import (
     LogsReply,
     LogsRequest,
     WeightsReply,
@@ -28,10 +30,8 @@ from llmgw.events.agent_rpc import (
     logs_subject,
     weights_subject,
 )
-from llmgw.events.commands import CommandRejectedError, Unreachable
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import event_subject
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import event_subject
 from llmgw.modelfiles.gguf_header import read_header_file
 from llmgw.modelfiles.sizing import estimate_memory
 

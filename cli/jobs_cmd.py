@@ -12,12 +12,12 @@ from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
 from llmgw.cli.fleet_cmd import model
 from llmgw.cli.progress import Downloads
-from llmgw.events import jobs as J
-from llmgw.events import mirror as E
-from llmgw.events.commands import CommandRejectedError
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import event_subject
+from llmgw.events.commands.client import CommandRejectedError
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import jobs as J
+from llmgw.events.schema import mirror as E
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import event_subject
 
 
 def step_line(p: J.JobStep) -> str:

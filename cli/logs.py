@@ -11,7 +11,7 @@ import click
 import msgspec
 import structlog
 
-from llmgw.events import log_context
+from llmgw.events.runtime import log_context
 
 _encoder = msgspec.json.Encoder(enc_hook=str)  # a field of another type (a path, an id object) as its text
 
@@ -57,7 +57,7 @@ def configure(level: str = "info", json_lines: bool | None = None, extra: list |
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
-            log_context.add_context,  # the request's or command's ids (events/log_context.py)
+            log_context.add_context,  # the request's or command's ids (events/runtime/log_context.py)
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             # JSON carries the traceback as text; the console renderer prints it readably itself.

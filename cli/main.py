@@ -44,10 +44,10 @@ from llmgw.cli.mirror_cmd import mirror
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError, pick_port, port_free
 from llmgw.cli.people_cmd import login, logout  # also registers `ctl user|token`
 from llmgw.cli.runtime import ALL_SERVICES, DEMO_KEY_FILE, ServerConfig, serve
-from llmgw.events import nats_permissions as NP
-from llmgw.events import pki
-from llmgw.events.commands import CommandError
-from llmgw.events.store import StoreError
+from llmgw.events.commands.client import CommandError
+from llmgw.events.runtime.connection import StoreError
+from llmgw.infra import nats_permissions as NP
+from llmgw.infra import pki
 from llmgw.services.api.exposure import exposure_refusal
 from llmgw.services.mirror.hub import DEFAULT_HUB
 

@@ -16,11 +16,11 @@ import msgspec
 from llmgw.cli.client import Session, run
 from llmgw.cli.progress import Downloads
 from llmgw.cli.table import table
-from llmgw.events import mirror as E
-from llmgw.events.commands import CommandError
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
+from llmgw.events.commands.client import CommandError
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import mirror as E
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.mirror.rules import human
 from llmgw.services.mirror.state import FETCHING, PRESENT, MirrorState
 

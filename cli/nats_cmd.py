@@ -23,7 +23,7 @@ from llmgw.cli.natsd import (
     rotate_credentials,
     users_dir,
 )
-from llmgw.events import nats_permissions as NP
+from llmgw.infra import nats_permissions as NP
 
 
 def _data_dir(ctx: click.Context) -> Path:

@@ -19,7 +19,7 @@ lose each other's, so:
   as nats-server binds, so connections of the dead server in TIME_WAIT do not count as taken.
 
 Nobody connects without a user (issue "Trust", item 4): at the first start one credential per role
-(``events/nats_permissions.py``) is made in ``nats/users/<user>.json`` (0600, the folder 0700) with a
+(``infra/nats_permissions.py``) is made in ``nats/users/<user>.json`` (0600, the folder 0700) with a
 random password, kept across restarts; the server's users and permissions are rendered into
 ``nats/users.conf``, which its configuration includes, so `llmgw ctl nats rotate` and `add-agent`
 rewrite that file alone and reload the server (SIGHUP).
@@ -43,10 +43,10 @@ import msgspec
 import structlog
 
 from llmgw.agent.supervisor import pid_alive, proc_start_time
-from llmgw.events import nats_permissions as NP
-from llmgw.events.nats_permissions import NatsCredential
-from llmgw.events.natsd import NatsConfig, NatsProcess, NatsStartError, render_authorization
-from llmgw.events.private import write_private
+from llmgw.events.runtime.connection import NatsCredential
+from llmgw.infra import nats_permissions as NP
+from llmgw.infra.natsd import NatsConfig, NatsProcess, NatsStartError, render_authorization
+from llmgw.infra.private import write_private
 
 log = structlog.get_logger("llmgw.cli.natsd")
 

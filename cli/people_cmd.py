@@ -17,9 +17,9 @@ from llmgw.cli.access_cmd import _table
 from llmgw.cli.client import Session, run
 from llmgw.cli.credentials import forget_token, save_token
 from llmgw.cli.ctl import ctl
-from llmgw.events import people as P
-from llmgw.events import roles as R
-from llmgw.events.commands import CommandError, CommandRejectedError
+from llmgw.events.commands import roles as R
+from llmgw.events.commands.client import CommandError, CommandRejectedError
+from llmgw.events.schema import people as P
 from llmgw.services.people.passwords import hash_password, password_problem
 
 

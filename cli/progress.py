@@ -1,6 +1,6 @@
 """A download's progress for a person: a bar redrawn in place on a terminal, plain lines elsewhere.
 
-Fed the mirror's progress telemetry (events/mirror.py ``DownloadProgress``) by `mirror fetch` and
+Fed the mirror's progress telemetry (events/schema/mirror.py ``DownloadProgress``) by `mirror fetch` and
 `ctl model serve`. The rate is an average over the last few seconds of samples, and the time left
 follows from it; both are left out until two samples say something.
 """

@@ -12,9 +12,9 @@ import nats.errors
 from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
 from llmgw.cli.table import table
-from llmgw.events import quotas as Q
-from llmgw.events import tenancy as T
-from llmgw.events.commands import Unreachable
+from llmgw.events.commands.client import Unreachable
+from llmgw.events.schema import quotas as Q
+from llmgw.events.schema import tenancy as T
 
 GiB = 1024**3
 

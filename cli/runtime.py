@@ -20,16 +20,17 @@ from prometheus_client import CollectorRegistry
 
 from llmgw.cli.context import default_data_dir
 from llmgw.cli.natsd import CredentialError, read_credential
-from llmgw.events.catalog import default_registry
-from llmgw.events.commands import CommandError, Rejected
-from llmgw.events.live_fold import FoldRegistry
-from llmgw.events.metrics import StoreMetrics
-from llmgw.events.models import ModelSpec
-from llmgw.events.pki import CertificateExpiry, PkiError, client_context, load_cert, server_context
-from llmgw.events.secrets import engine_key_secret, signing_secret
-from llmgw.events.snapshots import EVERY_EVENTS as SNAPSHOT_EVERY_EVENTS
-from llmgw.events.snapshots import EVERY_S as SNAPSHOT_EVERY_S
-from llmgw.events.store import EventStore
+from llmgw.events.commands.client import CommandError
+from llmgw.events.commands.processor import Rejected
+from llmgw.events.runtime.follower import FollowerRegistry
+from llmgw.events.runtime.metrics import StoreMetrics
+from llmgw.events.runtime.secrets import engine_key_secret, signing_secret
+from llmgw.events.runtime.snapshots import EVERY_EVENTS as SNAPSHOT_EVERY_EVENTS
+from llmgw.events.runtime.snapshots import EVERY_S as SNAPSHOT_EVERY_S
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.models import ModelSpec
+from llmgw.infra.pki import CertificateExpiry, PkiError, client_context, load_cert, server_context
 from llmgw.projections.access import AccessProjection
 from llmgw.projections.backends import open_backend
 from llmgw.projections.eventlog import EventLogProjection
@@ -283,8 +284,8 @@ async def serve(
     # Every 10,000 events the replayed projections' tables are saved, so `events replay` folds only a tail.
     replay_saver = ReplaySnapshotter(store, backend, every=config.snapshots.replay_every_events)
     runner = ProjectionRunner(store, backend, projections(), registry=registry, on_batch=replay_saver.folded)
-    # The process's live folds: its /healthz answers 503 naming any that is not live.
-    folds = FoldRegistry(registry)
+    # The process's followers: its /healthz answers 503 naming any that is not live.
+    folds = FollowerRegistry(registry)
     handles.update(store=store, backend=backend, runner=runner, folds=folds)
     tasks: list[asyncio.Task] = []
     sites: list[web.AppRunner] = []

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import msgspec
 
-from llmgw.events import access as A
-from llmgw.events import key_fold as K
-from llmgw.events import quotas as Q
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.subjects import EVENTS_ROOT
+from llmgw.events.folds import keys as K
+from llmgw.events.schema import access as A
+from llmgw.events.schema import quotas as Q
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import EVENTS_ROOT
 from llmgw.projections.backends import Backend
 from llmgw.projections.base import Projection, Tx
 
@@ -52,7 +52,7 @@ _BUDGET_UPSERT = (
 
 class AccessProjection(Projection):
     name = "access"
-    # 2: rows folded by events/key_fold.py (a key is created once; revoking is final); rows folded before are rebuilt
+    # 2: rows folded by events/folds/keys.py (a key is created once; revoking is final); rows folded before are rebuilt
     # 3: capacity quotas (SCHED-8), so a replay shows each scope's guarantee and limit at a moment
     # 4: a key's ``external`` (GW-12: it may call models served outside the cluster)
     version = 4
@@ -115,7 +115,7 @@ class AccessProjection(Projection):
         )
 
     async def key_revoked(self, tx: Tx, e: RecordedEvent) -> None:
-        """Revoking is final: the row moves only as the shared fold (``events/key_fold.py``) moves the key."""
+        """Revoking is final: the row moves only as the shared fold (``events/folds/keys.py``) moves the key."""
         p: A.KeyRevoked = e.payload  # type: ignore[assignment]
         before = await self._key(tx, p.key_id)
         after = K.fold_key(before, p)

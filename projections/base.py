@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, Protocol
 
-from llmgw.events.codec import decode_event
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.registry import EventRegistry
-from llmgw.events.subjects import STREAM_EVENTS
+from llmgw.events.schema.codec import decode_event
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.registry import EventRegistry
+from llmgw.events.schema.subjects import STREAM_EVENTS
 
 Row = tuple[Any, ...]
 

@@ -6,8 +6,8 @@ causation is this one, or this command), then reads the event itself from the st
 
 from __future__ import annotations
 
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.subjects import EVENTS_ROOT
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import EVENTS_ROOT
 from llmgw.projections.base import Projection, Tx
 
 _INSERT = (

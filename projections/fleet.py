@@ -6,13 +6,13 @@ from datetime import UTC, datetime
 
 import msgspec
 
-from llmgw.events import models as M
-from llmgw.events import node_fold as NF
-from llmgw.events import replica_fold as F
-from llmgw.events import scheduler as SCH
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.models import spec_hash
-from llmgw.events.subjects import EVENTS_ROOT, aggregate_of
+from llmgw.events.folds import nodes as NF
+from llmgw.events.folds import replicas as F
+from llmgw.events.schema import models as M
+from llmgw.events.schema import scheduler as SCH
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.models import spec_hash
+from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of
 from llmgw.projections.base import Projection, Tx
 
 
@@ -63,8 +63,8 @@ def _replica(rid: str, row: tuple) -> F.Replica:
 
 class FleetProjection(Projection):
     name = "fleet"
-    # 2: replicas and failure counts folded by events/replica_fold.py; rows folded before are rebuilt from the log
-    # 3: nodes folded by events/node_fold.py (draining keeps the reason a node was cordoned for)
+    # 2: replicas and failure counts folded by events/folds/replicas.py; rows folded before are rebuilt from the log
+    # 3: nodes folded by events/folds/nodes.py (draining keeps the reason a node was cordoned for)
     # 4: a replica's restart (SCHED-6): restart and replaces
     # 5: a model's last preemption (SCHED-7): gave_room_to, held_until, preemptions
     # 6: what each replica reserves (cores, memory_bytes, gpus), so a replay can say what each scope held
@@ -132,7 +132,7 @@ class FleetProjection(Projection):
         )
 
     async def node_state(self, tx: Tx, e: RecordedEvent) -> None:
-        """Lost, returned, cordoned, drained: the row moves as the shared fold (``events/node_fold.py``) moves
+        """Lost, returned, cordoned, drained: the row moves as the shared fold (``events/folds/nodes.py``) moves
         the node, as the scheduler's and the fleet service's do. Rows are only for registered nodes."""
         p = e.payload
         row = await tx.fetchone("SELECT state, cordoned, draining, cordon_reason FROM {nodes} WHERE id = ?", p.node_id)
@@ -288,7 +288,7 @@ class FleetProjection(Projection):
             await tx.execute("UPDATE {replicas} SET restart = ? WHERE id = ?", after.restart, old.id)
 
     async def replica_state(self, tx: Tx, e: RecordedEvent) -> None:
-        """The row moves as the shared fold moves it (``events/replica_fold.py``), as the scheduler's state does."""
+        """The row moves as the shared fold moves it (``events/folds/replicas.py``), as the scheduler's state does."""
         p = e.payload
         at = e.envelope.at
         row = await tx.fetchone(_REPLICA_SELECT, p.replica_id)

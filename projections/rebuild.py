@@ -24,10 +24,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
-from llmgw.events.store import EventStore
-from llmgw.projections.backends import Backend, Transaction
-from llmgw.projections.base import Projection, Row
-from llmgw.projections.fold import (
+from llmgw.events.runtime.store import EventStore
+from llmgw.projections.apply import (
     CHECKPOINTS,
     ProjectionError,
     commit_batch,
@@ -37,6 +35,8 @@ from llmgw.projections.fold import (
     read_checkpoint,
     set_checkpoint,
 )
+from llmgw.projections.backends import Backend, Transaction
+from llmgw.projections.base import Projection, Row
 from llmgw.projections.reader import read_log
 
 if TYPE_CHECKING:

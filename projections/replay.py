@@ -19,11 +19,11 @@ from typing import Any
 
 import nats.js.errors
 
-from llmgw.events import subjects as S
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import subjects as S
+from llmgw.projections.apply import commit_batch, create_tables
 from llmgw.projections.backends import Backend
 from llmgw.projections.base import Projection
-from llmgw.projections.fold import commit_batch, create_tables
 from llmgw.projections.reader import read_log
 
 
@@ -80,7 +80,7 @@ async def replay_into(
     a replay snapshot's, :mod:`llmgw.projections.replay_snapshots`), else from 0 into fresh tables.
     Projections that read the same subject read it once together (fleet and access both read the
     whole log: reading and decoding it is half of what a fold costs). ``commit`` folds each batch instead
-    of :func:`~llmgw.projections.fold.commit_batch` on ``backend`` (the tables are made on ``backend``
+    of :func:`~llmgw.projections.apply.commit_batch` on ``backend`` (the tables are made on ``backend``
     first either way): a replay's on a thread of its own, :class:`~llmgw.projections.replay_fold.TailFold`.
     """
     starts = {p.name: (after or {}).get(p.name, 0) for p in projections}

@@ -4,7 +4,7 @@ The projections' handlers are coroutines over a transaction; on the server's
 :class:`~llmgw.projections.backends.SqliteBackend` each read a handler makes is a hop to aiosqlite's
 thread and back, and a replica event makes two. For a replay's tail of 10,000 events that was most of
 the fold (fleet: 0.42 s on an idle machine, against 0.14 s with the calls made in place). A scratch
-database has one user, so here each batch's :func:`~llmgw.projections.fold.commit_batch` runs whole on
+database has one user, so here each batch's :func:`~llmgw.projections.apply.commit_batch` runs whole on
 one worker thread, in an event loop of that thread, over a plain ``sqlite3`` connection: one hop per
 batch, not two per event. The log is read on the caller's loop meanwhile, and that loop (the admin
 API's) stays free for other requests.
@@ -21,9 +21,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from llmgw.projections.apply import commit_batch
 from llmgw.projections.backends import Backend, BackendError, Transaction, _SqliteTx, table_map
 from llmgw.projections.base import Projection, Row
-from llmgw.projections.fold import commit_batch
 
 
 class _InPlaceTx(_SqliteTx):

@@ -38,13 +38,13 @@ from typing import Any
 import msgspec
 import structlog
 
-from llmgw.events.snapshots import SnapshotStore
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.snapshots import SnapshotStore
+from llmgw.events.runtime.store import EventStore
 from llmgw.projections.access import AccessProjection
+from llmgw.projections.apply import CHECKPOINTS, table_ddl
 from llmgw.projections.backends import Backend, Transaction
 from llmgw.projections.base import Projection
 from llmgw.projections.fleet import FleetProjection
-from llmgw.projections.fold import CHECKPOINTS, table_ddl
 from llmgw.projections.replay import stamp_of
 from llmgw.projections.tenancy import TenancyProjection
 

@@ -26,11 +26,9 @@ import msgspec
 import structlog
 from prometheus_client import CollectorRegistry
 
-from llmgw.events.retry import backoff_delay
-from llmgw.events.store import EventStore
-from llmgw.projections.backends import Backend, Transaction
-from llmgw.projections.base import Projection
-from llmgw.projections.fold import (
+from llmgw.events.runtime.retry import backoff_delay
+from llmgw.events.runtime.store import EventStore
+from llmgw.projections.apply import (
     CheckpointMoved,
     HandlerError,
     ProjectionError,
@@ -42,6 +40,8 @@ from llmgw.projections.fold import (
     init_checkpoint,
     read_checkpoint,
 )
+from llmgw.projections.backends import Backend, Transaction
+from llmgw.projections.base import Projection
 from llmgw.projections.metrics import ProjectionMetrics
 from llmgw.projections.reader import read_log
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from llmgw.events import tenancy as T
-from llmgw.events.envelope import RecordedEvent
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.projections.base import Projection, Tx
 
 _INSERT = (

@@ -1,7 +1,7 @@
 """Usage as tables (SPEC USE-1, USE-2, GW-8): one row per request, and per-minute sums by scope and model.
 
 The projection reads ``LLMGW_USAGE``, not the event log. Each message there is one
-:class:`~llmgw.events.usage.UsageRecord` as JSON, published by a router with ``Nats-Msg-Id`` = the
+:class:`~llmgw.events.schema.usage.UsageRecord` as JSON, published by a router with ``Nats-Msg-Id`` = the
 request id, so JetStream keeps a retried publish once within its duplicate window. A record sent
 again past that window is a second message; ``requests`` is keyed by request id and the rollups are
 only added to when the request row is new, so a request is stored once and counted once whatever the
@@ -24,11 +24,11 @@ from typing import Any
 
 import msgspec
 
-from llmgw.events.codec import EventDecodeError
-from llmgw.events.envelope import Envelope, RecordedEvent
-from llmgw.events.registry import EventRegistry
-from llmgw.events.subjects import STREAM_USAGE, USAGE_ROOT
-from llmgw.events.usage import UsageRecord
+from llmgw.events.schema.codec import EventDecodeError
+from llmgw.events.schema.envelope import Envelope, RecordedEvent
+from llmgw.events.schema.registry import EventRegistry
+from llmgw.events.schema.subjects import STREAM_USAGE, USAGE_ROOT
+from llmgw.events.schema.usage import UsageRecord
 from llmgw.projections.backends import Backend
 from llmgw.projections.base import Projection, Tx
 

@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from llmgw.events.natsd import ClusterConfig, NatsConfig, NatsProcess
+from llmgw.infra.natsd import ClusterConfig, NatsConfig, NatsProcess
 from tests.support import free_ports
 
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import msgspec
 
-from llmgw.events.catalog import default_registry
-from llmgw.events.secrets import engine_key_secret
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.secrets import engine_key_secret
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.catalog import default_registry
 from tests.cluster import ClusterNode, NatsCluster
 from tests.fleet import LLMGW, AgentProc, Fleet
 from tests.gguf_tiny import write_tiny_gguf

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from llmgw.events.catalog import default_registry
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.catalog import default_registry
 from tests.fleet import Fleet
 from tests.support import NatsServer, Postgres, nats_server
 

@@ -20,12 +20,12 @@ from typing import Any
 import msgspec
 
 from llmgw.cli.runtime import ServerConfig, serve
-from llmgw.events import models as M
-from llmgw.events import replicas as R
-from llmgw.events.commands import CommandClient
-from llmgw.events.outcomes import CommandCompleted
-from llmgw.events.secrets import engine_key, engine_key_secret
-from llmgw.events.store import EventStore
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.runtime.secrets import engine_key, engine_key_secret
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import models as M
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema.outcomes import CommandCompleted
 from llmgw.services.router.app import RouterConfig
 from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
 from tests.signin import cli_env, sign_in_tester

@@ -19,11 +19,11 @@ from datetime import UTC, datetime
 
 import msgspec
 
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import replicas as R
-from llmgw.events.envelope import Envelope, RecordedEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema.envelope import Envelope, RecordedEvent
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.scheduler.placement import Candidate, need_of
 from llmgw.services.scheduler.reconcile import (
     Autoscale,

@@ -11,10 +11,10 @@ import os
 
 import aiohttp
 
-from llmgw.events import people as P
-from llmgw.events.commands import CommandClient, CommandRejectedError
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import people as P
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.people.passwords import hash_password
 from tests.support import wait_until
 

@@ -22,11 +22,11 @@ from typing import Any
 import msgspec
 import nats.js.errors
 
-from llmgw.events import natsd
-from llmgw.events.command_auth import ServiceSigner, Signer, sign_command
-from llmgw.events.commands import Command
-from llmgw.events.store import EventStore
-from llmgw.events.usage import UsageRecord
+from llmgw.events.commands.auth import ServiceSigner, Signer, sign_command
+from llmgw.events.commands.command import Command
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.usage import UsageRecord
+from llmgw.infra import natsd
 
 
 def free_port() -> int:

@@ -23,13 +23,13 @@ import pytest
 
 from llmgw.cli.access_cmd import parse_expiry
 from llmgw.cli.runtime import ServerConfig, serve
-from llmgw.events import access as A
-from llmgw.events import tenancy as T
-from llmgw.events.commands import CommandClient, CommandRejectedError
-from llmgw.events.envelope import utc_now
-from llmgw.events.outcomes import CommandCompleted
-from llmgw.events.store import AppendConflict, EventStore, NewEvent
-from llmgw.events.subjects import EVENTS_ROOT
+from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.runtime.store import AppendConflict, EventStore, NewEvent
+from llmgw.events.schema import access as A
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import utc_now
+from llmgw.events.schema.outcomes import CommandCompleted
+from llmgw.events.schema.subjects import EVENTS_ROOT
 from llmgw.services.access.bootstrap import DEMO_KEY_FILE, ensure_demo_key
 from llmgw.services.access.rules import decide
 from llmgw.services.access.service import AccessService

@@ -8,11 +8,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from llmgw.events import access as A
-from llmgw.events import tenancy as T
-from llmgw.events.commands import Rejected
-from llmgw.events.envelope import Envelope, RecordedEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.commands.processor import Rejected
+from llmgw.events.schema import access as A
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import Envelope, RecordedEvent
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.access.rules import AccessState, decide, new_key_id
 from llmgw.services.tenancy import tree as tenancy
 

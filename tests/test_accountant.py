@@ -23,16 +23,16 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from llmgw.cli.runtime import ServerConfig, serve
-from llmgw.events import subjects as S
-from llmgw.events import tenancy as T
-from llmgw.events.commands import CommandClient
-from llmgw.events.envelope import Envelope, RecordedEvent, utc_now
-from llmgw.events.registry import EventRegistry
-from llmgw.events.store import EventStore
-from llmgw.events.usage import UsageRecord, usage_subject
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import Envelope, RecordedEvent, utc_now
+from llmgw.events.schema.registry import EventRegistry
+from llmgw.events.schema.usage import UsageRecord, usage_subject
+from llmgw.projections.apply import apply_events, create_tables, read_checkpoint
 from llmgw.projections.backends import Backend, open_backend
 from llmgw.projections.base import Tx
-from llmgw.projections.fold import apply_events, create_tables, read_checkpoint
 from llmgw.projections.metrics import ProjectionMetrics
 from llmgw.projections.rebuild import rebuild, verify
 from llmgw.projections.runner import ProjectionRunner

@@ -13,7 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from llmgw.cli.runtime import ServerConfig, serve
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
 from llmgw.services.api.exposure import exposure_refusal, is_loopback
 from tests.fleet import Fleet
 from tests.support import NatsServer, free_port

@@ -8,8 +8,8 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.events import models as M
-from llmgw.events import nodes as N
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
 from llmgw.services.scheduler import autoscale as AS
 from llmgw.services.scheduler.reconcile import Config
 from llmgw.services.scheduler.state import ClusterState

@@ -17,11 +17,11 @@ import aiohttp
 import msgspec
 import pytest
 
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import scheduler as SCH
-from llmgw.events import subjects as S
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import scheduler as SCH
+from llmgw.events.schema import subjects as S
 from tests.fleet import FAST, Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import NatsServer, wait_until

@@ -22,12 +22,12 @@ from prometheus_client import CollectorRegistry
 
 from llmgw.cli.main import main as cli_main
 from llmgw.cli.runtime import projections
-from llmgw.events import backup as B
-from llmgw.events import nats_permissions as NP
-from llmgw.events.catalog import default_registry
-from llmgw.events.secrets import engine_key_secret, signing_secret
-from llmgw.events.store import EventStore
-from llmgw.events.usage import UsageRecord
+from llmgw.events.runtime.secrets import engine_key_secret, signing_secret
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.usage import UsageRecord
+from llmgw.infra import backup as B
+from llmgw.infra import nats_permissions as NP
 from llmgw.projections.backends import open_backend
 from llmgw.projections.rebuild import rebuild
 from llmgw.services.backup.service import BackupService, due_in, newest

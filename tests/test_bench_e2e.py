@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.events import models as M
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import models as M
 from llmgw.services.scheduler import autoscale as AS
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf

@@ -10,9 +10,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from llmgw.events import access as A
-from llmgw.events.store import EventStore
-from llmgw.events.usage import UsageRecord
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import access as A
+from llmgw.events.schema.usage import UsageRecord
 from llmgw.services.router.budgets import BudgetBook
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf

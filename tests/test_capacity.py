@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.bench import capacity as C
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events.commands import Rejected
+from llmgw.events.commands.processor import Rejected
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
 from llmgw.services.catalog.rules import Catalog, CatalogEntry, decide
 from llmgw.services.scheduler import autoscale as AS
 from llmgw.services.scheduler.headroom import headroom

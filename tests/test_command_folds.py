@@ -1,4 +1,4 @@
-"""The command services and the jobs' waits read the log through supervised live folds.
+"""The command services and the jobs' waits read the log through supervised followers.
 
 Each test breaks one thing a command service lives through — its fold's consumer deleted, an event
 its fold raises on, a fold that cannot advance — and checks what a person sending commands would
@@ -16,15 +16,17 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from llmgw.events import access as A
-from llmgw.events import subjects as S
-from llmgw.events import tenancy as T
-from llmgw.events.commands import CommandClient, CommandCompleted, CommandProcessor, CommandRejectedError
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.follow import LogFollower
-from llmgw.events.live_fold import FoldRegistry
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.tenancy_fold import TenancyTree
+from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.commands.processor import CommandProcessor
+from llmgw.events.folds.tenancy import TenancyTree
+from llmgw.events.runtime.follower import FollowerRegistry
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.runtime.waiter import EventWaiter
+from llmgw.events.schema import access as A
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.outcomes import CommandCompleted
 from llmgw.services.access.service import AccessService
 from llmgw.services.tenancy.service import TenancyService
 from tests.fleet import Fleet
@@ -66,11 +68,11 @@ async def create_key(store: EventStore, project: str) -> CommandCompleted:
     return await CommandClient.for_service(store, "tests").send(A.SERVICE, "key.create", key, actor="user:a")
 
 
-def states(folds: FoldRegistry) -> dict[str, str]:
+def states(folds: FollowerRegistry) -> dict[str, str]:
     return {h.name: h.state for h in folds.health()}
 
 
-def all_live(folds: FoldRegistry) -> bool:
+def all_live(folds: FollowerRegistry) -> bool:
     return all(state == "live" for state in states(folds).values())
 
 
@@ -113,7 +115,7 @@ async def test_a_server_s_command_services_name_their_folds_live_on_its_healthz(
 async def test_a_command_after_its_fold_s_consumer_was_deleted_is_decided_on_the_log_as_it_is(
     store: EventStore,
 ) -> None:
-    folds = FoldRegistry()
+    folds = FollowerRegistry()
     tenancy, access = TenancyService(store, folds=folds), AccessService(store, folds=folds)
     async with serving(tenancy, access):
         await create(store, "org", "acme")
@@ -144,7 +146,7 @@ async def test_an_event_a_command_service_cannot_fold_is_quarantined_and_later_c
         apply(self, e)
 
     monkeypatch.setattr(TenancyTree, "apply", buggy_apply)
-    folds = FoldRegistry()
+    folds = FollowerRegistry()
     tenancy = TenancyService(store, folds=folds)
     async with serving(tenancy):
         poison = T.OrgCreated(org_id="o-poison", name="poison")
@@ -162,7 +164,7 @@ async def test_an_event_a_command_service_cannot_fold_is_quarantined_and_later_c
 async def test_a_command_whose_fold_cannot_catch_up_is_refused_naming_the_fold_and_then_decided(
     store: EventStore,
 ) -> None:
-    folds = FoldRegistry()
+    folds = FollowerRegistry()
     tenancy = TenancyService(store, folds=folds)
     tenancy.fold.wait_s = 0.5  # how long a command waits for the fold: it cannot advance here at all
     gate = asyncio.Event()
@@ -197,8 +199,8 @@ async def test_a_command_whose_fold_cannot_catch_up_is_refused_naming_the_fold_a
 async def test_a_follower_keeps_delivering_after_its_consumer_is_deleted(store: EventStore) -> None:
     subject = S.event_subject(T.AGGREGATE, "follow")
     first = await store.append(subject, [NewEvent(payload=T.OrgCreated(org_id="o1", name="a"), actor="user:t")])
-    folds = FoldRegistry()
-    async with LogFollower(store, {subject: 0}, registry=folds, name="waiter") as follower:
+    folds = FollowerRegistry()
+    async with EventWaiter(store, {subject: 0}, registry=folds, name="waiter") as follower:
         got = await follower.next(30)
         assert got is not None and got.seq == first.last_seq
         await wait_until(lambda: all_live(folds), what="the follower's fold live")

@@ -1,4 +1,4 @@
-"""The one command-handling shell (events/command_shell.py), with a real nats-server and real services.
+"""The one command-handling shell (events/commands/shell.py), with a real nats-server and real services.
 
 A rival writer appends to the same aggregate between a decision and its append, the way a second
 service instance would; a redelivery is a command published again after its events were written.
@@ -14,17 +14,19 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from llmgw.events import jobs as J
-from llmgw.events import mirror as MI
-from llmgw.events import nodes as N
-from llmgw.events import subjects as S
-from llmgw.events import tenancy as T
-from llmgw.events.command_shell import Decision
-from llmgw.events.commands import Command, CommandClient, CommandProcessor, CommandRejectedError, command_subject
-from llmgw.events.envelope import RecordedEvent, utc_now
-from llmgw.events.ids import new_id
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import EVENTS_ROOT, event_subject
+from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.commands.command import Command, command_subject
+from llmgw.events.commands.processor import CommandProcessor
+from llmgw.events.commands.shell import Decision
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import jobs as J
+from llmgw.events.schema import mirror as MI
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import RecordedEvent, utc_now
+from llmgw.events.schema.ids import new_id
+from llmgw.events.schema.subjects import EVENTS_ROOT, event_subject
 from llmgw.services.fleet.service import FleetService
 from llmgw.services.jobs.service import JobsConfig, JobsService
 from llmgw.services.mirror.service import MirrorConfig, MirrorService

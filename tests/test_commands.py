@@ -8,20 +8,15 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 
-from llmgw.events import subjects as S
-from llmgw.events import tenancy as T
-from llmgw.events.commands import (
-    Command,
-    CommandClient,
-    CommandRejectedError,
-    CommandTimeoutError,
-    command_subject,
-)
-from llmgw.events.envelope import utc_now
-from llmgw.events.ids import new_id
-from llmgw.events.outcomes import REFUSAL_AGGREGATE
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.commands.client import CommandClient, CommandRejectedError, CommandTimeoutError
+from llmgw.events.commands.command import Command, command_subject
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import utc_now
+from llmgw.events.schema.ids import new_id
+from llmgw.events.schema.outcomes import REFUSAL_AGGREGATE
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.tenancy.service import TenancyService
 from tests.support import signed, wait_until
 

@@ -12,12 +12,12 @@ from types import ModuleType
 import asyncpg
 import pytest
 
-from llmgw.events import tenancy as T
-from llmgw.events.commands import CommandClient
-from llmgw.events.envelope import utc_now
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import event_subject
-from llmgw.events.usage import UsageRecord
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import utc_now
+from llmgw.events.schema.subjects import event_subject
+from llmgw.events.schema.usage import UsageRecord
 from tests.support import NatsServer, Postgres, wait_until
 from tests.test_accountant import publish, running
 from tests.test_fleet_metrics import published_series

@@ -6,7 +6,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from llmgw.events.catalog import render_markdown
+from llmgw.events.schema.catalog import render_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 

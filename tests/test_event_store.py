@@ -6,14 +6,15 @@ import asyncio
 
 import pytest
 
-from llmgw.events import reader
-from llmgw.events import subjects as S
-from llmgw.events.catalog import default_registry
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.follow import LogFollower
-from llmgw.events.store import AppendConflict, EventStore, NewEvent, Quarantined
-from llmgw.events.subjects import event_subject
-from llmgw.events.tenancy import OrgCreated, OrgRenamed
+from llmgw.events.runtime import reader
+from llmgw.events.runtime.connection import Quarantined
+from llmgw.events.runtime.store import AppendConflict, EventStore, NewEvent
+from llmgw.events.runtime.waiter import EventWaiter
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import event_subject
+from llmgw.events.schema.tenancy import OrgCreated, OrgRenamed
 from tests.support import NatsServer, wait_until
 
 pytestmark = pytest.mark.asyncio
@@ -117,7 +118,7 @@ async def test_a_poison_message_is_quarantined_and_reading_goes_on(store: EventS
     assert info.state.messages == 1
 
 
-# -- following with a deadline (events/follow.py) ------------------------------------------------
+# -- following with a deadline (events/runtime/waiter.py) ------------------------------------------------
 
 
 async def test_a_follower_hears_each_subject_from_its_position_and_new_events_as_they_are_written(
@@ -127,7 +128,7 @@ async def test_a_follower_hears_each_subject_from_its_position_and_new_events_as
     a, b = event_subject("tenancy", "fa"), event_subject("tenancy", "fb")
     first = await store.append(a, [org(1)])
     await store.append(b, [org(2)])
-    async with LogFollower(store, {a: first.last_seq, b: 0}) as follower:
+    async with EventWaiter(store, {a: first.last_seq, b: 0}) as follower:
         got = await follower.next(10)
         assert got is not None and got.payload.org_id == "o2", "a's event at its position is not repeated"
         assert await follower.next(0.05) is None, "nothing more was written: the wait ends empty-handed"
@@ -146,7 +147,7 @@ async def test_a_follower_whose_consumer_vanishes_reads_on_from_where_it_was(
     monkeypatch.setattr(reader, "SILENCE_S", 0.6)
     subject = event_subject("tenancy", "fc")
     await store.append(subject, [org(1)])
-    async with LogFollower(store, {subject: 0}) as follower:
+    async with EventWaiter(store, {subject: 0}) as follower:
         first = await follower.next(10)
         assert first is not None and first.payload.org_id == "o1"
         consumers = await wait_until(lambda: store.js.consumers_info(store.stream), what="the follower's consumer")
@@ -169,7 +170,7 @@ async def test_a_follower_reads_on_after_the_nats_server_restarts(
         await store.ensure_streams()
         subject = event_subject("tenancy", "fr")
         await store.append(subject, [org(1)])
-        async with LogFollower(store, {subject: 0}) as follower:
+        async with EventWaiter(store, {subject: 0}) as follower:
             assert (await follower.next(10)) is not None
             nats.stop()  # its reader consumers lived in memory: the restarted server has none
             nats.start()

@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.events.catalog import all_event_types, default_registry
-from llmgw.events.codec import EventDecodeError, decode_event, encode_envelope
-from llmgw.events.envelope import Envelope, UnknownPayload, is_valid_actor, sanitize_actor
-from llmgw.events.ids import id_time_ms, new_id
-from llmgw.events.registry import EventRegistry, EventType
-from llmgw.events.replicas import ReplicaFailed
-from llmgw.events.subjects import aggregate_of, decode_token, encode_token, event_subject
-from llmgw.events.tenancy import OrgCreated, TeamCreated
+from llmgw.events.schema.catalog import all_event_types, default_registry
+from llmgw.events.schema.codec import EventDecodeError, decode_event, encode_envelope
+from llmgw.events.schema.envelope import Envelope, UnknownPayload, is_valid_actor, sanitize_actor
+from llmgw.events.schema.ids import id_time_ms, new_id
+from llmgw.events.schema.registry import EventRegistry, EventType
+from llmgw.events.schema.replicas import ReplicaFailed
+from llmgw.events.schema.subjects import aggregate_of, decode_token, encode_token, event_subject
+from llmgw.events.schema.tenancy import OrgCreated, TeamCreated
 
 NATS_FORBIDDEN = set(".*> \t\r\n")
 
@@ -168,7 +168,7 @@ def test_actors_are_sanitised_never_free_text(kind: str, name: str, expected: st
 
 def test_a_tail_line_keeps_its_columns_whatever_the_length_of_an_aggregate_or_actor() -> None:
     from llmgw.cli.events_cmd import one_line
-    from llmgw.events.envelope import RecordedEvent
+    from llmgw.events.schema.envelope import RecordedEvent
 
     def line(actor: str, aggregate_id: str) -> str:
         env = Envelope(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
 from tests.fleet import Fleet
 from tests.support import NatsServer, free_port
 

@@ -18,10 +18,10 @@ import nats.js.errors
 import pytest
 from aiohttp import web
 
-from llmgw.events import models as M
-from llmgw.events.commands import CommandRejectedError
-from llmgw.events.store import EventStore
-from llmgw.events.usage import UsageRecord
+from llmgw.events.commands.client import CommandRejectedError
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import models as M
+from llmgw.events.schema.usage import UsageRecord
 from llmgw.services.catalog.rules import Catalog, decide
 from llmgw.services.router import external as X
 from llmgw.services.router.state import ModelInfo
@@ -402,7 +402,7 @@ def test_an_external_model_runs_nothing_so_the_catalog_refuses_a_source_or_profi
 def test_the_scheduler_holds_no_external_model() -> None:
     from datetime import UTC, datetime
 
-    from llmgw.events.envelope import Envelope, RecordedEvent
+    from llmgw.events.schema.envelope import Envelope, RecordedEvent
     from llmgw.services.scheduler.state import ClusterState
 
     spec = M.ModelSpec(name="ext", external=[M.ExternalProvider(url="https://x/v1", key_env=["K"])])

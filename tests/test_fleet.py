@@ -12,11 +12,11 @@ import aiohttp
 import msgspec
 import pytest
 
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events.commands import CommandRejectedError
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import event_subject
+from llmgw.events.commands.client import CommandRejectedError
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.scheduler.service import SchedulerService
 from tests.fleet import FAST, Fleet
 from tests.gguf_tiny import corrupt_gguf, write_tiny_gguf
@@ -202,8 +202,8 @@ async def test_a_standby_scheduler_takes_over_and_nothing_is_placed_twice(
 
 
 async def test_a_stale_leader_s_decisions_are_refused(store: EventStore, nats: NatsServer, tmp_path: Path) -> None:
-    from llmgw.events.store import AppendConflict, NewEvent
-    from llmgw.events.subjects import event_subject
+    from llmgw.events.runtime.store import AppendConflict, NewEvent
+    from llmgw.events.schema.subjects import event_subject
 
     old = SchedulerService(store, config=FAST, instance="old")
     await old._become_leader(1)
@@ -251,7 +251,7 @@ async def test_headroom_says_how_many_more_fit_through_the_api_and_the_cli(fleet
 async def test_a_model_added_without_memory_reserves_what_its_gguf_is_sized_to_and_says_so(
     fleet: Fleet, tiny: Path
 ) -> None:
-    from llmgw.events import jobs as J
+    from llmgw.events.schema import jobs as J
     from llmgw.modelfiles.gguf_header import read_header_file
     from llmgw.modelfiles.sizing import estimate_memory
 

@@ -12,10 +12,10 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events.metrics import StoreMetrics
-from llmgw.events.pki import CertificateExpiry
+from llmgw.events.runtime.metrics import StoreMetrics
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.infra.pki import CertificateExpiry
 from llmgw.projections.metrics import ProjectionMetrics
 from llmgw.services.backup.service import BackupMetrics
 from llmgw.services.router.metrics import PoolSaturation, QueueDepth, RouterMetrics, pool_loads

@@ -20,12 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.events import access as A
-from llmgw.events import models as M
-from llmgw.events import tenancy as T
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import event_subject
-from llmgw.events.usage import UsageRecord
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import access as A
+from llmgw.events.schema import models as M
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.subjects import event_subject
+from llmgw.events.schema.usage import UsageRecord
 from llmgw.services.router.app import RouterConfig
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf

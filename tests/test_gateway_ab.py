@@ -13,7 +13,7 @@ from tests.bench.gateway_ab import ROOT, cells_of, export, ratios
 
 def test_an_exported_revision_imports_from_its_own_tree(tmp_path: Path) -> None:
     tree = export("HEAD", tmp_path / "head")
-    code = "import llmgw.events.store as m, tests.bench.gateway as g; print(m.__file__, g.__file__)"
+    code = "import llmgw.events.runtime.store as m, tests.bench.gateway as g; print(m.__file__, g.__file__)"
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tree / "src",

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from llmgw.agent.engines.commands import prompt_cache_mib, with_prompt_cache_bound
 from llmgw.agent.engines.xllama_server import ServerArgs, build_params
-from llmgw.events.store import EventStore
-from llmgw.events.usage import UsageRecord
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.usage import UsageRecord
 from llmgw.services.router.app import RouterConfig, engine_refusal
 from llmgw.services.router.validation import json_depth
 from tests.fleet import Fleet

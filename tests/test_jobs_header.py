@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from llmgw.cli.runtime import ServerConfig, serve
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
 from llmgw.services.jobs.rules import StepFailed
 from llmgw.services.jobs.service import JobsConfig, JobsService
 from tests.gguf_tiny import write_tiny_gguf

@@ -2,7 +2,7 @@
 
 The access service (which decides), the routers (which enforce), the tenancy service (which keeps a
 project with live keys from being deleted) and the ``access`` projection (what `ctl key list` and
-the API show) each folded the access events their own way. Now they call ``events/key_fold.py``,
+the API show) each folded the access events their own way. Now they call ``events/folds/keys.py``,
 and a property test holds the SQL projection's rows, the access service's state and the router's
 state to one another over generated event sequences.
 """
@@ -19,14 +19,14 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.events import access as A
-from llmgw.events import key_fold as K
-from llmgw.events.catalog import default_registry
-from llmgw.events.envelope import Envelope, RecordedEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.folds import keys as K
+from llmgw.events.schema import access as A
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.envelope import Envelope, RecordedEvent
+from llmgw.events.schema.subjects import event_subject
 from llmgw.projections.access import AccessProjection
+from llmgw.projections.apply import commit_batch, create_tables
 from llmgw.projections.backends import open_backend
-from llmgw.projections.fold import commit_batch, create_tables
 from llmgw.services.access.rules import AccessState
 from llmgw.services.router.state import RouterState
 from llmgw.services.tenancy.tree import TenancyTree

@@ -11,11 +11,12 @@ import structlog
 from structlog.testing import LogCapture
 
 from llmgw.cli import logs
-from llmgw.events import log_context
-from llmgw.events import tenancy as T
-from llmgw.events.command_shell import Decision
-from llmgw.events.commands import Command, CommandClient
-from llmgw.events.store import EventStore
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.commands.command import Command
+from llmgw.events.commands.shell import Decision
+from llmgw.events.runtime import log_context
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import tenancy as T
 from llmgw.services.tenancy.service import TenancyService
 from tests.test_command_shell import running
 

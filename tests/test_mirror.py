@@ -23,13 +23,13 @@ from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, Revi
 
 from llmgw.cli.progress import Downloads
 from llmgw.cli.runtime import ServerConfig, serve
-from llmgw.events import mirror as E
-from llmgw.events.commands import CommandClient, CommandRejectedError
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.outcomes import CommandCompleted
-from llmgw.events.secrets import engine_key_secret, mirror_token
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import event_subject
+from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.runtime.secrets import engine_key_secret, mirror_token
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import mirror as E
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.outcomes import CommandCompleted
+from llmgw.events.schema.subjects import event_subject
 from llmgw.modelfiles.outbound import OutboundResolver
 from llmgw.services.mirror.download import DiskGuard
 from llmgw.services.mirror.rules import should_report

@@ -13,10 +13,10 @@ import pytest
 from aiohttp import web
 
 from llmgw.agent.weights.cache import WeightsCache, WeightsError
-from llmgw.events import mirror as E
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import event_subject
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import mirror as E
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import event_subject
 from tests.fakehub import FakeHub
 from tests.support import free_port, wait_until
 from tests.test_mirror import REPO, Rig, blob, files_under

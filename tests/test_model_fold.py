@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmgw.events import models as M
+from llmgw.events.schema import models as M
 
 
 def spec(name: str = "m", lo: int = 1, hi: int | None = None) -> M.ModelSpec:

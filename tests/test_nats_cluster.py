@@ -19,16 +19,17 @@ import pytest
 import structlog
 
 from llmgw.cli.runtime import ServerConfig, serve
-from llmgw.events import subjects as S
-from llmgw.events import tenancy as T
-from llmgw.events.catalog import default_registry
-from llmgw.events.commands import CommandClient, CommandError
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.retry import backoff_delay, is_transient
-from llmgw.events.secrets import engine_key_secret
-from llmgw.events.store import STREAMS, EventStore, NewEvent, StoreError
-from llmgw.events.subjects import event_subject
-from llmgw.events.tenancy import OrgCreated
+from llmgw.events.commands.client import CommandClient, CommandError
+from llmgw.events.runtime.connection import StoreError
+from llmgw.events.runtime.retry import backoff_delay, is_transient
+from llmgw.events.runtime.secrets import engine_key_secret
+from llmgw.events.runtime.store import STREAMS, EventStore, NewEvent
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import event_subject
+from llmgw.events.schema.tenancy import OrgCreated
 from llmgw.projections.usage import decode_usage
 from llmgw.services.router.app import RouterConfig
 from tests.cluster import NatsCluster, nats_cluster

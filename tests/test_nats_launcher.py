@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.cli.natsd import embedded_config
-from llmgw.events.natsd import ClusterConfig, NatsConfig, NatsProcess, NatsStartError, free_port, render_config
+from llmgw.infra.natsd import ClusterConfig, NatsConfig, NatsProcess, NatsStartError, free_port, render_config
 
 
 def test_a_server_flushes_before_acknowledging_unless_told_otherwise() -> None:

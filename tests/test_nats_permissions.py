@@ -32,18 +32,18 @@ from llmgw.cli.natsd import (
     users_dir,
 )
 from llmgw.cli.runtime import ALL_SERVICES, ServerConfig, serve
-from llmgw.events import access as A
-from llmgw.events import models as M
-from llmgw.events import nats_permissions as NP
-from llmgw.events import replicas as R
-from llmgw.events import subjects as S
-from llmgw.events import tenancy as T
-from llmgw.events.catalog import default_registry
-from llmgw.events.models import Profile
-from llmgw.events.nats_permissions import NatsCredential
-from llmgw.events.natsd import NatsConfig, NatsProcess, free_port, render_authorization, render_config
-from llmgw.events.secrets import CONTROL_BUCKET, SIGNING_SECRET, engine_key_secret, signing_secret
-from llmgw.events.store import EventStore, NewEvent, StoreError
+from llmgw.events.runtime.connection import NatsCredential, StoreError
+from llmgw.events.runtime.secrets import CONTROL_BUCKET, SIGNING_SECRET, engine_key_secret, signing_secret
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import access as A
+from llmgw.events.schema import models as M
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.models import Profile
+from llmgw.infra import nats_permissions as NP
+from llmgw.infra.natsd import NatsConfig, NatsProcess, free_port, render_authorization, render_config
 from llmgw.services.router.app import RouterConfig
 from tests.support import wait_until
 from tests.up import Up, wait_for

@@ -4,7 +4,7 @@ The fleet service (which decides `ctl cordon|uncordon|drain`), the scheduler (wh
 drains) and the ``fleet`` projection (what `ctl nodes` shows) each folded node events their own
 way. They drifted: draining a node cordoned "for a disk swap" made `ctl nodes` say it was cordoned
 for "draining", while the scheduler kept the person's reason and said so when it could not place.
-Now they call ``events/node_fold.py``, and a property test holds them to one another.
+Now they call ``events/folds/nodes.py``, and a property test holds them to one another.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from llmgw.events import node_fold as NF
-from llmgw.events import nodes as N
-from llmgw.events.catalog import default_registry
-from llmgw.events.commands import Rejected
-from llmgw.events.envelope import Envelope, RecordedEvent
-from llmgw.events.store import NewEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.commands.processor import Rejected
+from llmgw.events.folds import nodes as NF
+from llmgw.events.runtime.store import NewEvent
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.envelope import Envelope, RecordedEvent
+from llmgw.events.schema.subjects import event_subject
+from llmgw.projections.apply import commit_batch, create_tables
 from llmgw.projections.backends import open_backend
 from llmgw.projections.fleet import FleetProjection
-from llmgw.projections.fold import commit_batch, create_tables
 from llmgw.services.fleet.service import decide
 from llmgw.services.scheduler.state import ClusterState
 from tests.fleet import Fleet

@@ -20,10 +20,10 @@ import pytest
 from aiohttp.abc import AbstractResolver, ResolveResult
 
 from llmgw.cli.main import server, up
-from llmgw.events import mirror as E
-from llmgw.events import outcomes as O
-from llmgw.events.commands import CommandRejectedError
-from llmgw.events.store import EventStore
+from llmgw.events.commands.client import CommandRejectedError
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import mirror as E
+from llmgw.events.schema import outcomes as O
 from llmgw.modelfiles.outbound import (
     ALLOW_HINT,
     DestinationRefused,

@@ -16,13 +16,14 @@ import aiohttp
 import msgspec
 import pytest
 
-from llmgw.events import people as P
-from llmgw.events.command_auth import TokenSigner
-from llmgw.events.commands import CommandClient, CommandRejectedError, Rejected
-from llmgw.events.envelope import Envelope, RecordedEvent
-from llmgw.events.people_fold import People
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import event_subject
+from llmgw.events.commands.auth import TokenSigner
+from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.commands.processor import Rejected
+from llmgw.events.folds.people import People
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import people as P
+from llmgw.events.schema.envelope import Envelope, RecordedEvent
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.api.signin import identify
 from llmgw.services.people import rules
 from llmgw.services.people.bootstrap import PASSWORD_FILE, TOKEN_FILE, ensure_admin
@@ -385,15 +386,15 @@ async def test_every_admin_endpoint_but_the_login_refuses_a_call_without_a_valid
 def test_a_role_covers_its_scope_and_what_is_under_it_and_includes_lower_roles(
     bindings: list[tuple[str, str]], need: str, chain: list[str], allowed: bool
 ) -> None:
-    from llmgw.events import roles as R
+    from llmgw.events.commands import roles as R
 
     assert R.allows(bindings, need, chain) is allowed
 
 
 def test_a_role_is_granted_over_a_scope_by_path_and_kept_by_id() -> None:
-    from llmgw.events import tenancy as T
-    from llmgw.events.subjects import event_subject as subject
-    from llmgw.events.tenancy_fold import TenancyTree
+    from llmgw.events.folds.tenancy import TenancyTree
+    from llmgw.events.schema import tenancy as T
+    from llmgw.events.schema.subjects import event_subject as subject
 
     tree = TenancyTree()
     for seq, p in enumerate(
@@ -415,7 +416,7 @@ def test_a_role_is_granted_over_a_scope_by_path_and_kept_by_id() -> None:
 
 @pytest.fixture
 async def tenants(store: EventStore, nats: NatsServer, tmp_path: Path) -> AsyncIterator[Fleet]:
-    from llmgw.events import tenancy as T
+    from llmgw.events.schema import tenancy as T
 
     f = await Fleet(store, nats.url, tmp_path).start(services=("tenancy", "people", "projections", "api"))
     for kind, path in (("org", "acme"), ("team", "acme/ml"), ("project", "acme/ml/chat"), ("project", "acme/ml/rag")):

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.events import models as M
-from llmgw.events import nodes as N
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
 from llmgw.services.scheduler.placement import (
     WEIGHTS,
     Candidate,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.events import models as M
+from llmgw.events.schema import models as M
 from llmgw.services.scheduler import preemption as PRE
 from llmgw.services.scheduler.explain import explain
 from llmgw.services.scheduler.headroom import headroom

@@ -12,10 +12,10 @@ import aiohttp
 import msgspec
 import pytest
 
-from llmgw.events import models as M
-from llmgw.events import quotas as Q
-from llmgw.events import tenancy as T
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import models as M
+from llmgw.events.schema import quotas as Q
+from llmgw.events.schema import tenancy as T
 from tests.fleet import FAST, Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import NatsServer, wait_until

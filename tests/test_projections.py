@@ -16,17 +16,15 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
-from llmgw.events import subjects as S
-from llmgw.events.catalog import all_event_types
-from llmgw.events.codec import encode_envelope
-from llmgw.events.envelope import Envelope, RecordedEvent, utc_now
-from llmgw.events.ids import new_id
-from llmgw.events.registry import EventRegistry, EventType
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.tenancy import OrgCreated
-from llmgw.projections.backends import Backend, Transaction, open_backend
-from llmgw.projections.base import Projection, Tx
-from llmgw.projections.fold import (
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema.catalog import all_event_types
+from llmgw.events.schema.codec import encode_envelope
+from llmgw.events.schema.envelope import Envelope, RecordedEvent, utc_now
+from llmgw.events.schema.ids import new_id
+from llmgw.events.schema.registry import EventRegistry, EventType
+from llmgw.events.schema.tenancy import OrgCreated
+from llmgw.projections.apply import (
     claim_checkpoint,
     commit_batch,
     create_tables,
@@ -34,6 +32,8 @@ from llmgw.projections.fold import (
     read_checkpoint,
     set_checkpoint,
 )
+from llmgw.projections.backends import Backend, Transaction, open_backend
+from llmgw.projections.base import Projection, Tx
 from llmgw.projections.metrics import ProjectionMetrics
 from llmgw.projections.rebuild import rebuild, verify
 from llmgw.projections.runner import ProjectionFailed, ProjectionRunner

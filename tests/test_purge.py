@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from llmgw.cli.fleet_cmd import purge_line
-from llmgw.events import mirror as E
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import mirror as E
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.mirror.purge import CatalogView, fold_catalog, plan_purge
 from tests.fakehub import FakeHub
 from tests.fleet import Fleet
@@ -76,7 +76,7 @@ def test_a_model_with_a_local_source_has_nothing_to_purge() -> None:
 def _recorded(seq: int, payload: object, event_id: str = "e") -> RecordedEvent:
     from datetime import UTC, datetime
 
-    from llmgw.events.envelope import Envelope
+    from llmgw.events.schema.envelope import Envelope
 
     env = Envelope(id=f"{event_id}{seq}", type="x", at=datetime.now(UTC), actor="svc:test")
     return RecordedEvent(envelope=env, payload=payload, subject="llmgw.evt.model.tiny", seq=seq)  # type: ignore[arg-type]

@@ -16,13 +16,13 @@ import pytest
 from click.testing import CliRunner, Result
 
 from llmgw.cli.main import main
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import scheduler as SCH
-from llmgw.events import subjects as S
-from llmgw.events import tenancy as T
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import event_subject
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import scheduler as SCH
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.scheduler.reconcile import Config
 from tests.fleet import Fleet
 from tests.support import NatsServer, wait_until
@@ -149,8 +149,8 @@ async def _four(fleet: Fleet) -> bool:
 async def _person(store: EventStore, name: str, role: str, scope: str) -> str:
     """A person with ``role`` over ``scope`` and a personal token, written as the people service writes
     them; the token, which the CLI signs with."""
-    from llmgw.events import people as P
-    from llmgw.events.store import NewEvent
+    from llmgw.events.runtime.store import NewEvent
+    from llmgw.events.schema import people as P
 
     token, issue = P.issue(name, "personal", label="tests")
     payloads = [

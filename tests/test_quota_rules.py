@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.events import models as M
-from llmgw.events import quotas as Q
-from llmgw.events import tenancy as T
-from llmgw.events.commands import Rejected
+from llmgw.events.commands.processor import Rejected
+from llmgw.events.schema import models as M
+from llmgw.events.schema import quotas as Q
+from llmgw.events.schema import tenancy as T
 from llmgw.services.scheduler import quota as QU
 from llmgw.services.scheduler.headroom import headroom
 from llmgw.services.scheduler.reconcile import Blocked, Config, Place
@@ -123,7 +123,7 @@ def test_holdings_sum_down_the_tree_from_each_models_owner() -> None:
 
 
 def test_a_stopped_replica_holds_nothing_and_a_draining_one_still_does() -> None:
-    from llmgw.events import replicas as R
+    from llmgw.events.schema import replicas as R
     from tests.scheduler_world import on_replica, stopped
 
     w = World().add(
@@ -421,7 +421,7 @@ def test_the_snapshot_keeps_the_tree_and_the_quotas() -> None:
 
 
 def _catalog(declared: bool = False) -> object:
-    from llmgw.events.envelope import Envelope, RecordedEvent, utc_now
+    from llmgw.events.schema.envelope import Envelope, RecordedEvent, utc_now
     from llmgw.services.catalog.rules import Catalog
 
     catalog = Catalog()
@@ -527,7 +527,7 @@ def test_the_capacity_at_limit_alert_reads_the_series_the_scheduler_publishes() 
 
 
 def test_a_restart_at_its_owners_limit_stops_the_old_replica_first_instead_of_surging_past_it() -> None:
-    from llmgw.events import replicas as R
+    from llmgw.events.schema import replicas as R
     from tests.scheduler_world import on_replica
 
     w = World().add(

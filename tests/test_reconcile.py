@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 import msgspec
 import pytest
 
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import replicas as R
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import replicas as R
 from llmgw.services.scheduler.reconcile import Blocked, Config, Place, Stop, Waiting, backoff_s
 from tests.scheduler_world import (
     CFG,

@@ -12,13 +12,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from llmgw.events import access as A
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import quotas as Q
-from llmgw.events import tenancy as T
-from llmgw.events.envelope import utc_now
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import access as A
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import quotas as Q
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import utc_now
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import NatsServer, wait_until

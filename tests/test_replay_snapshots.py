@@ -20,8 +20,8 @@ from structlog.testing import capture_logs
 
 from llmgw.bench.coldstart import realistic_log
 from llmgw.cli.main import main
-from llmgw.events.snapshots import SnapshotStore
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.snapshots import SnapshotStore
+from llmgw.events.runtime.store import EventStore
 from llmgw.projections.backends import open_backend
 from llmgw.projections.replay import replay_into, stamp_of
 from llmgw.projections.replay_fold import TailFold

@@ -4,7 +4,7 @@ The scheduler, the routers, the agents and the ``fleet`` projection (what `ctl m
 `ctl replicas` read) all follow replicas. They once folded them each their own way and drifted: a
 replica of an older definition becoming ready reset the failure count in `ctl models` while the
 scheduler, rightly, kept counting towards parking. Now they call the folds of
-``events/replica_fold.py``, and a property test holds the SQL projection's rows, the scheduler's
+``events/folds/replicas.py``, and a property test holds the SQL projection's rows, the scheduler's
 state and the router's state to one another over generated event sequences.
 """
 
@@ -21,16 +21,16 @@ import msgspec
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from llmgw.events import models as M
-from llmgw.events import replica_fold as F
-from llmgw.events import replicas as R
-from llmgw.events.catalog import default_registry
-from llmgw.events.envelope import Envelope, RecordedEvent
-from llmgw.events.store import NewEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.folds import replicas as F
+from llmgw.events.runtime.store import NewEvent
+from llmgw.events.schema import models as M
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.envelope import Envelope, RecordedEvent
+from llmgw.events.schema.subjects import event_subject
+from llmgw.projections.apply import commit_batch, create_tables
 from llmgw.projections.backends import open_backend
 from llmgw.projections.fleet import FleetProjection
-from llmgw.projections.fold import commit_batch, create_tables
 from llmgw.services.router.state import RouterState
 from llmgw.services.scheduler.state import ClusterState
 from tests.fleet import Fleet

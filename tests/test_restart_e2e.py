@@ -11,10 +11,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from llmgw.events import models as M
-from llmgw.events import replicas as R
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import models as M
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema.subjects import event_subject
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import NatsServer, wait_until

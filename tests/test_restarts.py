@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.events import models as M
-from llmgw.events import replica_fold as F
-from llmgw.events import replicas as R
-from llmgw.events.outcomes import Rejected
+from llmgw.events.folds import replicas as F
+from llmgw.events.schema import models as M
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.services.fleet.service import decide_restart
 from llmgw.services.scheduler import restarts
 from llmgw.services.scheduler.reconcile import Place, Stop, Waiting

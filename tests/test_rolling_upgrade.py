@@ -14,13 +14,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from llmgw.events.catalog import all_event_types, default_registry
-from llmgw.events.envelope import RecordedEvent, UnknownPayload
-from llmgw.events.live_fold import LiveFold
-from llmgw.events.registry import EventRegistry, EventType
-from llmgw.events.snapshots import SnapshotStore
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.runtime.follower import Follower
+from llmgw.events.runtime.snapshots import SnapshotStore
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema.catalog import all_event_types, default_registry
+from llmgw.events.schema.envelope import RecordedEvent, UnknownPayload
+from llmgw.events.schema.registry import EventRegistry, EventType
+from llmgw.events.schema.subjects import event_subject
 from tests.support import NatsServer
 
 pytestmark = pytest.mark.asyncio
@@ -75,8 +75,8 @@ class Seen:
         self.payloads.append(event.payload)
 
 
-async def fold_all(store: EventStore, name: str, fold: Seen, **kw: Any) -> LiveFold:
-    live = LiveFold(store, "llmgw.evt.test.>", fold, name=name, **kw).start()
+async def fold_all(store: EventStore, name: str, fold: Seen, **kw: Any) -> Follower:
+    live = Follower(store, "llmgw.evt.test.>", fold, name=name, **kw).start()
     assert await live.wait_caught_up(20), f"the {name} fold caught up"
     return live
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.events import models as M
-from llmgw.events import nodes as N
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
 from llmgw.services.router.app import Router, RouterConfig
 from llmgw.services.router.queue import (
     FULL,

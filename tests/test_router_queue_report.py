@@ -11,8 +11,8 @@ import aiohttp
 import msgspec
 import pytest
 
-from llmgw.events import models as M
-from llmgw.events import scheduler as SCH
+from llmgw.events.schema import models as M
+from llmgw.events.schema import scheduler as SCH
 from tests.fleet import Fleet
 from tests.support import wait_until
 from tests.test_gateway import gw, make_key, make_tenant, router_caught_up, tiny  # noqa: F401 (fixtures)

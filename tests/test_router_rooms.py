@@ -18,13 +18,13 @@ import nats.js.errors
 import pytest
 from aiohttp import web
 
-from llmgw.events import access as A
-from llmgw.events import models as M
-from llmgw.events import replicas as R
-from llmgw.events import tenancy as T
-from llmgw.events.secrets import engine_key, engine_key_secret
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.runtime.secrets import engine_key, engine_key_secret
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import access as A
+from llmgw.events.schema import models as M
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.router import admission as adm
 from llmgw.services.router.app import Router, RouterConfig
 from llmgw.services.router.budgets import BUCKET, BudgetExceeded, Entry

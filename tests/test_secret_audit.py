@@ -20,9 +20,9 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from llmgw.events import mirror as E
-from llmgw.events.secrets import engine_key_secret, mirror_token
-from llmgw.events.store import STREAMS, EventStore
+from llmgw.events.runtime.secrets import engine_key_secret, mirror_token
+from llmgw.events.runtime.store import STREAMS, EventStore
+from llmgw.events.schema import mirror as E
 from tests.fakehub import FakeHub
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.events import jobs as J
-from llmgw.events.commands import CommandClient, CommandRejectedError
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import event_subject
+from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import jobs as J
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.jobs.service import JobsConfig, JobsService
 from llmgw.services.mirror.service import MirrorConfig, MirrorService
 from tests.fakehub import FakeHub

@@ -11,18 +11,19 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 
-from llmgw.events import people as P
-from llmgw.events import subjects as S
-from llmgw.events import tenancy as T
-from llmgw.events.command_auth import ServiceSigner, TokenSigner
-from llmgw.events.commands import Command, CommandClient, CommandRejectedError, command_subject
-from llmgw.events.envelope import utc_now
-from llmgw.events.ids import new_id
-from llmgw.events.outcomes import REFUSAL_AGGREGATE
-from llmgw.events.secrets import signing_secret
-from llmgw.events.signing import service_key, sign
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.commands.auth import ServiceSigner, TokenSigner
+from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.commands.command import Command, command_subject
+from llmgw.events.commands.signing import service_key, sign
+from llmgw.events.runtime.secrets import signing_secret
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import people as P
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import utc_now
+from llmgw.events.schema.ids import new_id
+from llmgw.events.schema.outcomes import REFUSAL_AGGREGATE
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.people.service import PeopleService
 from llmgw.services.tenancy.service import TenancyService
 from tests.fleet import LLMGW

@@ -23,14 +23,14 @@ from structlog.testing import capture_logs
 
 from llmgw.bench.coldstart import realistic_log
 from llmgw.cli.main import main
-from llmgw.events import access as A
-from llmgw.events import replicas as R
-from llmgw.events import snapshots as snapshots_module
-from llmgw.events import subjects as S
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.live_fold import LiveFold
-from llmgw.events.snapshots import CODEC, Snapshot, SnapshotStore, Snapshotter, encode_snapshot
-from llmgw.events.store import EventStore, NewEvent
+from llmgw.events.runtime import snapshots as snapshots_module
+from llmgw.events.runtime.follower import Follower
+from llmgw.events.runtime.snapshots import CODEC, Snapshot, SnapshotStore, Snapshotter, encode_snapshot
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import access as A
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.services.router import state as RS
 from llmgw.services.router.app import Router
 from llmgw.services.router.config import RouterConfig
@@ -166,7 +166,7 @@ async def test_the_scheduler_fold_started_from_its_snapshot_reaches_the_state_fo
         if e.subject.split(".")[2] in FOLDED:
             started.apply(e)
 
-    fold = LiveFold(store, f"{S.EVENTS_ROOT}.>", apply, name="scheduler-test", after=restored.position).start()
+    fold = Follower(store, f"{S.EVENTS_ROOT}.>", apply, name="scheduler-test", after=restored.position).start()
     try:
         assert await fold.wait_caught_up(30)
     finally:

@@ -2,7 +2,7 @@
 
 The tenancy service, the access service and the routers (which charge a request to its key's
 project, team and org) all follow the tree; the routers used to keep their own map of parents,
-which never forgot a deleted scope. Now they all fold ``events/tenancy_fold.py``, and a property
+which never forgot a deleted scope. Now they all fold ``events/folds/tenancy.py``, and a property
 test holds the ``tenancy`` projection's rows (what `ctl tree` shows) and the router's scope chain
 to the tree.
 """
@@ -19,13 +19,13 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.events import tenancy as T
-from llmgw.events.catalog import default_registry
-from llmgw.events.envelope import Envelope, RecordedEvent
-from llmgw.events.subjects import event_subject
-from llmgw.events.tenancy_fold import TenancyTree
+from llmgw.events.folds.tenancy import TenancyTree
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.envelope import Envelope, RecordedEvent
+from llmgw.events.schema.subjects import event_subject
+from llmgw.projections.apply import commit_batch, create_tables
 from llmgw.projections.backends import open_backend
-from llmgw.projections.fold import commit_batch, create_tables
 from llmgw.projections.tenancy import TenancyProjection
 from llmgw.services.router.state import KeyInfo, RouterState
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.events import access as A
-from llmgw.events import tenancy as T
-from llmgw.events.commands import Rejected
-from llmgw.events.envelope import Envelope, RecordedEvent, utc_now
+from llmgw.events.commands.processor import Rejected
+from llmgw.events.schema import access as A
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import Envelope, RecordedEvent, utc_now
 from llmgw.services.tenancy.tree import TenancyTree, decide
 
 

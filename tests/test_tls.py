@@ -27,12 +27,13 @@ from llmgw.cli.client import Session, trusted_ca
 from llmgw.cli.context import Target
 from llmgw.cli.main import main
 from llmgw.cli.runtime import ServerConfig, tls_setup
-from llmgw.events import natsd, pki
-from llmgw.events.catalog import default_registry
-from llmgw.events.commands import Unreachable
-from llmgw.events.store import EventStore, NewEvent, StoreError
-from llmgw.events.subjects import event_subject
-from llmgw.events.tenancy import OrgCreated
+from llmgw.events.commands.client import Unreachable
+from llmgw.events.runtime.connection import StoreError
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.subjects import event_subject
+from llmgw.events.schema.tenancy import OrgCreated
+from llmgw.infra import natsd, pki
 from tests.support import NatsServer, free_port, free_ports, wait_until
 from tests.up import wait_for
 

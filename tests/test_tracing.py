@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
 from llmgw.services.router.tracing import Tracing
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf

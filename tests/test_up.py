@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.events.access import hash_api_key, key_prefix
+from llmgw.events.schema.access import hash_api_key, key_prefix
 from tests.support import free_port
 from tests.up import LLMGW, Up
 

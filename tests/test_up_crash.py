@@ -19,12 +19,12 @@ import pytest
 
 from llmgw.agent.supervisor import pid_alive
 from llmgw.cli.natsd import pick_port, port_candidates, port_free
-from llmgw.events import models as M
-from llmgw.events.catalog import default_registry
-from llmgw.events.nats_permissions import NatsCredential
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import event_subject
-from llmgw.events.tenancy import OrgCreated
+from llmgw.events.runtime.connection import NatsCredential
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import models as M
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.subjects import event_subject
+from llmgw.events.schema.tenancy import OrgCreated
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import free_port, wait_until

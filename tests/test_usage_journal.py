@@ -27,9 +27,9 @@ import nats.js.errors
 import pytest
 import structlog
 
-from llmgw.events.catalog import default_registry
-from llmgw.events.store import EventStore
-from llmgw.events.usage import UsageRecord
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.usage import UsageRecord
 from llmgw.projections.backends import open_backend
 from llmgw.projections.usage import UsageProjection
 from llmgw.services.router.app import RouterConfig

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.events import mirror as E
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events.commands import CommandClient
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import event_subject
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import mirror as E
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema.subjects import event_subject
 from tests.fakehub import FakeHub
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from llmgw.cli.natsd import read_credential, users_dir
-from llmgw.events import nats_permissions as NP
-from llmgw.events.nats_permissions import NatsCredential
+from llmgw.events.runtime.connection import NatsCredential
+from llmgw.infra import nats_permissions as NP
 from tests.support import free_ports
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")

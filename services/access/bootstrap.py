@@ -14,11 +14,11 @@ from pathlib import Path
 
 import structlog
 
-from llmgw.events import access as A
-from llmgw.events import tenancy as T
-from llmgw.events.commands import CommandClient, CommandRejectedError
-from llmgw.events.private import write_private
-from llmgw.events.store import EventStore
+from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import access as A
+from llmgw.events.schema import tenancy as T
+from llmgw.infra.private import write_private
 
 log = structlog.get_logger("llmgw.services.access.bootstrap")
 
@@ -41,7 +41,7 @@ async def ensure_demo_key(store: EventStore, data_dir: Path, *, timeout: float =
     """Create the demo org, team, project and key the first time; the key file's path, or None when it existed.
 
     Needs the tenancy and access services running (their commands are sent through the bus).
-    Raises :class:`~llmgw.events.commands.CommandError` when they refuse or do not answer.
+    Raises :class:`~llmgw.events.commands.client.CommandError` when they refuse or do not answer.
     """
     target = data_dir / DEMO_KEY_FILE
     if target.exists():

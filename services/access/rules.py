@@ -23,14 +23,14 @@ from typing import Any
 
 import msgspec
 
-from llmgw.events import access as A
-from llmgw.events import key_fold as K
-from llmgw.events import roles as R
-from llmgw.events import tenancy as T
-from llmgw.events.commands import Rejected
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.subjects import aggregate_of, event_subject
-from llmgw.events.tenancy_fold import TenancyTree
+from llmgw.events.commands import roles as R
+from llmgw.events.commands.processor import Rejected
+from llmgw.events.folds import keys as K
+from llmgw.events.folds.tenancy import TenancyTree
+from llmgw.events.schema import access as A
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import aggregate_of, event_subject
 
 SCOPE_KINDS = ("org", "team", "project", "key")
 SCOPE_FORMS = "org:acme, team:acme/ml, project:acme/ml/chat or key:<key id or prefix>"
@@ -51,7 +51,7 @@ def new_key_id() -> str:
     return KEY_ID_PREFIX + "".join(secrets.choice(_ALPHABET) for _ in range(KEY_ID_LENGTH))
 
 
-# A key as the one fold keeps it (``events/key_fold.py``): the routers and `ctl key list` see the same.
+# A key as the one fold keeps it (``events/folds/keys.py``): the routers and `ctl key list` see the same.
 KeyEntry = K.Key
 
 
@@ -75,7 +75,7 @@ class AccessState:
 
     def __init__(self) -> None:
         self.tree = TenancyTree()
-        # The keys, limits, prices and budgets are the shared fold's (``events/key_fold.py``).
+        # The keys, limits, prices and budgets are the shared fold's (``events/folds/keys.py``).
         self.book = K.AccessBook()
         self.keys: dict[str, KeyEntry] = self.book.keys
         self.limits: dict[str, K.Limit] = self.book.limits

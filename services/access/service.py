@@ -1,6 +1,6 @@
 """The access service: owns keys, limits, prices and budgets, and handles their commands.
 
-Its rules are :mod:`.rules` (pure); :class:`~llmgw.events.command_shell.CommandShell` does the rest:
+Its rules are :mod:`.rules` (pure); :class:`~llmgw.events.commands.shell.CommandShell` does the rest:
 catch the folded state up with the log (the tenancy tree and the ``key``, ``limit``, ``price`` and
 ``budget`` aggregates), decide, append with the aggregate's expected sequence, and on a conflict
 catch up and decide again. A new key is appended fenced on the tenancy tree's sequence, so a key
@@ -11,26 +11,27 @@ from __future__ import annotations
 
 import structlog
 
-from llmgw.events import access as A
-from llmgw.events import tenancy as T
-from llmgw.events.command_shell import CommandShell, Decision, Fence
-from llmgw.events.commands import Command, CommandProcessor
-from llmgw.events.envelope import utc_now
-from llmgw.events.live_fold import FoldRegistry
-from llmgw.events.log_fold import LogFold
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import EVENTS_ROOT, event_subject
+from llmgw.events.commands.command import Command
+from llmgw.events.commands.processor import CommandProcessor
+from llmgw.events.commands.shell import CommandShell, Decision, Fence
+from llmgw.events.runtime.follower import FollowerRegistry
+from llmgw.events.runtime.followers import Followers
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import access as A
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import utc_now
+from llmgw.events.schema.subjects import EVENTS_ROOT, event_subject
 from llmgw.services.access import rules
 
 log = structlog.get_logger("llmgw.services.access")
 
 
 class AccessService:
-    def __init__(self, store: EventStore, *, folds: FoldRegistry | None = None) -> None:
+    def __init__(self, store: EventStore, *, folds: FollowerRegistry | None = None) -> None:
         self.store = store
         self.state = rules.AccessState()
         self.tree_subject = event_subject(T.AGGREGATE, T.TREE_ID)
-        # What the state folds, each subject by a live fold of its own (named as /healthz shows it).
+        # What the state folds, each subject by a follower of its own (named as /healthz shows it).
         subjects = {
             self.tree_subject: "access-tenancy",
             **{
@@ -38,7 +39,7 @@ class AccessService:
                 for aggregate in (A.KEY_AGGREGATE, A.LIMIT_AGGREGATE, A.PRICE_AGGREGATE, A.BUDGET_AGGREGATE)
             },
         }
-        self.fold = LogFold(store, subjects, lambda event: self.state.apply(event), registry=folds)
+        self.fold = Followers(store, subjects, lambda event: self.state.apply(event), registry=folds)
         self.shell = CommandShell(
             store,
             service=A.SERVICE,

@@ -15,9 +15,9 @@ from datetime import datetime
 
 import structlog
 
-from llmgw.events.envelope import utc_now
-from llmgw.events.store import STREAMS
-from llmgw.events.subjects import STREAM_USAGE
+from llmgw.events.runtime.store import STREAMS
+from llmgw.events.schema.envelope import utc_now
+from llmgw.events.schema.subjects import STREAM_USAGE
 from llmgw.projections.backends import Backend
 from llmgw.projections.usage import UsageProjection, minute_of, resolve_scope, retention_cutoff, spend, stamp
 

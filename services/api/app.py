@@ -19,18 +19,18 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from llmgw.events import nodes as N
-from llmgw.events import scheduler as SCH
-from llmgw.events import subjects as S
-from llmgw.events import tenancy as T
-from llmgw.events.envelope import RecordedEvent, utc_now
-from llmgw.events.live_fold import FoldRegistry, health_body
-from llmgw.events.roles import CLUSTER
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import encode_token, event_subject
+from llmgw.events.commands.roles import CLUSTER
+from llmgw.events.runtime.follower import FollowerRegistry, health_body
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import scheduler as SCH
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import RecordedEvent, utc_now
+from llmgw.events.schema.subjects import encode_token, event_subject
 from llmgw.projections.access import scope_path, tenancy_paths
+from llmgw.projections.apply import ProjectionError
 from llmgw.projections.backends import Backend
-from llmgw.projections.fold import ProjectionError
 from llmgw.projections.rebuild import rebuild, verify
 from llmgw.projections.runner import ProjectionRunner
 from llmgw.projections.usage import (
@@ -97,8 +97,8 @@ class AdminApi:
         self._recreating = asyncio.Lock()
         # Set where a router runs in this process: its usage backlog (a UsageBacklog) joins /healthz.
         self.usage_backlog: Callable[[], Any] | None = None
-        # The process's live folds (events/live_fold.py): any not live makes /healthz 503, naming it.
-        self.folds: FoldRegistry | None = None
+        # The process's followers (events/runtime/follower.py): any not live makes /healthz 503, naming it.
+        self.folds: FollowerRegistry | None = None
         # Signing people in (services/api/signin.py): set where the API runs.
         self.signin: SignIn | None = None
 

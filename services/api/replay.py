@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
 from llmgw.projections.access import tenancy_paths
 from llmgw.projections.backends import Backend, open_backend
 from llmgw.projections.replay import position_at, replay_into

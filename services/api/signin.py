@@ -1,7 +1,7 @@
 """Signing people in: a password for a session token at ``POST /api/v1/login``, and a token for an
 identity on every later call (SPEC TEN-1, TEN-3).
 
-The people are folded live from the log (:mod:`llmgw.events.people_fold`) by the process's
+The people are folded live from the log (:mod:`llmgw.events.folds.people`) by the process's
 supervised fold, so a disabled person or a revoked token stops working here as soon as the event
 is read. A password is checked by :class:`~llmgw.services.people.passwords.PasswordChecker` (a
 bounded number at a time) behind :class:`~llmgw.services.people.throttle.LoginThrottle` (per
@@ -20,15 +20,15 @@ from datetime import UTC, datetime, timedelta
 
 import msgspec
 
-from llmgw.events import people as P
-from llmgw.events import roles as R
-from llmgw.events import tenancy as T
-from llmgw.events.commands import CommandClient, CommandError
-from llmgw.events.live_fold import FoldRegistry, LiveFold
-from llmgw.events.people_fold import People
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import EVENTS_ROOT, event_subject
-from llmgw.events.tenancy_fold import TenancyTree
+from llmgw.events.commands import roles as R
+from llmgw.events.commands.client import CommandClient, CommandError
+from llmgw.events.folds.people import People
+from llmgw.events.folds.tenancy import TenancyTree
+from llmgw.events.runtime.follower import Follower, FollowerRegistry
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import people as P
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.subjects import EVENTS_ROOT, event_subject
 from llmgw.services.people.passwords import PasswordChecker
 from llmgw.services.people.throttle import LoginThrottle
 
@@ -86,7 +86,7 @@ class SignIn:
         self,
         store: EventStore,
         *,
-        folds: FoldRegistry | None = None,
+        folds: FollowerRegistry | None = None,
         checker: PasswordChecker | None = None,
         throttle: LoginThrottle | None = None,
         clock: Callable[[], float] = time.time,
@@ -101,9 +101,9 @@ class SignIn:
         self.client = CommandClient.for_service(store, "api")  # signs for the person it signed in
         self.tree = TenancyTree()  # where a role's scope sits, and how to name it
         tree_subject = event_subject(T.AGGREGATE, T.TREE_ID)
-        self.tree_fold = LiveFold(store, tree_subject, self.tree.apply, name="signin-tenancy", after=0, registry=folds)
+        self.tree_fold = Follower(store, tree_subject, self.tree.apply, name="signin-tenancy", after=0, registry=folds)
         self._folded = asyncio.Condition()  # notified after each batch the fold applied
-        self.fold = LiveFold(
+        self.fold = Follower(
             store,
             f"{EVENTS_ROOT}.{P.AGGREGATE}.>",
             self.people,

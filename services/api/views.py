@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 
-from llmgw.events import access as A
-from llmgw.events import models as M
+from llmgw.events.schema import access as A
+from llmgw.events.schema import models as M
 
 ACTIVE_STATES = ("placed", "starting", "ready", "draining")
 KEYS_LIMIT = 100  # keys a replay's answer lists unless asked otherwise (all are counted)

@@ -18,8 +18,8 @@ from pathlib import Path
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from llmgw.events import backup as B
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
+from llmgw.infra import backup as B
 
 log = structlog.get_logger("llmgw.services.backup")
 

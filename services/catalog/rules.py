@@ -11,10 +11,10 @@ import re
 
 import msgspec
 
-from llmgw.events import models as M
-from llmgw.events.commands import Rejected
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.quotas import owner_shape_error
+from llmgw.events.commands.processor import Rejected
+from llmgw.events.schema import models as M
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.quotas import owner_shape_error
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 

@@ -1,6 +1,6 @@
 """The catalog service: owns model aggregates and handles `ctl model …` commands.
 
-Its rules are :mod:`.rules` (pure); :class:`~llmgw.events.command_shell.CommandShell` does the rest.
+Its rules are :mod:`.rules` (pure); :class:`~llmgw.events.commands.shell.CommandShell` does the rest.
 """
 
 from __future__ import annotations
@@ -10,26 +10,27 @@ from pathlib import Path
 
 import structlog
 
-from llmgw.events import models as M
-from llmgw.events.command_shell import CommandShell, Decision
-from llmgw.events.commands import Command, CommandProcessor
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.live_fold import FoldRegistry
-from llmgw.events.log_fold import LogFold
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
+from llmgw.events.commands.command import Command
+from llmgw.events.commands.processor import CommandProcessor
+from llmgw.events.commands.shell import CommandShell, Decision
+from llmgw.events.runtime.follower import FollowerRegistry
+from llmgw.events.runtime.followers import Followers
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import models as M
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.catalog.rules import Catalog, decide
 
 log = structlog.get_logger("llmgw.services.catalog")
 
 
 class CatalogService:
-    def __init__(self, store: EventStore, *, folds: FoldRegistry | None = None) -> None:
+    def __init__(self, store: EventStore, *, folds: FollowerRegistry | None = None) -> None:
         self.store = store
         self.catalog = Catalog()
         # Each model subject's last sequence, a removed model's too: adding it again expects that.
         self.seqs: dict[str, int] = {}
-        self.fold = LogFold(store, {f"{EVENTS_ROOT}.{M.AGGREGATE}.>": "catalog"}, self._apply, registry=folds)
+        self.fold = Followers(store, {f"{EVENTS_ROOT}.{M.AGGREGATE}.>": "catalog"}, self._apply, registry=folds)
         self.shell = CommandShell(
             store,
             service=M.SERVICE,

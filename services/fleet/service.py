@@ -3,24 +3,25 @@
 
 The scheduler acts on them: a cordoned node takes no new replicas; a draining node's replicas
 are replaced elsewhere first, then stopped with the drain's grace. :func:`decide` is the rules;
-:class:`~llmgw.events.command_shell.CommandShell` does the rest.
+:class:`~llmgw.events.commands.shell.CommandShell` does the rest.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from llmgw.events import node_fold as NF
-from llmgw.events import nodes as N
-from llmgw.events import replica_fold as F
-from llmgw.events import replicas as R
-from llmgw.events.command_shell import CommandShell, Decision
-from llmgw.events.commands import Command, CommandProcessor, Rejected
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.live_fold import FoldRegistry
-from llmgw.events.log_fold import LogFold
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
+from llmgw.events.commands.command import Command
+from llmgw.events.commands.processor import CommandProcessor, Rejected
+from llmgw.events.commands.shell import CommandShell, Decision
+from llmgw.events.folds import nodes as NF
+from llmgw.events.folds import replicas as F
+from llmgw.events.runtime.follower import FollowerRegistry
+from llmgw.events.runtime.followers import Followers
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 
 
 def decide(node_state: NF.Node | None, command: N.FleetCommand) -> tuple[list[msgspec.Struct], str]:
@@ -72,15 +73,15 @@ def decide_restart(replicas: dict[str, F.Replica], command: R.RestartReplica) ->
 
 
 class FleetService:
-    def __init__(self, store: EventStore, *, folds: FoldRegistry | None = None) -> None:
+    def __init__(self, store: EventStore, *, folds: FollowerRegistry | None = None) -> None:
         self.store = store
-        self.nodes: dict[str, NF.Node] = {}  # node id -> the node as the shared fold (events/node_fold.py) keeps it
+        self.nodes: dict[str, NF.Node] = {}  # node id -> the node as the shared fold (events/folds/nodes.py) keeps it
         self.seqs: dict[str, int] = {}  # node id -> last sequence on its subject
         # Running replicas (a restart names one), as the shared fold keeps them, and their subjects' sequences.
         self.replicas: dict[str, F.Replica] = {}
         self.replica_seqs: dict[str, int] = {}
         subjects = {f"{EVENTS_ROOT}.{N.AGGREGATE}.>": "fleet", f"{EVENTS_ROOT}.{R.AGGREGATE}.>": "fleet-replicas"}
-        self.fold = LogFold(store, subjects, self._apply, registry=folds)
+        self.fold = Followers(store, subjects, self._apply, registry=folds)
         self.shell = CommandShell(
             store, service=N.SERVICE, what="the fleet", fold=self.fold, decide=self.decide, payload_type=FleetCommand
         )

@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 
-from llmgw.events import jobs as J
-from llmgw.events import models as M
-from llmgw.events.commands import Rejected
+from llmgw.events.commands.processor import Rejected
+from llmgw.events.schema import jobs as J
+from llmgw.events.schema import models as M
 from llmgw.modelfiles.picking import PickError, RepoFile, pick_gguf, validate_repo_id
 from llmgw.modelfiles.sizing import Estimate
 

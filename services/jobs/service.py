@@ -21,28 +21,24 @@ import aiohttp
 import msgspec
 import structlog
 
-from llmgw.events import jobs as J
-from llmgw.events import mirror as MI
-from llmgw.events import models as M
-from llmgw.events import replicas as R
-from llmgw.events import scheduler as SCH
-from llmgw.events.command_shell import CommandShell, Decision
-from llmgw.events.commands import (
-    Command,
-    CommandClient,
-    CommandError,
-    CommandProcessor,
-    CommandRejectedError,
-)
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.follow import LogFollower
-from llmgw.events.live_fold import FoldRegistry
-from llmgw.events.log_fold import LogFold
-from llmgw.events.retry import backoff_delay, is_transient
-from llmgw.events.secrets import engine_key, engine_key_secret, mirror_token
-from llmgw.events.store import AppendConflict, AppendResult, EventStore, NewEvent
-from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
-from llmgw.events.tasks import cancel_and_wait
+from llmgw.events.commands.client import CommandClient, CommandError, CommandRejectedError
+from llmgw.events.commands.command import Command
+from llmgw.events.commands.processor import CommandProcessor
+from llmgw.events.commands.shell import CommandShell, Decision
+from llmgw.events.runtime.follower import FollowerRegistry
+from llmgw.events.runtime.followers import Followers
+from llmgw.events.runtime.retry import backoff_delay, is_transient
+from llmgw.events.runtime.secrets import engine_key, engine_key_secret, mirror_token
+from llmgw.events.runtime.store import AppendConflict, AppendResult, EventStore, NewEvent
+from llmgw.events.runtime.tasks import cancel_and_wait
+from llmgw.events.runtime.waiter import EventWaiter
+from llmgw.events.schema import jobs as J
+from llmgw.events.schema import mirror as MI
+from llmgw.events.schema import models as M
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema import scheduler as SCH
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.modelfiles.gguf_header import GGUFHeader, read_header_file
 from llmgw.modelfiles.http import read_header_url
 from llmgw.modelfiles.outbound import OutboundResolver
@@ -74,16 +70,16 @@ class JobsConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class JobsService:
-    def __init__(self, store: EventStore, config: JobsConfig, *, folds: FoldRegistry | None = None) -> None:
+    def __init__(self, store: EventStore, config: JobsConfig, *, folds: FollowerRegistry | None = None) -> None:
         self.store = store
         self.config = config
-        self.folds = folds if folds is not None else FoldRegistry()
+        self.folds = folds if folds is not None else FollowerRegistry()
         self.hub = HubClient(config.hub, config.token, resolver=OutboundResolver(config.hub_allow_private))
         self.client = CommandClient.for_service(store, "jobs")
         self.tasks: dict[str, asyncio.Task] = {}
         self._processor: CommandProcessor | None = None
         # Only which commands started a job is folded: a redelivered serve command starts none.
-        self.fold = LogFold(store, {f"{EVENTS_ROOT}.{J.AGGREGATE}.>": "jobs-commands"}, _nothing, registry=self.folds)
+        self.fold = Followers(store, {f"{EVENTS_ROOT}.{J.AGGREGATE}.>": "jobs-commands"}, _nothing, registry=self.folds)
         self.shell = CommandShell(
             store,
             service=J.SERVICE,
@@ -277,7 +273,7 @@ class JobsService:
             after, status = e.seq, _fetch_status(e, version) or status
         # The follower's folds report in a registry of their own: a wait that begins is briefly catching
         # up, and the process's /healthz must not flap with every job; a wait that ends empty-handed says why.
-        async with LogFollower(self.store, {subject: after}, name=f"job-{job.id}") as events:
+        async with EventWaiter(self.store, {subject: after}, name=f"job-{job.id}") as events:
             while True:
                 if isinstance(status, MI.FetchCompleted):
                     return StepResult(
@@ -347,7 +343,7 @@ class JobsService:
         w = rules.Watch()
         start = time.monotonic()
         subjects = {event_subject(M.AGGREGATE, model): after, f"{EVENTS_ROOT}.{R.AGGREGATE}.>": after}
-        async with LogFollower(self.store, subjects, name=f"job-{job.id}") as events:
+        async with EventWaiter(self.store, subjects, name=f"job-{job.id}") as events:
             while True:
                 now = time.monotonic()
                 v = rules.verdict(w, now, self.config.unplaceable_s)
@@ -419,7 +415,7 @@ def _nothing(event: RecordedEvent) -> None:
     """The jobs' command fold keeps nothing of its own: which commands caused events is the shell's."""
 
 
-def _trouble(events: LogFollower) -> str:
+def _trouble(events: EventWaiter) -> str:
     """Why a wait may have heard nothing, when its folds were not live: for the job's failure message."""
     reasons = events.not_live()
     return f" (and the log was not heard in full: {'; '.join(reasons)})" if reasons else ""

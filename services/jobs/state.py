@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmgw.events import jobs as J
-from llmgw.events.envelope import RecordedEvent
+from llmgw.events.schema import jobs as J
+from llmgw.events.schema.envelope import RecordedEvent
 
 
 class JobState:

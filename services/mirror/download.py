@@ -19,7 +19,7 @@ from pathlib import Path
 
 import aiohttp
 
-from llmgw.events.mirror import MirrorFile
+from llmgw.events.schema.mirror import MirrorFile
 from llmgw.modelfiles import download as pipeline
 from llmgw.modelfiles.download import Digests, DownloadError, Mismatch
 

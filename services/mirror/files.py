@@ -36,7 +36,7 @@ def _denied() -> web.Response:
 
 
 def file_server(state: Holdings, root: Path, token: Callable[[], str | None]) -> web.Application:
-    """The app; ``state`` is the service's live fold, ``token`` the bearer token it accepts."""
+    """The app; ``state`` is the service's follower, ``token`` the bearer token it accepts."""
 
     def allowed(request: web.Request) -> bool:
         expected = token()

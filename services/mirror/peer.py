@@ -27,12 +27,12 @@ import aiohttp
 import msgspec
 import structlog
 
-from llmgw.events import mirror as E
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.live_fold import FoldRegistry, LiveFold
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
-from llmgw.events.tasks import cancel_and_wait
+from llmgw.events.runtime.follower import Follower, FollowerRegistry
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.runtime.tasks import cancel_and_wait
+from llmgw.events.schema import mirror as E
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.mirror.download import DiskGuard, DownloadError, download
 from llmgw.services.mirror.state import PRESENT, FileState, MirrorState
 
@@ -126,10 +126,10 @@ class PeerMirror:
         chunk_bytes: int,
         retries: int,
         backoff_s: float,
-        folds: FoldRegistry | None = None,
+        folds: FollowerRegistry | None = None,
     ) -> None:
         self.store = store
-        self.folds = folds if folds is not None else FoldRegistry()
+        self.folds = folds if folds is not None else FollowerRegistry()
         self.root = root
         self.primary_url = primary_url.rstrip("/")
         self.name = name
@@ -144,7 +144,7 @@ class PeerMirror:
         self._wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
-        self._follower: LiveFold | None = None
+        self._follower: Follower | None = None
 
     @property
     def subject(self) -> str:
@@ -156,7 +156,7 @@ class PeerMirror:
         await asyncio.to_thread(self.sweep)
         self._wake.set()
         # The primary's events, followed by the supervised fold; each batch wakes the copier.
-        self._follower = LiveFold(
+        self._follower = Follower(
             self.store,
             f"{EVENTS_ROOT}.{E.AGGREGATE}.>",
             lambda event: self._apply([event]),

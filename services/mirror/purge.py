@@ -23,18 +23,18 @@ import msgspec
 import nats.errors
 import structlog
 
-from llmgw.events import mirror as MI
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import replicas as R
-from llmgw.events.agent_rpc import WeightsReply, WeightsRequest, weights_subject
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.live_fold import FoldRegistry, LiveFold
-from llmgw.events.replica_fold import Replica, fold_replica
-from llmgw.events.retry import backoff_delay
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
-from llmgw.events.tasks import cancel_and_wait
+from llmgw.events.folds.replicas import Replica, fold_replica
+from llmgw.events.runtime.follower import Follower, FollowerRegistry
+from llmgw.events.runtime.retry import backoff_delay
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.runtime.tasks import cancel_and_wait
+from llmgw.events.schema import mirror as MI
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema.agent_rpc import WeightsReply, WeightsRequest, weights_subject
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 
 if TYPE_CHECKING:
     from llmgw.services.mirror.state import MirrorState
@@ -161,7 +161,7 @@ class Purger:
         *,
         cancel_fetch: Callable[[str, str], Awaitable[None]],
         forget_version: Callable[[str, str, str | None, str | None], Awaitable[None]],
-        folds: FoldRegistry,
+        folds: FollowerRegistry,
         replica_wait_s: float = 600.0,
         agent_timeout_s: float = 10.0,
         agent_attempts: int = 8,
@@ -181,12 +181,12 @@ class Purger:
         self.tasks: dict[str, asyncio.Task] = {}
         self.ended: set[str] = set()  # purges (their model.removed ids) this process ran to their end
         self._changed = asyncio.Event()
-        self._folds: list[LiveFold] = []
+        self._folds: list[Follower] = []
         self._waker: asyncio.Task | None = None
 
     async def start(self) -> None:
-        def follow(aggregate: str, apply: Callable[[RecordedEvent], None], name: str) -> LiveFold:
-            return LiveFold(
+        def follow(aggregate: str, apply: Callable[[RecordedEvent], None], name: str) -> Follower:
+            return Follower(
                 self.store,
                 f"{EVENTS_ROOT}.{aggregate}.>",
                 apply,

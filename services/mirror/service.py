@@ -23,15 +23,16 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from llmgw.events import mirror as E
-from llmgw.events.command_shell import Cause, CommandShell, Decision
-from llmgw.events.commands import Command, CommandProcessor, Rejected
-from llmgw.events.live_fold import FoldRegistry
-from llmgw.events.log_fold import LogFold
-from llmgw.events.secrets import engine_key_secret, mirror_token
-from llmgw.events.store import AppendResult, EventStore, NewEvent
-from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
-from llmgw.events.tasks import cancel_and_wait
+from llmgw.events.commands.command import Command
+from llmgw.events.commands.processor import CommandProcessor, Rejected
+from llmgw.events.commands.shell import Cause, CommandShell, Decision
+from llmgw.events.runtime.follower import FollowerRegistry
+from llmgw.events.runtime.followers import Followers
+from llmgw.events.runtime.secrets import engine_key_secret, mirror_token
+from llmgw.events.runtime.store import AppendResult, EventStore, NewEvent
+from llmgw.events.runtime.tasks import cancel_and_wait
+from llmgw.events.schema import mirror as E
+from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.modelfiles import outbound
 from llmgw.services.mirror.download import DiskGuard, DownloadError, Mismatch, download
 from llmgw.services.mirror.files import file_server
@@ -72,12 +73,12 @@ class MirrorService:
         config: MirrorConfig,
         *,
         guard: DiskGuard | None = None,
-        folds: FoldRegistry | None = None,
+        folds: FollowerRegistry | None = None,
         resolver: outbound.OutboundResolver | None = None,
     ) -> None:
         """``resolver``: where the hub's session may connect; by default ``config.hub_allow_private``'s rule."""
         self.store = store
-        self.folds = folds if folds is not None else FoldRegistry()
+        self.folds = folds if folds is not None else FollowerRegistry()
         self.config = config
         self.root = Path(config.dir)
         self.state = MirrorState()
@@ -92,7 +93,7 @@ class MirrorService:
         self.peer: PeerMirror | None = None
         self._stopped = asyncio.Event()
         subjects = {f"{EVENTS_ROOT}.{E.AGGREGATE}.>": "mirror"}
-        self.fold = LogFold(store, subjects, lambda event: self._apply([event]), registry=self.folds)
+        self.fold = Followers(store, subjects, lambda event: self._apply([event]), registry=self.folds)
         self.shell = CommandShell(
             store,
             service=E.SERVICE,

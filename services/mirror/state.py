@@ -10,8 +10,8 @@ from typing import Any
 
 import msgspec
 
-from llmgw.events import mirror as E
-from llmgw.events.envelope import RecordedEvent
+from llmgw.events.schema import mirror as E
+from llmgw.events.schema.envelope import RecordedEvent
 
 FETCHING, PRESENT, FAILED = "fetching", "present", "failed"
 

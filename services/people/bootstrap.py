@@ -15,12 +15,12 @@ from pathlib import Path
 
 import structlog
 
-from llmgw.events import people as P
-from llmgw.events.commands import CommandClient, CommandRejectedError
-from llmgw.events.people_fold import People
-from llmgw.events.private import write_private
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import event_subject
+from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.folds.people import People
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import people as P
+from llmgw.events.schema.subjects import event_subject
+from llmgw.infra.private import write_private
 from llmgw.services.people.passwords import hash_password
 
 log = structlog.get_logger("llmgw.services.people.bootstrap")
@@ -46,7 +46,7 @@ def _pending(path: Path, make: str) -> tuple[str, bool]:
 async def ensure_admin(store: EventStore, data_dir: Path, *, timeout: float = 15.0) -> bool:
     """Make the first administrator if ``DATA_DIR/admin-token`` is not there yet; True when made now.
 
-    Needs the people service running. Raises :class:`~llmgw.events.commands.CommandError` when it
+    Needs the people service running. Raises :class:`~llmgw.events.commands.client.CommandError` when it
     refuses or does not answer.
     """
     token_file, password_file = data_dir / TOKEN_FILE, data_dir / PASSWORD_FILE

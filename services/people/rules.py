@@ -1,19 +1,19 @@
-"""The people service's decisions: pure functions over the folded :class:`~llmgw.events.people_fold.People`."""
+"""The people service's decisions: pure functions over the folded :class:`~llmgw.events.folds.people.People`."""
 
 from __future__ import annotations
 
 import re
 from datetime import datetime
 
-from llmgw.events import people as P
-from llmgw.events import roles as R
-from llmgw.events import signing
-from llmgw.events.command_shell import Decision
-from llmgw.events.commands import Rejected
-from llmgw.events.ids import new_id
-from llmgw.events.people_fold import People, Person
-from llmgw.events.subjects import event_subject
-from llmgw.events.tenancy_fold import TenancyTree
+from llmgw.events.commands import roles as R
+from llmgw.events.commands import signing
+from llmgw.events.commands.processor import Rejected
+from llmgw.events.commands.shell import Decision
+from llmgw.events.folds.people import People, Person
+from llmgw.events.folds.tenancy import TenancyTree
+from llmgw.events.schema import people as P
+from llmgw.events.schema.ids import new_id
+from llmgw.events.schema.subjects import event_subject
 
 MAX_DISPLAY = 100
 MAX_LABEL = 100

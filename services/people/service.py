@@ -1,6 +1,6 @@
 """The people service: owns the ``user`` aggregates and handles `llmgw ctl user …` and token commands.
 
-Its rules are :mod:`.rules` (pure); :class:`~llmgw.events.command_shell.CommandShell` does the rest.
+Its rules are :mod:`.rules` (pure); :class:`~llmgw.events.commands.shell.CommandShell` does the rest.
 """
 
 from __future__ import annotations
@@ -8,26 +8,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime
 
-from llmgw.events import people as P
-from llmgw.events.command_shell import CommandShell, Decision
-from llmgw.events.commands import Command, CommandProcessor
-from llmgw.events.envelope import utc_now
-from llmgw.events.live_fold import FoldRegistry
-from llmgw.events.log_fold import LogFold
-from llmgw.events.people_fold import PeopleAndTree
-from llmgw.events.store import EventStore
+from llmgw.events.commands.command import Command
+from llmgw.events.commands.processor import CommandProcessor
+from llmgw.events.commands.shell import CommandShell, Decision
+from llmgw.events.folds.people import PeopleAndTree
+from llmgw.events.runtime.follower import FollowerRegistry
+from llmgw.events.runtime.followers import Followers
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import people as P
+from llmgw.events.schema.envelope import utc_now
 from llmgw.services.people import rules
 
 
 class PeopleService:
     def __init__(
-        self, store: EventStore, *, folds: FoldRegistry | None = None, clock: Callable[[], datetime] = utc_now
+        self, store: EventStore, *, folds: FollowerRegistry | None = None, clock: Callable[[], datetime] = utc_now
     ) -> None:
         self.store = store
         self.clock = clock
         self.folded = PeopleAndTree()  # the tree resolves the scope a role is granted over
         self.people, self.tree = self.folded.people, self.folded.tree
-        self.fold = LogFold(store, PeopleAndTree.subjects("people"), self.folded.apply, registry=folds)
+        self.fold = Followers(store, PeopleAndTree.subjects("people"), self.folded.apply, registry=folds)
         self.shell = CommandShell(
             store,
             service=P.SERVICE,

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from llmgw.events import access as A
+from llmgw.events.schema import access as A
 from llmgw.services.router.budgets import BudgetExceeded, max_cost, seconds_to_period_end
 from llmgw.services.router.external import dearest
 from llmgw.services.router.limits import Level, Limiter

@@ -30,15 +30,15 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from llmgw.events import log_context
-from llmgw.events import scheduler as SCH
-from llmgw.events import subjects as S
-from llmgw.events.ids import new_id
-from llmgw.events.live_fold import FoldRegistry, LiveFold, health_body
-from llmgw.events.nodes import NodeHeartbeat
-from llmgw.events.secrets import engine_key_secret
-from llmgw.events.snapshots import EVERY_EVENTS, EVERY_S, Snapshotter, resume
-from llmgw.events.store import EventStore
+from llmgw.events.runtime import log_context
+from llmgw.events.runtime.follower import Follower, FollowerRegistry, health_body
+from llmgw.events.runtime.secrets import engine_key_secret
+from llmgw.events.runtime.snapshots import EVERY_EVENTS, EVERY_S, Snapshotter, resume
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import scheduler as SCH
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema.ids import new_id
+from llmgw.events.schema.nodes import NodeHeartbeat
 from llmgw.services.router import admission as adm
 from llmgw.services.router.budgets import BudgetBook, BudgetExceeded
 from llmgw.services.router.config import RouterConfig
@@ -141,7 +141,7 @@ class Router:
         registry: CollectorRegistry | None = None,
         instance: str | None = None,
         clock: Callable[[], float] = time.time,
-        folds: FoldRegistry | None = None,
+        folds: FollowerRegistry | None = None,
         snapshot_every_events: int = EVERY_EVENTS,
         snapshot_every_s: float = EVERY_S,
     ) -> None:
@@ -202,10 +202,10 @@ class Router:
         # be bound again on each of its per-request lines.
         self._access = access_log.bind()
         self._demand_sent: dict[str, float] = {}
-        # Everything the router answers from is folded by one supervised live fold: a handler that
+        # Everything the router answers from is folded by one supervised follower: a handler that
         # raises quarantines its event and the fold goes on (a revocation after it still lands), and a
         # fold that stops advancing makes /healthz 503.
-        self.fold = LiveFold(store, f"{S.EVENTS_ROOT}.>", self.state, name="router", after=0, registry=folds)
+        self.fold = Follower(store, f"{S.EVENTS_ROOT}.>", self.state, name="router", after=0, registry=folds)
         self._caught_up = self.fold.caught_up
         self._rng = random.Random()
         # routing.POLICIES: "llmgw" serves; benchmarks and tests set a baseline here to compare with.

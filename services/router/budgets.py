@@ -19,7 +19,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 
-from llmgw.events.buckets import open_bucket
+from llmgw.events.runtime.buckets import open_bucket
 
 BUCKET = "llmgw_budgets"
 

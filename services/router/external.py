@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from llmgw.events import models as M
+from llmgw.events.schema import models as M
 from llmgw.services.router.errors import ApiError
 from llmgw.services.router.proxy import RetryElsewhere, Target, Upstream
 from llmgw.services.router.state import ModelInfo, Price, ReplicaInfo

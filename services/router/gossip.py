@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from llmgw.events import subjects as S
+from llmgw.events.schema import subjects as S
 from llmgw.services.router.limits import Level, Limiter
 
 log = structlog.get_logger("llmgw.router")

@@ -18,7 +18,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from llmgw.events.secrets import engine_key
+from llmgw.events.runtime.secrets import engine_key
 from llmgw.services.router.config import RouterConfig
 from llmgw.services.router.errors import ApiError, id_headers
 from llmgw.services.router.metrics import RouterMetrics

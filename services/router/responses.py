@@ -25,7 +25,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from llmgw.events.ids import new_id
+from llmgw.events.schema.ids import new_id
 
 _enc = msgspec.json.Encoder()
 SOCKET_NAME = "gateway.sock"

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from llmgw.events.nodes import NodeHeartbeat
+from llmgw.events.schema.nodes import NodeHeartbeat
 from llmgw.services.router.state import ReplicaInfo
 
 PREFIX_CHARS = 512

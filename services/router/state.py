@@ -10,15 +10,15 @@ import time
 
 import msgspec
 
-from llmgw.events import access as A
-from llmgw.events import key_fold as K
-from llmgw.events import models as M
-from llmgw.events import replica_fold as F
-from llmgw.events import replicas as R
-from llmgw.events import scheduler as SCH
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.subjects import aggregate_of
-from llmgw.events.tenancy_fold import TREE_EVENTS, Scope, TenancyTree
+from llmgw.events.folds import keys as K
+from llmgw.events.folds import replicas as F
+from llmgw.events.folds.tenancy import TREE_EVENTS, Scope, TenancyTree
+from llmgw.events.schema import access as A
+from llmgw.events.schema import models as M
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema import scheduler as SCH
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import aggregate_of
 
 
 class ModelInfo(msgspec.Struct, M.ModelStatusView, kw_only=True):
@@ -86,11 +86,11 @@ class RouterSnapshot(msgspec.Struct, kw_only=True):
 
 class RouterState:
     def __init__(self) -> None:
-        # Keys, limits, prices and budgets are the shared fold's (events/key_fold.py); the router
+        # Keys, limits, prices and budgets are the shared fold's (events/folds/keys.py); the router
         # indexes the live keys by prefix and the limits as admission reads them.
         self.access = K.AccessBook()
         self.keys: dict[str, K.Key] = {}  # live keys by prefix: the shared fold's records
-        self.tree = TenancyTree()  # the shared fold (events/tenancy_fold.py): a key's project, team and org
+        self.tree = TenancyTree()  # the shared fold (events/folds/tenancy.py): a key's project, team and org
         self.limits: dict[str, tuple[int | None, int | None]] = {}  # "project:<id>" -> (rpm, tpm)
         self.prices: dict[str, Price] = self.access.prices
         self.budgets: dict[str, Budget] = self.access.budgets
@@ -180,9 +180,9 @@ class RouterState:
         self.position = max(self.position, e.seq)
         p = e.payload
         match p:
-            case _ if isinstance(p, K.ACCESS_EVENTS):  # the shared fold (events/key_fold.py)
+            case _ if isinstance(p, K.ACCESS_EVENTS):  # the shared fold (events/folds/keys.py)
                 self._apply_access(p)
-            case _ if isinstance(p, TREE_EVENTS):  # the shared tenancy fold (events/tenancy_fold.py)
+            case _ if isinstance(p, TREE_EVENTS):  # the shared tenancy fold (events/folds/tenancy.py)
                 self.tree.apply(e)
             case _ if isinstance(p, M.MODEL_EVENTS):  # the shared lifecycle fold (M.fold_model)
                 name = aggregate_of(e.subject)[1]
@@ -214,7 +214,7 @@ class RouterState:
                 | R.ReplicaStopped()
             ):
                 r = self.replicas.get(p.replica_id)
-                # The move is the shared fold's (events/replica_fold.py); a router keeps only what routes.
+                # The move is the shared fold's (events/folds/replicas.py); a router keeps only what routes.
                 state = F.transition(r.state, p) if r else None
                 if r is not None and state is not None:
                     self._move(r, state, p)

@@ -43,9 +43,9 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from llmgw.events import subjects as S
-from llmgw.events.retry import backoff_delay
-from llmgw.events.usage import UsageRecord, usage_subject
+from llmgw.events.runtime.retry import backoff_delay
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema.usage import UsageRecord, usage_subject
 from llmgw.services.router.inflight import InflightLog
 from llmgw.services.router.journal import Journal
 from llmgw.services.router.metrics import UsageMetrics

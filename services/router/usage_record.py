@@ -7,7 +7,7 @@ from datetime import datetime
 
 import msgspec
 
-from llmgw.events.usage import UsageRecord
+from llmgw.events.schema.usage import UsageRecord
 from llmgw.services.router.budgets import cost
 from llmgw.services.router.limits import Level
 from llmgw.services.router.state import KeyInfo, ModelInfo, Price, ReplicaInfo

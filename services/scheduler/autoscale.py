@@ -1,7 +1,7 @@
 """Autoscaling (SPEC SCHED-9): the replicas a model holds follow its load, between min and max.
 
 Pure. The load is what the engines say in the heartbeats (requests running and waiting on each
-ready replica, ``events/nodes.py`` ``ReplicaReport``), folded by the scheduler into a short series
+ready replica, ``events/schema/nodes.py`` ``ReplicaReport``), folded by the scheduler into a short series
 per model (:class:`LoadSample`, :func:`fold_load`): an observation of this process, like the
 routers' demand, not an event. What must survive a leader change — how many replicas the load
 added, when the last step was — is the ``model.autoscaled`` event, folded by ``fold_model``.
@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from llmgw.events import models as M
+from llmgw.events.schema import models as M
 
 if TYPE_CHECKING:  # the reconciler's settings; it imports this module
-    from llmgw.events import nodes as N
+    from llmgw.events.schema import nodes as N
     from llmgw.services.scheduler.reconcile import Clock, Config
     from llmgw.services.scheduler.state import ModelState, ReplicaState
 

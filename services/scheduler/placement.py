@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from llmgw.events.models import Profile
+from llmgw.events.schema.models import Profile
 
 GiB = 1024**3
 

@@ -28,7 +28,7 @@ from collections.abc import Set as AbstractSet
 
 import msgspec
 
-from llmgw.events.models import ModelSpec
+from llmgw.events.schema.models import ModelSpec
 from llmgw.services.scheduler.placement import Candidate, Choice, Need, check, place
 
 RANK = {"opportunistic": 0, "standard": 1, "critical": 2}

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from llmgw.events import quotas as Q
-from llmgw.events import replicas as R
+from llmgw.events.schema import quotas as Q
+from llmgw.events.schema import replicas as R
 from llmgw.services.scheduler.placement import Need
 from llmgw.services.scheduler.state import ClusterState, ReplicaState
 

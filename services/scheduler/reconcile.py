@@ -18,10 +18,10 @@ from datetime import datetime
 
 import msgspec
 
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import replicas as R
-from llmgw.events.models import mirror_ref
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema.models import mirror_ref
 from llmgw.services.scheduler import autoscale as AS
 from llmgw.services.scheduler import preemption as PRE
 from llmgw.services.scheduler.placement import (

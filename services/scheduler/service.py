@@ -21,20 +21,21 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry
 
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import quotas as Q
-from llmgw.events import scheduler as SCH
-from llmgw.events import subjects as S
-from llmgw.events.buckets import open_bucket
-from llmgw.events.envelope import RecordedEvent, utc_now
-from llmgw.events.ids import new_id
-from llmgw.events.live_fold import FoldRegistry, LiveFold
-from llmgw.events.retry import is_transient, keep_running, retrying
-from llmgw.events.snapshots import EVERY_EVENTS, EVERY_S, Snapshotter, resume
-from llmgw.events.store import AppendConflict, EventStore, NewEvent, StoreError
-from llmgw.events.subjects import event_subject
-from llmgw.events.tasks import cancel_and_wait
+from llmgw.events.runtime.buckets import open_bucket
+from llmgw.events.runtime.connection import StoreError
+from llmgw.events.runtime.follower import Follower, FollowerRegistry
+from llmgw.events.runtime.retry import is_transient, keep_running, retrying
+from llmgw.events.runtime.snapshots import EVERY_EVENTS, EVERY_S, Snapshotter, resume
+from llmgw.events.runtime.store import AppendConflict, EventStore, NewEvent
+from llmgw.events.runtime.tasks import cancel_and_wait
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import quotas as Q
+from llmgw.events.schema import scheduler as SCH
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema.envelope import RecordedEvent, utc_now
+from llmgw.events.schema.ids import new_id
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.scheduler.explain import explain
 from llmgw.services.scheduler.headroom import headroom
 from llmgw.services.scheduler.metrics import FleetCollector
@@ -75,7 +76,7 @@ class SchedulerService:
         lease_ttl_s: float = 6.0,
         tick_s: float = 1.0,
         registry: CollectorRegistry | None = None,
-        folds: FoldRegistry | None = None,
+        folds: FollowerRegistry | None = None,
         snapshot_every_events: int = EVERY_EVENTS,
         snapshot_every_s: float = EVERY_S,
     ) -> None:
@@ -109,7 +110,7 @@ class SchedulerService:
         self._blocked: dict[str, tuple[str, float]] = {}
         self._placed_total = 0
         # The view of the fleet, kept current by the process's one supervised fold of the log.
-        self.fold = LiveFold(
+        self.fold = Follower(
             store, f"{S.EVENTS_ROOT}.>", self._apply, name="scheduler", after=0, registry=folds, on_batch=self._folded
         )
 

@@ -12,15 +12,15 @@ from typing import TypeVar
 
 import msgspec
 
-from llmgw.events import models as M
-from llmgw.events import node_fold as NF
-from llmgw.events import nodes as N
-from llmgw.events import quotas as Q
-from llmgw.events import replica_fold as F
-from llmgw.events import replicas as R
-from llmgw.events import tenancy_fold as TF
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.subjects import aggregate_of
+from llmgw.events.folds import nodes as NF
+from llmgw.events.folds import replicas as F
+from llmgw.events.folds import tenancy as TF
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import quotas as Q
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import aggregate_of
 from llmgw.services.scheduler.autoscale import LoadSample, ModelLoad, fold_load
 
 GiB = 1024**3
@@ -43,7 +43,7 @@ def capacity_of(hb: N.NodeHeartbeat) -> N.NodeCapacity:
 
 
 class NodeState(msgspec.Struct, kw_only=True):
-    """A node as the shared fold (``events/node_fold.py``) keeps it, plus the heartbeats this process saw."""
+    """A node as the shared fold (``events/folds/nodes.py``) keeps it, plus the heartbeats this process saw."""
 
     id: str
     fact: NF.Node
@@ -108,7 +108,7 @@ class ModelState(msgspec.Struct, M.ModelStatusView, kw_only=True):
         return self.starts.spec_hash
 
 
-# A replica as the shared fold (``events/replica_fold.py``) keeps it: every reader moves it the same way.
+# A replica as the shared fold (``events/folds/replicas.py``) keeps it: every reader moves it the same way.
 ReplicaState = F.Replica
 
 
@@ -213,7 +213,7 @@ class ClusterState:
             case _ if isinstance(p, M.MODEL_EVENTS):  # the shared lifecycle fold (M.fold_model)
                 self.changed(aggregate_of(event.subject)[1])
                 self._apply_model(event)
-            case _ if isinstance(p, NF.NODE_EVENTS):  # the shared node fold (events/node_fold.py)
+            case _ if isinstance(p, NF.NODE_EVENTS):  # the shared node fold (events/folds/nodes.py)
                 n = self.node(p.node_id)
                 n.fact = NF.fold_node(n.fact, p, at)
             case _ if isinstance(p, TF.TREE_EVENTS):

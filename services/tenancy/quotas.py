@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import msgspec
 
-from llmgw.events import quotas as Q
-from llmgw.events import roles as R
-from llmgw.events.commands import Rejected
-from llmgw.events.tenancy_fold import Scope, TenancyTree
+from llmgw.events.commands import roles as R
+from llmgw.events.commands.processor import Rejected
+from llmgw.events.folds.tenancy import Scope, TenancyTree
+from llmgw.events.schema import quotas as Q
 
 
 def _scope(tree: TenancyTree, text: str) -> Scope:

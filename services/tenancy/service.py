@@ -1,6 +1,6 @@
 """The tenancy service: owns the tenancy tree aggregate and handles its commands.
 
-Its rules are :mod:`.tree` (pure); :class:`~llmgw.events.command_shell.CommandShell` does the rest:
+Its rules are :mod:`.tree` (pure); :class:`~llmgw.events.commands.shell.CommandShell` does the rest:
 catch the folded tree up with the log, decide, append with the tree's expected sequence, and on a
 conflict catch up and decide again. The service also folds
 the key events (``llmgw.evt.key.>``), so a project that still holds live keys is not deleted.
@@ -11,16 +11,17 @@ from __future__ import annotations
 import msgspec
 import structlog
 
-from llmgw.events import access as A
-from llmgw.events import quotas as Q
-from llmgw.events import tenancy as T
-from llmgw.events.command_shell import CommandShell, Decision
-from llmgw.events.commands import Command, CommandProcessor
-from llmgw.events.envelope import RecordedEvent
-from llmgw.events.live_fold import FoldRegistry
-from llmgw.events.log_fold import LogFold
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import EVENTS_ROOT, aggregate_of, event_subject
+from llmgw.events.commands.command import Command
+from llmgw.events.commands.processor import CommandProcessor
+from llmgw.events.commands.shell import CommandShell, Decision
+from llmgw.events.runtime.follower import FollowerRegistry
+from llmgw.events.runtime.followers import Followers
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import access as A
+from llmgw.events.schema import quotas as Q
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.tenancy.quotas import decide_quota, need_quota
 from llmgw.services.tenancy.tree import TenancyTree, decide, need
 
@@ -28,7 +29,7 @@ log = structlog.get_logger("llmgw.services.tenancy")
 
 
 class TenancyService:
-    def __init__(self, store: EventStore, *, folds: FoldRegistry | None = None) -> None:
+    def __init__(self, store: EventStore, *, folds: FollowerRegistry | None = None) -> None:
         self.store = store
         self.tree = TenancyTree()
         self.subject = event_subject(T.AGGREGATE, T.TREE_ID)
@@ -40,7 +41,7 @@ class TenancyService:
         # A key is created only while the tree is unchanged (the access service fences on it), so a key
         # for a project deleted meanwhile is refused; a key created between this read and the delete's
         # append is the one race left, milliseconds wide (docs/decisions.md).
-        self.fold = LogFold(
+        self.fold = Followers(
             store,
             {self.subject: "tenancy", self.keys_subject: "tenancy-keys", self.quotas_subject: "tenancy-quotas"},
             self._apply,

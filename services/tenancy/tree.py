@@ -4,7 +4,7 @@ Organisations hold teams; teams hold projects. A scope is named by its path (``a
 ``acme/ml``, ``acme/ml/chat``) or its id; renames keep ids, so keys and quotas that name a
 scope by id survive a rename.
 
-The tree itself — its fold and the queries over it — is ``events/tenancy_fold.py``, shared with
+The tree itself — its fold and the queries over it — is ``events/folds/tenancy.py``, shared with
 the access service and the routers; this module holds the tenancy service's rules over it.
 """
 
@@ -14,11 +14,11 @@ import re
 
 import msgspec
 
-from llmgw.events import roles as R
-from llmgw.events import tenancy as T
-from llmgw.events.commands import Rejected
-from llmgw.events.ids import new_id
-from llmgw.events.tenancy_fold import Scope, TenancyTree
+from llmgw.events.commands import roles as R
+from llmgw.events.commands.processor import Rejected
+from llmgw.events.folds.tenancy import Scope, TenancyTree
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.ids import new_id
 
 MAX_NAME = 63
 _NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")

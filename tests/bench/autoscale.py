@@ -40,9 +40,9 @@ import time
 
 import msgspec
 
-from llmgw.events import models as M
-from llmgw.events import nodes as N
-from llmgw.events import replicas as R
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import replicas as R
 from llmgw.services.scheduler.reconcile import Config, Place, Stop
 from tests.scheduler_world import T0, World, model, node
 

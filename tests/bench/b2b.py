@@ -46,9 +46,9 @@ import aiohttp
 import msgspec
 
 from llmgw.cli import logs
-from llmgw.events import models as M
-from llmgw.events.catalog import default_registry
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import models as M
+from llmgw.events.schema.catalog import default_registry
 from llmgw.services.router.config import RouterConfig
 from llmgw.services.router.routing import POLICIES
 from tests.fleet import Fleet

@@ -5,7 +5,7 @@ log (bench/coldstart.py: nodes, models, keys, replicas) and then, in one run on 
 
 - reads the whole event stream once as a reader would (an ordered consumer, raw messages): the
   baseline a backup is compared with;
-- backs everything up with `llmgw backup`'s code (events/backup.py) into an archive;
+- backs everything up with `llmgw backup`'s code (infra/backup.py) into an archive;
 - restores the archive into a second, empty nats-server (without a flush per write, as `llmgw restore
   --data-dir` runs its own) and checks that every stream's first and
   last sequence and message count came back;
@@ -33,9 +33,9 @@ import nats
 from llmgw.bench.backbone import nats_server
 from llmgw.bench.coldstart import write_log
 from llmgw.cli.runtime import projections
-from llmgw.events import backup as B
-from llmgw.events.catalog import default_registry
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.catalog import default_registry
+from llmgw.infra import backup as B
 from llmgw.projections.backends import open_backend
 from llmgw.projections.rebuild import rebuild
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from llmgw.cli import logs
-from llmgw.events import models as M
-from llmgw.events.catalog import default_registry
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import models as M
+from llmgw.events.schema.catalog import default_registry
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import nats_server

@@ -47,8 +47,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from llmgw.events import models as M
-from llmgw.events import replicas as R
+from llmgw.events.schema import models as M
+from llmgw.events.schema import replicas as R
 from llmgw.services.scheduler import quota as QU
 from llmgw.services.scheduler.placement import need_of
 from llmgw.services.scheduler.reconcile import (

@@ -54,15 +54,15 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from llmgw.events import access as A
-from llmgw.events import models as M
-from llmgw.events import replicas as R
-from llmgw.events import subjects as S
-from llmgw.events import tenancy as T
-from llmgw.events.catalog import default_registry
-from llmgw.events.secrets import engine_key, engine_key_secret
-from llmgw.events.store import EventStore, NewEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.runtime.secrets import engine_key, engine_key_secret
+from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.schema import access as A
+from llmgw.events.schema import models as M
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.subjects import event_subject
 from tests.support import NatsServer, free_port
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -52,8 +52,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from llmgw.events import people as P
-from llmgw.events.commands import CommandClient
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.schema import people as P
 from llmgw.services.people.passwords import hash_password
 from tests.bench.gateway import (
     PACED_JITTER,

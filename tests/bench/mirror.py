@@ -53,14 +53,14 @@ import aiohttp
 from aiohttp import web
 
 from llmgw.agent.weights.cache import WeightsCache
-from llmgw.events import jobs as J
-from llmgw.events import mirror as E
-from llmgw.events import models as M
-from llmgw.events.catalog import default_registry
-from llmgw.events.commands import CommandClient
-from llmgw.events.secrets import engine_key_secret, mirror_token
-from llmgw.events.store import EventStore
-from llmgw.events.subjects import event_subject
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.runtime.secrets import engine_key_secret, mirror_token
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import jobs as J
+from llmgw.events.schema import mirror as E
+from llmgw.events.schema import models as M
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.jobs.service import JobsConfig, JobsService
 from llmgw.services.mirror.service import MirrorConfig, MirrorService
 from tests.fakehub import FakeHub

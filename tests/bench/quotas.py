@@ -32,11 +32,11 @@ from datetime import UTC, datetime
 import msgspec
 
 from llmgw.bench.scheduler import CFG, NOW, PREEMPT_TARGET_MS, T0, clock, lost_clock, measure, preempting, simulate
-from llmgw.events import models as M
-from llmgw.events import quotas as Q
-from llmgw.events import tenancy as T
-from llmgw.events.envelope import Envelope, RecordedEvent
-from llmgw.events.subjects import event_subject
+from llmgw.events.schema import models as M
+from llmgw.events.schema import quotas as Q
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import Envelope, RecordedEvent
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.scheduler.headroom import headroom
 from llmgw.services.scheduler.quota import Ledger, guarantee_shares, quota_view
 from llmgw.services.scheduler.reconcile import Place, reconcile

@@ -16,10 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmgw.events import models as M
-from llmgw.events import replicas as R
-from llmgw.events.catalog import default_registry
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import models as M
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema.catalog import default_registry
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import nats_server

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import openai
 
-from llmgw.events import nodes as N
-from llmgw.events import replicas as R
-from llmgw.events.catalog import default_registry
-from llmgw.events.store import EventStore
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import nodes as N
+from llmgw.events.schema import replicas as R
+from llmgw.events.schema.catalog import default_registry
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import nats_server, wait_until

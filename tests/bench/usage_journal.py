@@ -27,10 +27,10 @@ from pathlib import Path
 import msgspec
 from nats.js import JetStreamContext
 
-from llmgw.events import subjects as S
-from llmgw.events.catalog import default_registry
-from llmgw.events.store import EventStore
-from llmgw.events.usage import UsageRecord, usage_subject
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import subjects as S
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.usage import UsageRecord, usage_subject
 from llmgw.services.router.usage import UsageConfig, UsagePublisher
 from tests.support import NatsServer
 

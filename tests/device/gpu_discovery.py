@@ -19,8 +19,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 
 from llmgw.agent import discovery
-from llmgw.events import models as M
-from llmgw.events import nodes as N
+from llmgw.events.schema import models as M
+from llmgw.events.schema import nodes as N
 from llmgw.services.scheduler.metrics import FleetCollector, node_samples
 from llmgw.services.scheduler.reconcile import Blocked, Config, Place
 from llmgw.services.scheduler.state import capacity_of

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 from nats.js.api import DeliverPolicy
 
-from llmgw.events import subjects as S
+from llmgw.events.schema import subjects as S
 from llmgw.projections.usage import decode_usage
 from tests.cluster_harness import LLMGW, MODEL, ClusterHarness
 from tests.faults.load import Answer, Load

@@ -1,0 +1,187 @@
+"""One way to handle a command: catch up, already applied?, decide, append, retry, busy.
+
+Every command service is the same loop around its own rules. :class:`CommandShell` is that loop,
+once: it waits until its :class:`Followers` (the service's supervised followers) has read the log up
+to its head, answers "already applied" when an event the command caused is already folded (a
+redelivery after the events were written but before the outcome was), asks the service's
+``decide`` for a :class:`Decision`, appends it with the expected sequence the decision was made at
+(or fenced on another subject's sequence), and on :class:`AppendConflict` catches up and decides
+again, a bounded number of times, before refusing the command as ``busy`` with what to do. A fold
+that cannot catch up in time (failed, stalled) refuses the command as ``unavailable``, naming the
+fold and why. It stamps every event by the one rule (docs/decisions.md): causation is the
+command's id, correlation the command's :attr:`Command.thread`.
+
+A service supplies only its fold (``apply``), its ``decide`` and, where it has them, the effects
+around the append as explicit hooks (the mirror cancels downloads before a removal is written and
+starts one after a fetch is).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import structlog
+
+from llmgw.events.commands.auth import CommandVerifier
+from llmgw.events.commands.command import Command
+from llmgw.events.commands.processor import Accepted, CommandProcessor, Rejected
+from llmgw.events.commands.roles import Need, cluster_admin
+from llmgw.events.runtime.followers import Followers, NotCaughtUp
+from llmgw.events.runtime.store import AppendConflict, AppendResult, EventStore, NewEvent
+from llmgw.events.schema.subjects import aggregate_of
+
+log = structlog.get_logger("llmgw.events.commands.shell")
+
+P = TypeVar("P")
+
+MAX_ATTEMPTS = 5
+
+
+class Fence(msgspec.Struct, frozen=True):
+    """Append only while ``subject`` is still at ``seq`` (instead of expecting the decision's own subject)."""
+
+    subject: str
+    seq: int
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    """What a service decided about one command: events for one subject, and what the caller is told.
+
+    ``expected`` is the subject's last sequence as the decision saw it (0: a new aggregate). No
+    ``payloads``: nothing to write (already so), the command completes with ``message``.
+    """
+
+    subject: str = ""
+    payloads: list[msgspec.Struct] = []
+    expected: int = 0
+    fence: Fence | None = None
+    message: str
+    result: dict[str, Any] = {}
+
+
+class Cause(msgspec.Struct, frozen=True):
+    """On whose behalf a follow-on event is written (a download's progress): the command that started
+    the work, and that command's correlation."""
+
+    causation: str | None = None
+    correlation: str | None = None
+
+
+def stamp(command: Command, payloads: Iterable[msgspec.Struct]) -> list[NewEvent]:
+    """The command's events, by the one rule: its actor, causation its id, correlation its thread."""
+    return [
+        NewEvent(payload=p, actor=command.actor, causation=command.id, correlation=command.thread) for p in payloads
+    ]
+
+
+Decide = Callable[[Command, P], "Decision | Awaitable[Decision]"]
+Hook = Callable[[Command, P, Decision], Awaitable[None]]
+AfterHook = Callable[[Command, P, Decision, AppendResult], Awaitable[dict[str, Any] | None]]
+
+
+class CommandShell(Generic[P]):
+    """Handles one service's commands: the shell around its fold and its ``decide``.
+
+    ``what`` names what the commands change, for the busy message ("the tenancy tree").
+    ``decide(command, payload)`` reads the fold and returns a :class:`Decision` or raises
+    :class:`Rejected`; it is pure, save for a service whose rules need facts from outside (the
+    mirror asks the hub), which may gather them first and so be a coroutine. ``before_append`` runs
+    once the decision is final, just before it is written; ``after_append`` once it is written, and
+    may add to the caller's result. ``applied_result`` is the result a redelivered command answers
+    with, for callers that need it (a job's id).
+    """
+
+    def __init__(
+        self,
+        store: EventStore,
+        *,
+        service: str,
+        what: str,
+        fold: Followers,
+        decide: Decide[P],
+        payload_type: Any,
+        before_append: Hook[P] | None = None,
+        after_append: AfterHook[P] | None = None,
+        applied_result: Callable[[Command, P], dict[str, Any]] | None = None,
+        authorize: Callable[[Command, P], Need | None] | None = None,
+        attempts: int = MAX_ATTEMPTS,
+    ) -> None:
+        self.store = store
+        self.service = service
+        self.what = what
+        self.fold = fold
+        self.decide = decide
+        self.payload_type = payload_type
+        self.before_append = before_append
+        self.after_append = after_append
+        self.applied_result = applied_result
+        self.authorize = authorize or (lambda command, payload: cluster_admin(f"{command.kind} (a {service} command)"))
+        self.attempts = attempts
+
+    async def handle(self, command: Command, payload: P) -> Accepted:
+        moved = ""  # the subject that moved last: named in the busy message
+        for _ in range(self.attempts):
+            try:
+                await self.fold.catch_up()
+            except NotCaughtUp as exc:  # deciding on state the log has moved past would be a guess
+                raise Rejected(str(exc), "unavailable") from exc
+            seq = self.fold.applied(command.id)
+            if seq is not None:
+                # Redelivered after its events were written but before its outcome was.
+                result = self.applied_result(command, payload) if self.applied_result else {}
+                return Accepted(message="already applied", last_seq=seq, result=result)
+            decision = self.decide(command, payload)
+            if inspect.isawaitable(decision):
+                decision = await decision
+            assert isinstance(decision, Decision)
+            if not decision.payloads:
+                return Accepted(message=decision.message, result=decision.result)
+            events = stamp(command, decision.payloads)
+            if self.before_append is not None:
+                await self.before_append(command, payload, decision)
+            try:
+                appended = await self._append(decision, events)
+            except AppendConflict as exc:  # for a fenced append, the fence moved
+                log.info("decided on a stale fold; deciding again", command=command.id, subject=exc.subject)
+                moved = exc.subject
+                continue
+            result = dict(decision.result)
+            if self.after_append is not None:
+                result |= await self.after_append(command, payload, decision, appended) or {}
+            return Accepted(
+                message=decision.message, events=[e.id for e in events], last_seq=appended.last_seq, result=result
+            )
+        raise Rejected(busy_message(self.what, command, self.attempts, moved), "busy")
+
+    async def _append(self, decision: Decision, events: list[NewEvent]) -> AppendResult:
+        if decision.fence is not None:
+            return await self.store.append_fenced(
+                [(decision.subject, e) for e in events],
+                fence_subject=decision.fence.subject,
+                fence_seq=decision.fence.seq,
+            )
+        return await self.store.append(decision.subject, events, expected=decision.expected)
+
+    def processor(self) -> CommandProcessor:
+        """The service's processor: every command verified (signer, signature, actor, role) before it is decided."""
+        verifier = CommandVerifier(self.store, self.service, registry=self.fold.registry)
+        return CommandProcessor(
+            self.store, self.service, self.payload_type, self.handle, verifier=verifier, authorize=self.authorize
+        )
+
+
+def busy_message(what: str, command: Command, attempts: int, subject: str) -> str:
+    """Why a command was given up on after ``attempts`` conflicts, and what a person can do."""
+    where = ""
+    try:
+        aggregate, _ = aggregate_of(subject)
+        where = f"; `llmgw events tail --aggregate {aggregate}` shows who is changing it"
+    except ValueError:
+        pass
+    return (
+        f"{what} changed {attempts} times while this {command.kind} command was being decided (other writers are "
+        f"busy on it): nothing was written; send the command again in a moment{where}"
+    )

@@ -1,0 +1,115 @@
+"""People folded from their events: the one place a person's state is computed.
+
+The people service decides commands on it and the admin API signs people in with it; both fold
+``llmgw.evt.user.>`` through this module, so what a token may do is computed once.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import msgspec
+
+from llmgw.events.folds.tenancy import TenancyTree
+from llmgw.events.schema import people as P
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
+
+
+class Token(msgspec.Struct, kw_only=True):
+    token_id: str
+    prefix: str
+    secret_sha256: str
+    kind: str
+    label: str = ""
+    issued_at: datetime
+    expires_at: datetime | None = None
+    signing_key: str = ""  # the public key its commands are checked with; "" for a token made before signing
+
+
+class Person(msgspec.Struct, kw_only=True):
+    name: str
+    display_name: str = ""
+    password_hash: str = ""
+    disabled: bool = False
+    disabled_reason: str = ""
+    added_at: datetime
+    tokens: dict[str, Token] = {}  # token id -> token (revoked ones are dropped)
+    roles: list[tuple[str, str]] = []  # (role, scope on the log), each once, in the order granted
+    seq: int = 0  # the last sequence on the person's subject
+
+
+class People(msgspec.Struct, kw_only=True):
+    by_name: dict[str, Person] = {}
+    by_prefix: dict[str, tuple[str, str]] = {}  # token prefix -> (person, token id)
+    position: int = 0
+
+    def apply(self, event: RecordedEvent) -> None:
+        """Fold one event of ``llmgw.evt.user.>`` (others are ignored)."""
+        self.position = max(self.position, event.seq)
+        try:
+            aggregate, name = aggregate_of(event.subject)
+        except ValueError:
+            return
+        if aggregate != P.AGGREGATE:
+            return
+        p = event.payload
+        person = self.by_name.get(name)
+        if isinstance(p, P.UserAdded):
+            self.by_name[name] = Person(name=name, display_name=p.display_name, added_at=event.envelope.at)
+        elif person is None:
+            return  # an event of someone never added: nothing to attach it to
+        elif isinstance(p, P.PasswordSet):
+            person.password_hash = p.password_hash
+        elif isinstance(p, P.UserDisabled):
+            person.disabled, person.disabled_reason = True, p.reason
+        elif isinstance(p, P.UserEnabled):
+            person.disabled, person.disabled_reason = False, ""
+        elif isinstance(p, P.RoleGranted):
+            if (p.role, p.scope) not in person.roles:
+                person.roles.append((p.role, p.scope))
+        elif isinstance(p, P.RoleRevoked):
+            person.roles = [b for b in person.roles if b != (p.role, p.scope)]
+        elif isinstance(p, P.TokenIssued):
+            person.tokens[p.token_id] = Token(
+                token_id=p.token_id,
+                prefix=p.prefix,
+                secret_sha256=p.secret_sha256,
+                kind=p.kind,
+                label=p.label,
+                issued_at=event.envelope.at,
+                expires_at=p.expires_at,
+                signing_key=p.signing_key,
+            )
+            self.by_prefix[p.prefix] = (name, p.token_id)
+        elif isinstance(p, P.TokenRevoked):
+            gone = person.tokens.pop(p.token_id, None)
+            if gone is not None:
+                self.by_prefix.pop(gone.prefix, None)
+        if name in self.by_name:
+            self.by_name[name].seq = event.seq
+
+    def find_token(self, person: Person, token: str) -> Token | None:
+        """One of ``person``'s tokens by id or prefix."""
+        return person.tokens.get(token) or next((t for t in person.tokens.values() if t.prefix == token), None)
+
+
+class PeopleAndTree:
+    """The people and the tenancy tree their roles are bound over, folded together: what the people
+    service decides on and what a command verifier authorizes with."""
+
+    def __init__(self) -> None:
+        self.people = People()
+        self.tree = TenancyTree()
+
+    @staticmethod
+    def subjects(name: str) -> dict[str, str]:
+        """The subjects to follow, each with the name its follower shows (``name``, ``name-tenancy``)."""
+        return {f"{EVENTS_ROOT}.{P.AGGREGATE}.>": name, event_subject(T.AGGREGATE, T.TREE_ID): f"{name}-tenancy"}
+
+    def apply(self, event: RecordedEvent) -> None:
+        if event.subject.startswith(f"{EVENTS_ROOT}.{P.AGGREGATE}."):
+            self.people.apply(event)
+        else:
+            self.tree.apply(event)
