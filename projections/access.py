@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from llmgw.events.folds import keys as K
+from llmgw.events.folds import quotas as QF
 from llmgw.events.schema import access as A
 from llmgw.events.schema import quotas as Q
 from llmgw.events.schema.envelope import RecordedEvent
@@ -141,9 +142,9 @@ class AccessProjection(Projection):
         await tx.execute(_PRICE_UPSERT, p.model, price.input_usd_per_m, price.output_usd_per_m, at, e.envelope.actor)
 
     async def quota_changed(self, tx: Tx, e: RecordedEvent) -> None:
-        """A scope's capacity quota, as the shared fold (``Q.fold_quota``) leaves it."""
+        """A scope's capacity quota, as the shared fold (``QF.fold_quota``) leaves it."""
         p: Q.QuotaSet | Q.QuotaCleared = e.payload  # type: ignore[assignment]
-        quota = Q.fold_quota(None, p)
+        quota = QF.fold_quota(None, p)
         values = None
         if quota is not None:
             g, lim = quota.guarantee, quota.limit

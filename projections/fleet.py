@@ -233,7 +233,7 @@ class FleetProjection(Projection):
                 )
 
     async def model_measured(self, tx: Tx, e: RecordedEvent) -> None:
-        """The model's measurements as the shared fold keeps them (``M.fold_model``): one per profile and shape."""
+        """The model's measurements as the shared fold keeps them (``MF.fold_model``): one per profile and shape."""
         _, name = aggregate_of(e.subject)
         row = await tx.fetchone("SELECT measured FROM {models} WHERE name = ?", name)
         if row is None:

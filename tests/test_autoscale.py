@@ -8,6 +8,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmgw.events.folds import models as MF
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
 from llmgw.services.scheduler import autoscale as AS
@@ -206,10 +207,10 @@ def test_the_load_series_keeps_only_changes_and_a_bounded_past() -> None:
 
 
 def test_model_autoscaled_is_a_fact_every_reader_folds_the_same() -> None:
-    status = M.fold_model(None, M.ModelAdded(spec=world().state.models["m"].spec))
-    up = M.fold_model(status, M.ModelAutoscaled(from_=1, to=2, added=1, reason="load", at=T0))
+    status = MF.fold_model(None, M.ModelAdded(spec=world().state.models["m"].spec))
+    up = MF.fold_model(status, M.ModelAutoscaled(from_=1, to=2, added=1, reason="load", at=T0))
     assert up is not None and (up.autoscaled, up.autoscaled_at) == (1, T0)
-    stopped = M.fold_model(up, M.ModelStopped(saved_min=1, saved_max=3))
+    stopped = MF.fold_model(up, M.ModelStopped(saved_min=1, saved_max=3))
     assert stopped is not None and stopped.autoscaled == 0, "a stop ends what the load added"
     wire = msgspec.json.encode(M.ModelAutoscaled(from_=1, to=2, added=1, reason="r", at=1.0))
     assert b'"from":1' in wire

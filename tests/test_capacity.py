@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from llmgw.bench import capacity as C
 from llmgw.events.commands.processor import Rejected
+from llmgw.events.folds import models as MF
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
 from llmgw.services.catalog.rules import Catalog, CatalogEntry, decide
@@ -167,10 +168,10 @@ def test_a_measurement_of_no_tokens_sizes_nothing_and_says_so() -> None:
 
 
 def test_model_measured_keeps_the_newest_measurement_per_profile_and_node_shape() -> None:
-    status = M.fold_model(None, M.ModelAdded(spec=world().state.models["m"].spec))
+    status = MF.fold_model(None, M.ModelAdded(spec=world().state.models["m"].spec))
     gpu = M.NodeShape(cpus=32, gpu="NVIDIA H200", gpus=1)
     for x in (measured(2), measured(3, shape=gpu), measured(4)):
-        status = M.fold_model(status, x)
+        status = MF.fold_model(status, x)
     assert status is not None
     assert [(x.shape, x.concurrency) for x in status.measured] == [(gpu, 3), (SHAPE, 4)]
     wire = msgspec.json.decode(msgspec.json.encode(measured()), type=M.ModelMeasured)
@@ -180,7 +181,7 @@ def test_model_measured_keeps_the_newest_measurement_per_profile_and_node_shape(
 def _catalog(declared: bool = False) -> Catalog:
     c = Catalog()
     spec = world().state.models["m"].spec
-    c.models["m"] = CatalogEntry(status=M.ModelStatus(spec=spec, declared=declared))
+    c.models["m"] = CatalogEntry(status=MF.ModelStatus(spec=spec, declared=declared))
     return c
 
 

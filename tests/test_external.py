@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from llmgw.events.commands.client import CommandRejectedError
+from llmgw.events.folds import models as MF
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import models as M
 from llmgw.events.schema.usage import UsageRecord
@@ -369,7 +370,7 @@ async def test_the_catalog_refuses_a_key_given_as_its_variable_without_repeating
 
 def _external(*providers: M.ExternalProvider) -> ModelInfo:
     spec = M.ModelSpec(name="ext", external=list(providers))
-    return ModelInfo(name="ext", status=M.ModelStatus(spec=spec))
+    return ModelInfo(name="ext", status=MF.ModelStatus(spec=spec))
 
 
 def test_providers_are_tried_cheapest_first_each_with_the_key_whose_turn_it_is() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llmgw.events.folds import models as MF
 from llmgw.events.schema import models as M
 
 
@@ -11,10 +12,10 @@ def spec(name: str = "m", lo: int = 1, hi: int | None = None) -> M.ModelSpec:
     )
 
 
-def fold(*payloads: object) -> M.ModelStatus | None:
+def fold(*payloads: object) -> MF.ModelStatus | None:
     status = None
     for p in payloads:
-        status = M.fold_model(status, p)
+        status = MF.fold_model(status, p)
     return status
 
 
@@ -26,14 +27,14 @@ def test_max_follows_min_when_left_out() -> None:
 def test_a_stop_keeps_the_scaling_and_a_start_restores_it() -> None:
     s = fold(M.ModelAdded(spec=spec(lo=2, hi=3)), M.ModelStopped(saved_min=2, saved_max=3))
     assert s.stopped and s.saved == (2, 3)
-    s = M.fold_model(s, M.ModelStarted(min=2, max=3))
+    s = MF.fold_model(s, M.ModelStarted(min=2, max=3))
     assert not s.stopped and (s.min, s.max) == (2, 3)
 
 
 def test_a_changed_definition_unparks_but_keeps_the_scaling() -> None:
     s = fold(M.ModelAdded(spec=spec()), M.ModelScaled(min=4, max=5), M.ModelParked(reason="bad file", failures=5))
     assert s.parked == "bad file"
-    s = M.fold_model(s, M.ModelChanged(spec=spec(lo=1)))
+    s = MF.fold_model(s, M.ModelChanged(spec=spec(lo=1)))
     assert s.parked is None and (s.min, s.max) == (4, 5)
 
 

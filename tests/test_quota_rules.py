@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw.events.commands.processor import Rejected
+from llmgw.events.folds import quotas as QF
 from llmgw.events.schema import models as M
 from llmgw.events.schema import quotas as Q
 from llmgw.events.schema import tenancy as T
@@ -321,7 +322,7 @@ SCOPES = [
 
 @pytest.mark.parametrize(("_name", "text", "scope_id"), SCOPES, ids=[c[0] for c in SCOPES])
 def test_scope_names(_name: str, text: str, scope_id: str) -> None:
-    assert Q.resolve_scope(_tree().state.tree, text).id == scope_id
+    assert QF.resolve_scope(_tree().state.tree, text).id == scope_id
 
 
 def test_an_ambiguous_bare_name_is_refused_naming_the_choices() -> None:
@@ -354,11 +355,11 @@ def test_set_then_clear_folds_to_no_quota() -> None:
     tree_ = _tree().state.tree
     sid, payloads, message = decide_quota(tree_, {}, Q.SetQuota(scope="acme/ml", limit=Q.Resources(gpus=2)))
     assert (sid, message) == ("acme.ml", "quota of team:acme/ml set")
-    quotas = {sid: Q.fold_quota(None, payloads[0])}
-    assert quotas[sid] == Q.Quota(scope_id="acme.ml", kind="team", limit=Q.Resources(gpus=2))
+    quotas = {sid: QF.fold_quota(None, payloads[0])}
+    assert quotas[sid] == QF.Quota(scope_id="acme.ml", kind="team", limit=Q.Resources(gpus=2))
     _, payloads, message = decide_quota(tree_, quotas, Q.ClearQuota(scope="team:acme/ml"))
     assert message == "quota of team:acme/ml cleared"
-    assert Q.fold_quota(quotas[sid], payloads[0]) is None
+    assert QF.fold_quota(quotas[sid], payloads[0]) is None
     _, payloads, message = decide_quota(tree_, {}, Q.ClearQuota(scope="acme/ml"))
     assert (payloads, message) == ([], "team:acme/ml has no quota")
 

@@ -18,6 +18,7 @@ import nats.js.errors
 import pytest
 from aiohttp import web
 
+from llmgw.events.folds import models as MF
 from llmgw.events.runtime.secrets import engine_key, engine_key_secret
 from llmgw.events.runtime.store import EventStore, NewEvent
 from llmgw.events.schema import access as A
@@ -376,7 +377,7 @@ def _model(name: str, *, fallbacks: tuple[str, ...] = (), min_: int = 1, **statu
         profiles=[M.Profile(engine="llamacpp")],
         fallbacks=list(fallbacks),
     )
-    return ModelInfo(name=name, status=M.ModelStatus(spec=spec, min=min_, **status))
+    return ModelInfo(name=name, status=MF.ModelStatus(spec=spec, min=min_, **status))
 
 
 SECRET, PREFIX, DIGEST = A.make_api_key()

@@ -12,6 +12,7 @@ import re
 import msgspec
 
 from llmgw.events.commands.processor import Rejected
+from llmgw.events.folds import models as MF
 from llmgw.events.schema import models as M
 from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.quotas import owner_shape_error
@@ -19,10 +20,10 @@ from llmgw.events.schema.quotas import owner_shape_error
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
-class CatalogEntry(msgspec.Struct, M.ModelStatusView, kw_only=True):
-    """The shared fold of a model (``M.fold_model``) and the sequence its next append expects."""
+class CatalogEntry(msgspec.Struct, MF.ModelStatusView, kw_only=True):
+    """The shared fold of a model (``MF.fold_model``) and the sequence its next append expects."""
 
-    status: M.ModelStatus
+    status: MF.ModelStatus
     seq: int = 0  # last sequence on the model's subject (any event there, e.g. scheduler.unplaceable)
 
 
@@ -36,7 +37,7 @@ class Catalog:
         p = event.payload
         entry = self.models.get(name)
         if isinstance(p, M.MODEL_EVENTS):
-            status = M.fold_model(entry.status if entry else None, p)
+            status = MF.fold_model(entry.status if entry else None, p)
             if status is None:
                 self.models.pop(name, None)
                 return

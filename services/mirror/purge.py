@@ -23,6 +23,7 @@ import msgspec
 import nats.errors
 import structlog
 
+from llmgw.events.folds import models as MF
 from llmgw.events.folds.replicas import Replica, fold_replica
 from llmgw.events.runtime.follower import Follower, FollowerRegistry
 from llmgw.events.runtime.retry import backoff_delay
@@ -104,7 +105,7 @@ class CatalogView(msgspec.Struct, kw_only=True):
     """The catalog as the purge needs it: the models there now, the last source of every model ever
     added (a removed model's files are found from it) and the purges still open."""
 
-    models: dict[str, M.ModelStatus] = {}
+    models: dict[str, MF.ModelStatus] = {}
     sources: dict[str, str] = {}
     purges: dict[str, PurgeTrack] = {}
 
@@ -119,7 +120,7 @@ def fold_catalog(view: CatalogView, model: str, event: RecordedEvent) -> None:
     if isinstance(p, M.ModelAdded | M.ModelChanged):
         view.sources[model] = p.spec.source
     if isinstance(p, M.MODEL_EVENTS):
-        status = M.fold_model(view.models.get(model), p)
+        status = MF.fold_model(view.models.get(model), p)
         if status is None:
             view.models.pop(model, None)
         else:

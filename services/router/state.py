@@ -11,6 +11,7 @@ import time
 import msgspec
 
 from llmgw.events.folds import keys as K
+from llmgw.events.folds import models as MF
 from llmgw.events.folds import replicas as F
 from llmgw.events.folds.tenancy import TREE_EVENTS, Scope, TenancyTree
 from llmgw.events.schema import access as A
@@ -21,11 +22,11 @@ from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.subjects import aggregate_of
 
 
-class ModelInfo(msgspec.Struct, M.ModelStatusView, kw_only=True):
+class ModelInfo(msgspec.Struct, MF.ModelStatusView, kw_only=True):
     """The catalog's view of a model (the shared fold) plus what only the router tracks."""
 
     name: str
-    status: M.ModelStatus
+    status: MF.ModelStatus
     unplaceable: str | None = None
 
     @property
@@ -184,10 +185,10 @@ class RouterState:
                 self._apply_access(p)
             case _ if isinstance(p, TREE_EVENTS):  # the shared tenancy fold (events/folds/tenancy.py)
                 self.tree.apply(e)
-            case _ if isinstance(p, M.MODEL_EVENTS):  # the shared lifecycle fold (M.fold_model)
+            case _ if isinstance(p, M.MODEL_EVENTS):  # the shared lifecycle fold (MF.fold_model)
                 name = aggregate_of(e.subject)[1]
                 old = self.models.get(name)
-                status = M.fold_model(old.status if old else None, p)
+                status = MF.fold_model(old.status if old else None, p)
                 if status is None:
                     self.models.pop(name, None)
                 else:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from llmgw.events.folds import quotas as QF
 from llmgw.events.schema import quotas as Q
 from llmgw.events.schema import replicas as R
 from llmgw.services.scheduler.placement import Need
@@ -67,8 +68,8 @@ def owner_chain(state: ClusterState, owner: str | None) -> list[str]:
     if not owner:
         return []
     try:
-        scope = Q.resolve_scope(state.tree, owner)
-    except Q.ScopeNotFound:
+        scope = QF.resolve_scope(state.tree, owner)
+    except QF.ScopeNotFound:
         return []
     return [f"{scope.kind}:{scope.id}", *state.tree.scopes_above(scope.id)]
 
@@ -78,8 +79,8 @@ def owner_problem(state: ClusterState, owner: str | None) -> str | None:
     if not owner:
         return None
     try:
-        Q.resolve_scope(state.tree, owner)
-    except Q.ScopeNotFound as exc:
+        QF.resolve_scope(state.tree, owner)
+    except QF.ScopeNotFound as exc:
         return f"owner {owner!r} is held to no quota: {exc}"
     return None
 
@@ -105,7 +106,7 @@ def _chains(state: ClusterState) -> dict[str, list[str]]:
     return out
 
 
-def quotas_by_scope(state: ClusterState) -> dict[str, Q.Quota]:
+def quotas_by_scope(state: ClusterState) -> dict[str, QF.Quota]:
     """Quotas keyed as chains name scopes (``team:<id>``)."""
     return {q.scope: q for q in state.quotas.values()}
 
@@ -150,7 +151,7 @@ def limit_block(
     chain: list[str],
     held: dict[str, Usage],
     need: Usage,
-    quotas: dict[str, Q.Quota],
+    quotas: dict[str, QF.Quota],
     label: Callable[[str], str],
 ) -> str | None:
     """The sentence for a replica reserving ``need`` that would take a scope on ``chain`` over its

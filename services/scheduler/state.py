@@ -12,7 +12,9 @@ from typing import TypeVar
 
 import msgspec
 
+from llmgw.events.folds import models as MF
 from llmgw.events.folds import nodes as NF
+from llmgw.events.folds import quotas as QF
 from llmgw.events.folds import replicas as F
 from llmgw.events.folds import tenancy as TF
 from llmgw.events.schema import models as M
@@ -83,11 +85,11 @@ class NodeState(msgspec.Struct, kw_only=True):
         return self.fact.drain_requested_at
 
 
-class ModelState(msgspec.Struct, M.ModelStatusView, kw_only=True):
-    """The catalog's view of a model (the shared fold, ``M.fold_model``) plus the scheduler's own."""
+class ModelState(msgspec.Struct, MF.ModelStatusView, kw_only=True):
+    """The catalog's view of a model (the shared fold, ``MF.fold_model``) plus the scheduler's own."""
 
     name: str
-    status: M.ModelStatus
+    status: MF.ModelStatus
     starts: F.StartFailures = F.StartFailures()  # the shared fold of its start failures (parking, backoff)
 
     @property
@@ -129,7 +131,7 @@ class ClusterSnapshot(msgspec.Struct, kw_only=True):
     # made sat (kind, parent id), and each scope's quota.
     scopes: dict[str, TF.Scope] = {}
     placed_scopes: dict[str, tuple[str, str | None]] = {}
-    quotas: dict[str, Q.Quota] = {}
+    quotas: dict[str, QF.Quota] = {}
     external: dict[str, list[str]] = {}
 
 
@@ -170,7 +172,7 @@ class ClusterState:
         # Whose capacity a model's replicas use, and how much each scope is guaranteed and may hold (SCHED-8):
         # the shared folds of the tree and of the quotas.
         self.tree = TF.TenancyTree()
-        self.quotas: dict[str, Q.Quota] = {}
+        self.quotas: dict[str, QF.Quota] = {}
         # What quotas derive from replicas, owners, the tree and the quotas (owner chains, holdings,
         # guarantee shares) is kept until what it was derived from changes: most passes run at rest,
         # and a preempting pass summed and sorted every replica again (services/scheduler/quota.py).
@@ -210,7 +212,7 @@ class ClusterState:
         p = event.payload
         at = event.envelope.at.timestamp()
         match p:
-            case _ if isinstance(p, M.MODEL_EVENTS):  # the shared lifecycle fold (M.fold_model)
+            case _ if isinstance(p, M.MODEL_EVENTS):  # the shared lifecycle fold (MF.fold_model)
                 self.changed(aggregate_of(event.subject)[1])
                 self._apply_model(event)
             case _ if isinstance(p, NF.NODE_EVENTS):  # the shared node fold (events/folds/nodes.py)
@@ -222,7 +224,7 @@ class ClusterState:
             case _ if isinstance(p, Q.QUOTA_EVENTS):
                 self.changed()
                 sid = aggregate_of(event.subject)[1]
-                quota = Q.fold_quota(self.quotas.get(sid), p)
+                quota = QF.fold_quota(self.quotas.get(sid), p)
                 if quota is None:
                     self.quotas.pop(sid, None)
                 else:
@@ -273,7 +275,7 @@ class ClusterState:
         p = event.payload
         name = aggregate_of(event.subject)[1]
         old = self.models.get(name)
-        status = M.fold_model(old.status if old else None, p)
+        status = MF.fold_model(old.status if old else None, p)
         self.external.pop(name, None)
         if status is not None and status.spec.external:
             # Served by providers outside the cluster (GW-12): nothing is ever placed for it, so the

@@ -10,15 +10,16 @@ import msgspec
 
 from llmgw.events.commands import roles as R
 from llmgw.events.commands.processor import Rejected
+from llmgw.events.folds import quotas as QF
 from llmgw.events.folds.tenancy import Scope, TenancyTree
 from llmgw.events.schema import quotas as Q
 
 
 def _scope(tree: TenancyTree, text: str) -> Scope:
     try:
-        return Q.resolve_scope(tree, text)
-    except Q.ScopeNotFound as exc:
-        code = "ambiguous" if isinstance(exc, Q.AmbiguousScope) else "not_found"
+        return QF.resolve_scope(tree, text)
+    except QF.ScopeNotFound as exc:
+        code = "ambiguous" if isinstance(exc, QF.AmbiguousScope) else "not_found"
         raise Rejected(str(exc), code) from exc
 
 
@@ -30,7 +31,7 @@ def _check(what: str, r: Q.Resources) -> None:
 
 
 def decide_quota(
-    tree: TenancyTree, quotas: dict[str, Q.Quota], command: Q.QuotaCommand
+    tree: TenancyTree, quotas: dict[str, QF.Quota], command: Q.QuotaCommand
 ) -> tuple[str, list[msgspec.Struct], str]:
     """(scope id, payloads, message) for a quota command, or a refusal."""
     scope = _scope(tree, command.scope)
@@ -76,8 +77,8 @@ def need_quota(tree: TenancyTree, command: Q.QuotaCommand) -> R.Need:
     verb = "setting" if isinstance(command, Q.SetQuota) else "clearing"
     what = f"{verb} the quota of {command.scope}"
     try:
-        scope = Q.resolve_scope(tree, command.scope)
-    except Q.ScopeNotFound:
+        scope = QF.resolve_scope(tree, command.scope)
+    except QF.ScopeNotFound:
         return R.cluster_admin(what)  # the decision then says what is wrong with the name
     if scope.kind == "org":
         return R.cluster_admin(what)

@@ -14,6 +14,7 @@ import structlog
 from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import CommandProcessor
 from llmgw.events.commands.shell import CommandShell, Decision
+from llmgw.events.folds import quotas as QF
 from llmgw.events.runtime.follower import FollowerRegistry
 from llmgw.events.runtime.followers import Followers
 from llmgw.events.runtime.store import EventStore
@@ -36,7 +37,7 @@ class TenancyService:
         self.keys_subject = f"{EVENTS_ROOT}.{A.KEY_AGGREGATE}.>"
         # Capacity quotas name scopes, so the service that folds the tree decides them (SCHED-8).
         self.quotas_subject = f"{EVENTS_ROOT}.{Q.AGGREGATE}.>"
-        self.quotas: dict[str, Q.Quota] = {}
+        self.quotas: dict[str, QF.Quota] = {}
         self.quota_seqs: dict[str, int] = {}  # scope id -> last sequence on its quota subject
         # A key is created only while the tree is unchanged (the access service fences on it), so a key
         # for a project deleted meanwhile is refused; a key created between this read and the delete's
@@ -65,7 +66,7 @@ class TenancyService:
         elif isinstance(event.payload, Q.QUOTA_EVENTS):
             sid = aggregate_of(event.subject)[1]
             self.quota_seqs[sid] = event.seq
-            quota = Q.fold_quota(self.quotas.get(sid), event.payload)
+            quota = QF.fold_quota(self.quotas.get(sid), event.payload)
             if quota is None:
                 self.quotas.pop(sid, None)
             else:
