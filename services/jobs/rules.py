@@ -201,7 +201,7 @@ def verdict(w: Watch, now: float, unplaceable_s: float) -> tuple[str, str] | Non
         rid = sorted(w.ready)[0]
         return "ready", rid
     if w.parked is not None:
-        return "failed", f"the model was parked: {w.parked}; fix the cause, then `llmgw ctl model retry`"
+        return "failed", f"the model was parked: {w.parked}; fix the cause, then `llmgw ctl retry MODEL`"
     if w.blocked_since is not None and now - w.blocked_since >= unplaceable_s:
         return "failed", f"no node can take the model ({w.blocked_reason}) for {unplaceable_s:.0f}s"
     return None
