@@ -11,10 +11,11 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 
-from llmgw.events.commands.auth import ServiceSigner, TokenSigner
+from llmgw.events.commands.auth import CommandVerifier, ServiceSigner, TokenSigner
 from llmgw.events.commands.client import CommandClient, CommandRejectedError
 from llmgw.events.commands.command import Command, command_subject
 from llmgw.events.commands.signing import service_key, sign
+from llmgw.events.runtime.follower import FollowerRegistry
 from llmgw.events.runtime.secrets import signing_secret
 from llmgw.events.runtime.store import EventStore, NewEvent
 from llmgw.events.schema import people as P
@@ -216,6 +217,32 @@ async def test_a_service_signs_as_itself_and_may_act_for_a_person(store: EventSt
     assert created.envelope.actor == "user:ann"
     [outcome] = await store.read(S.command_outcome_subject(created.envelope.causation or ""))
     assert outcome.payload.signer == "svc:api"
+
+
+async def test_services_sharing_one_verifier_fold_the_signers_once_and_it_outlives_the_first_to_stop(
+    store: EventStore,
+) -> None:
+    folds = FollowerRegistry()
+    verifier = CommandVerifier(store, registry=folds)
+    people = PeopleService(store, folds=folds, verifier=verifier).processor()
+    tenancy = TenancyService(store, folds=folds, verifier=verifier).processor()
+    people_task, tenancy_task = asyncio.create_task(people.run()), asyncio.create_task(tenancy.run())
+    try:
+        system = CommandClient.for_service(store, "tests")
+        token = await person(system, "ann", ("cluster-admin", "cluster"))
+        ann = CommandClient(store, TokenSigner(token))
+        await ann.send(T.SERVICE, "create", T.CreateScope(kind="org", path="acme"), actor="")
+        signers = sorted(h.name for h in folds.health() if h.name.startswith("signers"))
+        assert signers == ["signers", "signers-tenancy"]  # one fold of the people and the tree, not one per service
+
+        people.stop()
+        await asyncio.wait_for(people_task, 10)
+        out = await ann.send(T.SERVICE, "create", T.CreateScope(kind="team", path="acme/ml"), actor="")
+        assert out.message.startswith("team acme/ml created")
+    finally:
+        people.stop()
+        tenancy.stop()
+        await asyncio.wait_for(asyncio.gather(people_task, tenancy_task), 10)
 
 
 async def llmgw(nats_url: str, *args: str) -> tuple[int, str]:

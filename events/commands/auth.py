@@ -2,8 +2,8 @@
 
 A caller signs with a :class:`TokenSigner` (a person: the CLI with their login's or personal
 token) or a :class:`ServiceSigner` (a part of the system, its key derived from the cluster
-secret). The :class:`CommandVerifier` of a command service checks, in this order, and refuses with
-a reason a person can act on:
+secret). The :class:`CommandVerifier` (one per process, shared by its command services) checks,
+in this order, and refuses with a reason a person can act on:
 
 1. the command is signed (``unsigned``), by a key it knows — a live token of a person who is not
    disabled, or a service (``unknown_signer``, ``disabled``, ``expired``);
@@ -131,13 +131,20 @@ BAD_SIGNATURE = (
 
 
 class CommandVerifier:
-    """One command service's check of who sent each command and whether they may (see the module)."""
+    """The check of who sent each command and whether they may (see the module), for every command
+    service of a process: nothing in it depends on the service, so one instance (one fold of the
+    people and the tree) serves them all.
+
+    ``name`` is what its followers show on ``/healthz`` (``name``, ``name-tenancy``). Each
+    :class:`~llmgw.events.commands.processor.CommandProcessor` that uses it calls :meth:`start` and
+    :meth:`close` once; the fold follows the log from the first start until the last close.
+    """
 
     def __init__(
         self,
         store: EventStore,
-        service: str,
         *,
+        name: str = "signers",
         registry: FollowerRegistry | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
@@ -145,15 +152,21 @@ class CommandVerifier:
         self.clock = clock
         self.folded = PeopleAndTree()
         self.people, self.tree = self.folded.people, self.folded.tree
-        self.fold = Followers(store, PeopleAndTree.subjects(f"signers-{service}"), self.folded.apply, registry=registry)
+        self.fold = Followers(store, PeopleAndTree.subjects(name), self.folded.apply, registry=registry)
+        self._users = 0  # processors between their start and their close
         self._secret: bytes | None = None
         self._keys: dict[str, Ed25519PublicKey] = {}  # recorded public key (or svc:name) -> loaded key
 
     def start(self) -> None:
+        """One more processor uses the verifier: follow the log (from the first)."""
+        self._users += 1
         self.fold.start()
 
     async def close(self) -> None:
-        await self.fold.close()
+        """One processor is done with the verifier: the fold stops with the last."""
+        self._users -= 1
+        if self._users <= 0:
+            await self.fold.close()
 
     def _public(self, text: str) -> Ed25519PublicKey:
         key = self._keys.get(text)

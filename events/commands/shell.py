@@ -91,7 +91,9 @@ class CommandShell(Generic[P]):
     mirror asks the hub), which may gather them first and so be a coroutine. ``before_append`` runs
     once the decision is final, just before it is written; ``after_append`` once it is written, and
     may add to the caller's result. ``applied_result`` is the result a redelivered command answers
-    with, for callers that need it (a job's id).
+    with, for callers that need it (a job's id). ``verifier`` is the process's shared
+    :class:`CommandVerifier` (one fold of the people and the tree for all its services); without
+    one, the service's processor makes its own.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class CommandShell(Generic[P]):
         applied_result: Callable[[Command, P], dict[str, Any]] | None = None,
         authorize: Callable[[Command, P], Need | None] | None = None,
         attempts: int = MAX_ATTEMPTS,
+        verifier: CommandVerifier | None = None,
     ) -> None:
         self.store = store
         self.service = service
@@ -120,6 +123,7 @@ class CommandShell(Generic[P]):
         self.applied_result = applied_result
         self.authorize = authorize or (lambda command, payload: cluster_admin(f"{command.kind} (a {service} command)"))
         self.attempts = attempts
+        self.verifier = verifier
 
     async def handle(self, command: Command, payload: P) -> Accepted:
         moved = ""  # the subject that moved last: named in the busy message
@@ -167,7 +171,10 @@ class CommandShell(Generic[P]):
 
     def processor(self) -> CommandProcessor:
         """The service's processor: every command verified (signer, signature, actor, role) before it is decided."""
-        verifier = CommandVerifier(self.store, self.service, registry=self.fold.registry)
+        # The process's shared verifier when it was given one; else one of the service's own.
+        verifier = self.verifier or CommandVerifier(
+            self.store, name=f"signers-{self.service}", registry=self.fold.registry
+        )
         return CommandProcessor(
             self.store, self.service, self.payload_type, self.handle, verifier=verifier, authorize=self.authorize
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import structlog
 
+from llmgw.events.commands.auth import CommandVerifier
 from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import CommandProcessor
 from llmgw.events.commands.shell import CommandShell, Decision, Fence
@@ -27,7 +28,9 @@ log = structlog.get_logger("llmgw.services.access")
 
 
 class AccessService:
-    def __init__(self, store: EventStore, *, folds: FollowerRegistry | None = None) -> None:
+    def __init__(
+        self, store: EventStore, *, folds: FollowerRegistry | None = None, verifier: CommandVerifier | None = None
+    ) -> None:
         self.store = store
         self.state = rules.AccessState()
         self.tree_subject = event_subject(T.AGGREGATE, T.TREE_ID)
@@ -48,6 +51,7 @@ class AccessService:
             decide=self.decide,
             payload_type=A.AccessCommand,
             authorize=lambda command, payload: rules.need(self.state, payload),
+            verifier=verifier,
         )
 
     def start(self) -> None:

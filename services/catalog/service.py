@@ -10,6 +10,7 @@ from pathlib import Path
 
 import structlog
 
+from llmgw.events.commands.auth import CommandVerifier
 from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import CommandProcessor
 from llmgw.events.commands.shell import CommandShell, Decision
@@ -25,7 +26,9 @@ log = structlog.get_logger("llmgw.services.catalog")
 
 
 class CatalogService:
-    def __init__(self, store: EventStore, *, folds: FollowerRegistry | None = None) -> None:
+    def __init__(
+        self, store: EventStore, *, folds: FollowerRegistry | None = None, verifier: CommandVerifier | None = None
+    ) -> None:
         self.store = store
         self.catalog = Catalog()
         # Each model subject's last sequence, a removed model's too: adding it again expects that.
@@ -38,6 +41,7 @@ class CatalogService:
             fold=self.fold,
             decide=self.decide,
             payload_type=M.CatalogCommand,
+            verifier=verifier,
         )
 
     def _apply(self, event: RecordedEvent) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from llmgw.events.commands.auth import CommandVerifier
 from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import CommandProcessor, Rejected
 from llmgw.events.commands.shell import CommandShell, Decision
@@ -73,7 +74,9 @@ def decide_restart(replicas: dict[str, F.Replica], command: R.RestartReplica) ->
 
 
 class FleetService:
-    def __init__(self, store: EventStore, *, folds: FollowerRegistry | None = None) -> None:
+    def __init__(
+        self, store: EventStore, *, folds: FollowerRegistry | None = None, verifier: CommandVerifier | None = None
+    ) -> None:
         self.store = store
         self.nodes: dict[str, NF.Node] = {}  # node id -> the node as the shared fold (events/folds/nodes.py) keeps it
         self.seqs: dict[str, int] = {}  # node id -> last sequence on its subject
@@ -83,7 +86,13 @@ class FleetService:
         subjects = {f"{EVENTS_ROOT}.{N.AGGREGATE}.>": "fleet", f"{EVENTS_ROOT}.{R.AGGREGATE}.>": "fleet-replicas"}
         self.fold = Followers(store, subjects, self._apply, registry=folds)
         self.shell = CommandShell(
-            store, service=N.SERVICE, what="the fleet", fold=self.fold, decide=self.decide, payload_type=FleetCommand
+            store,
+            service=N.SERVICE,
+            what="the fleet",
+            fold=self.fold,
+            decide=self.decide,
+            payload_type=FleetCommand,
+            verifier=verifier,
         )
 
     def _apply(self, event: RecordedEvent) -> None:

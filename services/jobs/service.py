@@ -21,6 +21,7 @@ import aiohttp
 import msgspec
 import structlog
 
+from llmgw.events.commands.auth import CommandVerifier
 from llmgw.events.commands.client import CommandClient, CommandError, CommandRejectedError
 from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import CommandProcessor
@@ -70,7 +71,14 @@ class JobsConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class JobsService:
-    def __init__(self, store: EventStore, config: JobsConfig, *, folds: FollowerRegistry | None = None) -> None:
+    def __init__(
+        self,
+        store: EventStore,
+        config: JobsConfig,
+        *,
+        folds: FollowerRegistry | None = None,
+        verifier: CommandVerifier | None = None,
+    ) -> None:
         self.store = store
         self.config = config
         self.folds = folds if folds is not None else FollowerRegistry()
@@ -89,6 +97,7 @@ class JobsService:
             payload_type=J.JobCommand,
             after_append=self._started,
             applied_result=lambda command, payload: {"job": command.id},
+            verifier=verifier,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------

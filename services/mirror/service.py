@@ -23,6 +23,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from llmgw.events.commands.auth import CommandVerifier
 from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import CommandProcessor, Rejected
 from llmgw.events.commands.shell import Cause, CommandShell, Decision
@@ -75,6 +76,7 @@ class MirrorService:
         guard: DiskGuard | None = None,
         folds: FollowerRegistry | None = None,
         resolver: outbound.OutboundResolver | None = None,
+        verifier: CommandVerifier | None = None,
     ) -> None:
         """``resolver``: where the hub's session may connect; by default ``config.hub_allow_private``'s rule."""
         self.store = store
@@ -103,6 +105,7 @@ class MirrorService:
             payload_type=E.MirrorCommand,
             before_append=self._before_append,
             after_append=self._after_append,
+            verifier=verifier,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime
 
+from llmgw.events.commands.auth import CommandVerifier
 from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import CommandProcessor
 from llmgw.events.commands.shell import CommandShell, Decision
@@ -22,7 +23,12 @@ from llmgw.services.people import rules
 
 class PeopleService:
     def __init__(
-        self, store: EventStore, *, folds: FollowerRegistry | None = None, clock: Callable[[], datetime] = utc_now
+        self,
+        store: EventStore,
+        *,
+        folds: FollowerRegistry | None = None,
+        clock: Callable[[], datetime] = utc_now,
+        verifier: CommandVerifier | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -37,6 +43,7 @@ class PeopleService:
             decide=self.decide,
             payload_type=P.PeopleCommand,
             authorize=lambda command, payload: rules.need(command.actor, payload),
+            verifier=verifier,
         )
 
     def start(self) -> None:

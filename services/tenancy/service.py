@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 import structlog
 
+from llmgw.events.commands.auth import CommandVerifier
 from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import CommandProcessor
 from llmgw.events.commands.shell import CommandShell, Decision
@@ -30,7 +31,9 @@ log = structlog.get_logger("llmgw.services.tenancy")
 
 
 class TenancyService:
-    def __init__(self, store: EventStore, *, folds: FollowerRegistry | None = None) -> None:
+    def __init__(
+        self, store: EventStore, *, folds: FollowerRegistry | None = None, verifier: CommandVerifier | None = None
+    ) -> None:
         self.store = store
         self.tree = TenancyTree()
         self.subject = event_subject(T.AGGREGATE, T.TREE_ID)
@@ -58,6 +61,7 @@ class TenancyService:
             authorize=lambda command, payload: (
                 need_quota(self.tree, payload) if isinstance(payload, Q.QuotaCommand) else need(payload)
             ),
+            verifier=verifier,
         )
 
     def _apply(self, event: RecordedEvent) -> None:
