@@ -1,4 +1,10 @@
-"""Nodes, models and replicas as tables: what `ctl nodes|models|replicas` and the API read."""
+"""Nodes, models and replicas as tables: what `ctl nodes|models|replicas` and the API read.
+
+Each row is what the shared folds (``events/folds``) make of its events: a node's is ``fold_node``'s,
+a replica's ``fold_replica``'s, a model's ``fold_model``'s with its start failures
+(``fold_start_failures``). A handler reads the row back as the fold's input, folds the event and
+writes the result; no event is interpreted here by hand.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +12,21 @@ from datetime import UTC, datetime
 
 import msgspec
 
+from llmgw.events.folds import models as MF
 from llmgw.events.folds import nodes as NF
 from llmgw.events.folds import replicas as F
 from llmgw.events.schema import models as M
 from llmgw.events.schema import scheduler as SCH
 from llmgw.events.schema.envelope import RecordedEvent
-from llmgw.events.schema.models import spec_hash
 from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of
 from llmgw.projections.base import Projection, Tx
 
 
 def _json(v: object) -> str:
     return msgspec.json.encode(v).decode()
+
+
+_STATUS = msgspec.json.Decoder(MF.ModelStatus)
 
 
 _NODE_UPSERT = (
@@ -27,13 +36,30 @@ _NODE_UPSERT = (
     "memory_total_bytes = excluded.memory_total_bytes, gpus = excluded.gpus, engines = excluded.engines, "
     "labels = excluded.labels, agent_version = excluded.agent_version, updated_at = excluded.updated_at"
 )
-_MODEL_UPSERT = (
-    "INSERT INTO {models} (name, spec, declared, min_replicas, max_replicas, stopped, parked, failures, last_error, "
-    "unplaceable, spec_hash, updated_at) VALUES (?, ?, ?, ?, ?, 0, NULL, 0, '', NULL, ?, ?) ON CONFLICT (name) DO "
-    "UPDATE SET spec = excluded.spec, declared = excluded.declared, min_replicas = excluded.min_replicas, "
-    "max_replicas = excluded.max_replicas, stopped = 0, parked = NULL, failures = 0, last_error = '', "
-    "unplaceable = NULL, spec_hash = excluded.spec_hash, updated_at = excluded.updated_at"
+# A model's row is written whole from the folds (every column from ``ModelRow.columns``, in this order).
+_MODEL_COLUMNS = (
+    "spec",
+    "declared",
+    "min_replicas",
+    "max_replicas",
+    "stopped",
+    "parked",
+    "failures",
+    "last_error",
+    "unplaceable",
+    "spec_hash",
+    "gave_room_to",
+    "held_until",
+    "preemptions",
+    "updated_at",
+    "measured",
+    "folded",  # the model as fold_model leaves it (JSON): the next event's fold starts from it
 )
+_MODEL_UPSERT = (
+    f"INSERT INTO {{models}} (name, {', '.join(_MODEL_COLUMNS)}) VALUES (?{', ?' * len(_MODEL_COLUMNS)}) "
+    f"ON CONFLICT (name) DO UPDATE SET {', '.join(f'{c} = excluded.{c}' for c in _MODEL_COLUMNS)}"
+)
+_MODEL_SELECT = "SELECT folded, spec_hash, failures, last_error, unplaceable, updated_at FROM {models} WHERE name = ?"
 _REPLICA_INSERT = (
     "INSERT INTO {replicas} (id, model, node_id, state, spec_hash, pid, port, url, reason, placed_at, updated_at, "
     "restart, replaces, cores, memory_bytes, gpus) VALUES (?, ?, ?, 'placed', ?, NULL, NULL, NULL, '', ?, ?, '', ?, "
@@ -61,6 +87,72 @@ def _replica(rid: str, row: tuple) -> F.Replica:
     )
 
 
+class ModelRow(msgspec.Struct, frozen=True, kw_only=True):
+    """A ``models`` row before it is written: the model as ``fold_model`` leaves it, its run of start
+    failures as ``fold_start_failures`` leaves it, and what the row adds (the scheduler's word, the time)."""
+
+    status: MF.ModelStatus
+    starts: F.StartFailures
+    unplaceable: str | None = None  # the scheduler's ``scheduler.unplaceable``, until a replica is placed
+    updated_at: str  # the event time of its last edit, ISO
+
+    def columns(self) -> tuple[object, ...]:
+        """The row's columns (``_MODEL_COLUMNS``), each read from the folds.
+
+        What the model never had stays NULL, as `ctl models` and the API have always shown it: no
+        preemption yet (gave_room_to, held_until, preemptions), no measurement yet (measured)."""
+        s, pre = self.status, self.status.preempted
+        return (
+            _json(s.spec),
+            int(s.declared),
+            s.min,
+            s.max,
+            int(s.stopped),
+            s.parked,
+            self.starts.count,
+            self.starts.last_error,
+            self.unplaceable,
+            self.starts.spec_hash,
+            pre.reason if pre else None,
+            datetime.fromtimestamp(pre.held_until, UTC).isoformat() if pre else None,
+            s.preemptions if pre else None,
+            self.updated_at,
+            _json(s.measured) if s.measured else None,
+            _json(s),
+        )
+
+
+def fold_model_row(row: ModelRow | None, payload: msgspec.Struct, at: datetime) -> ModelRow | None:
+    """The row after one of the model's events at ``at`` (None: no such model). Pure.
+
+    The model is ``fold_model``'s, its start failures ``fold_start_failures``'s; a model added is new
+    in every column. The autoscaler's steps change no column shown and are not an edit: ``updated_at``
+    stays the last edit's.
+    """
+    status = MF.fold_model(row.status if row is not None else None, payload)
+    if status is None:
+        return None
+    ts, when = at.timestamp(), at.isoformat()
+    if row is None or isinstance(payload, M.ModelAdded):
+        return ModelRow(status=status, starts=F.fold_start_failures(F.StartFailures(), payload, ts), updated_at=when)
+    return msgspec.structs.replace(
+        row,
+        status=status,
+        starts=F.fold_start_failures(row.starts, payload, ts),
+        updated_at=row.updated_at if isinstance(payload, M.ModelAutoscaled) else when,
+    )
+
+
+def _model_row(found: tuple) -> ModelRow:
+    folded, hash_, failures, last_error, unplaceable, updated_at = found
+    return ModelRow(
+        status=_STATUS.decode(folded),
+        starts=F.StartFailures(spec_hash=hash_ or "", count=int(failures), last_error=last_error or ""),
+        unplaceable=unplaceable,
+        updated_at=updated_at or "",
+    )
+
+
 class FleetProjection(Projection):
     name = "fleet"
     # 2: replicas and failure counts folded by events/folds/replicas.py; rows folded before are rebuilt from the log
@@ -69,7 +161,9 @@ class FleetProjection(Projection):
     # 5: a model's last preemption (SCHED-7): gave_room_to, held_until, preemptions
     # 6: what each replica reserves (cores, memory_bytes, gpus), so a replay can say what each scope held
     # 7: a model's measurements (SCHED-10): measured, the newest per profile and node shape, as JSON
-    version = 7
+    # 8: models folded by events/folds/models.py (fold_model): the folded model kept in `folded`, each column read
+    #    from it
+    version = 8
     subject = f"{EVENTS_ROOT}.>"
     tables = {
         "nodes": "id TEXT PRIMARY KEY, address TEXT, cpus INTEGER, memory_total_bytes BIGINT, gpus TEXT, "
@@ -78,7 +172,7 @@ class FleetProjection(Projection):
         "models": "name TEXT PRIMARY KEY, spec TEXT NOT NULL, declared INTEGER NOT NULL, min_replicas INTEGER, "
         "max_replicas INTEGER, stopped INTEGER NOT NULL, parked TEXT, failures INTEGER NOT NULL, last_error TEXT, "
         "unplaceable TEXT, spec_hash TEXT, gave_room_to TEXT, held_until TEXT, preemptions INTEGER, updated_at TEXT, "
-        "measured TEXT",
+        "measured TEXT, folded TEXT NOT NULL",
         "replicas": "id TEXT PRIMARY KEY, model TEXT NOT NULL, node_id TEXT NOT NULL, state TEXT NOT NULL, "
         "spec_hash TEXT, pid INTEGER, port INTEGER, url TEXT, reason TEXT, placed_at TEXT, updated_at TEXT, "
         "restart TEXT, replaces TEXT, cores INTEGER, memory_bytes BIGINT, gpus INTEGER",
@@ -93,16 +187,18 @@ class FleetProjection(Projection):
         "node.cordoned": "node_state",
         "node.uncordoned": "node_state",
         "node.drain_requested": "node_state",
-        "model.added": "model_spec",
-        "model.changed": "model_spec",
-        "model.scaled": "model_edit",
-        "model.stopped": "model_edit",
-        "model.started": "model_edit",
-        "model.removed": "model_edit",
-        "model.parked": "model_edit",
-        "model.retried": "model_edit",
-        "model.preempted": "model_edit",
-        "model.measured": "model_measured",
+        # A model's events (``M.MODEL_EVENTS``), each through the shared fold
+        "model.added": "model_event",
+        "model.changed": "model_event",
+        "model.scaled": "model_event",
+        "model.stopped": "model_event",
+        "model.started": "model_event",
+        "model.removed": "model_event",
+        "model.parked": "model_event",
+        "model.retried": "model_event",
+        "model.preempted": "model_event",
+        "model.autoscaled": "model_event",
+        "model.measured": "model_event",
         "scheduler.unplaceable": "model_unplaceable",
         "replica.placed": "replica_placed",
         "replica.starting": "replica_state",
@@ -158,93 +254,18 @@ class FleetProjection(Projection):
             p.node_id,
         )
 
-    async def model_spec(self, tx: Tx, e: RecordedEvent) -> None:
-        p = e.payload
-        spec = p.spec
-        at = e.envelope.at.isoformat()
-        if isinstance(p, M.ModelAdded):
-            await tx.execute(
-                _MODEL_UPSERT,
-                spec.name,
-                _json(spec),
-                int(p.declared),
-                spec.scaling.min,
-                spec.scaling.upper,
-                spec_hash(spec),
-                at,
-            )
-        else:
-            await tx.execute(
-                "UPDATE {models} SET spec = ?, spec_hash = ?, parked = NULL, failures = 0, updated_at = ? "
-                "WHERE name = ?",
-                _json(spec),
-                spec_hash(spec),
-                at,
-                spec.name,
-            )
-
-    async def model_edit(self, tx: Tx, e: RecordedEvent) -> None:
+    async def model_event(self, tx: Tx, e: RecordedEvent) -> None:
+        """Any of a model's events: the row is read back as the folds left it, folded once more
+        (:func:`fold_model_row`) and written whole, every column from the folded model."""
         _, name = aggregate_of(e.subject)
-        p = e.payload
-        at = e.envelope.at.isoformat()
-        match p:
-            case M.ModelPreempted():
-                await tx.execute(
-                    "UPDATE {models} SET gave_room_to = ?, held_until = ?, "
-                    "preemptions = COALESCE(preemptions, 0) + ?, updated_at = ? WHERE name = ?",
-                    p.reason,
-                    datetime.fromtimestamp(p.held_until, UTC).isoformat(),
-                    len(p.replicas),
-                    at,
-                    name,
-                )
-            case M.ModelScaled():
-                await tx.execute(
-                    "UPDATE {models} SET min_replicas = ?, max_replicas = ?, updated_at = ? WHERE name = ?",
-                    p.min,
-                    p.max,
-                    at,
-                    name,
-                )
-            case M.ModelStopped():
-                await tx.execute("UPDATE {models} SET stopped = 1, updated_at = ? WHERE name = ?", at, name)
-            case M.ModelStarted():
-                await tx.execute(
-                    "UPDATE {models} SET stopped = 0, min_replicas = ?, max_replicas = ?, "
-                    "updated_at = ? WHERE name = ?",
-                    p.min,
-                    p.max,
-                    at,
-                    name,
-                )
-            case M.ModelRemoved():
+        found = await tx.fetchone(_MODEL_SELECT, name)
+        before = _model_row(found) if found is not None else None
+        after = fold_model_row(before, e.payload, e.envelope.at)
+        if after is None:
+            if before is not None:
                 await tx.execute("DELETE FROM {models} WHERE name = ?", name)
-            case M.ModelParked():
-                await tx.execute(
-                    "UPDATE {models} SET parked = ?, last_error = ?, updated_at = ? WHERE name = ?",
-                    p.reason,
-                    p.reason,
-                    at,
-                    name,
-                )
-            case M.ModelRetried():
-                await tx.execute(
-                    "UPDATE {models} SET parked = NULL, failures = 0, updated_at = ? WHERE name = ?", at, name
-                )
-
-    async def model_measured(self, tx: Tx, e: RecordedEvent) -> None:
-        """The model's measurements as the shared fold keeps them (``MF.fold_model``): one per profile and shape."""
-        _, name = aggregate_of(e.subject)
-        row = await tx.fetchone("SELECT measured FROM {models} WHERE name = ?", name)
-        if row is None:
             return
-        measured = M.add_measurement(msgspec.json.decode(row[0] or "[]", type=list[M.ModelMeasured]), e.payload)
-        await tx.execute(
-            "UPDATE {models} SET measured = ?, updated_at = ? WHERE name = ?",
-            _json(measured),
-            e.envelope.at.isoformat(),
-            name,
-        )
+        await tx.execute(_MODEL_UPSERT, name, *after.columns())
 
     async def model_unplaceable(self, tx: Tx, e: RecordedEvent) -> None:
         p = e.payload
