@@ -2,7 +2,7 @@
 
 Both connect as the operator (on the `llmgw up` machine its credential is found by itself; elsewhere
 ``--nats-creds``). A restore with no running `llmgw up` and no ``--nats`` starts a bare nats-server on
-the data directory itself, so `llmgw restore ARCHIVE --data-dir NEW` then `llmgw up --data-dir NEW` is
+the data directory itself, so `llmgw --data-dir NEW restore ARCHIVE` then `llmgw up --data-dir NEW` is
 the whole recovery of an embedded install.
 """
 

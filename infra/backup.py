@@ -56,7 +56,7 @@ CHUNK = 128 * 1024  # snapshot chunks the server sends (its default), and restor
 TOO_SLOW = (
     "the server took more than 5 s to store part of {stream} and gave up: a nats-server that flushes every "
     "write (sync_interval: always) restores too slowly. Restore into servers running without it, then set it "
-    "again and restart them one at a time (`llmgw restore --data-dir DIR` does this by itself); what it "
+    "again and restart them one at a time (`llmgw --data-dir DIR restore ARCHIVE` does this by itself); what it "
     "stored of {stream} is left there: run the restore again with --force"
 )
 API_TIMEOUT_S = 30.0
@@ -155,7 +155,7 @@ def restore_refusal(existing: dict[str, int], archived: Sequence[str], force: bo
     what = f"; the archive would replace {', '.join(clash)}" if clash else ""
     return (
         f"the cluster is not empty: {listed}{what}. Restore into a fresh nats-server with services stopped "
-        "(`llmgw restore ARCHIVE --data-dir NEW_DIR` starts one on NEW_DIR), or pass --force to delete "
+        "(`llmgw --data-dir NEW_DIR restore ARCHIVE` starts one on NEW_DIR), or pass --force to delete "
         "and replace the archive's streams"
     )
 
