@@ -31,6 +31,7 @@ from llmgw.events.folds import replicas as F
 from llmgw.events.runtime.follower import Follower, FollowerRegistry
 from llmgw.events.runtime.secrets import engine_key, engine_key_secret, mirror_token
 from llmgw.events.runtime.store import EventStore, NewEvent
+from llmgw.events.runtime.subscriber import Subscriber
 from llmgw.events.runtime.tasks import cancel_and_wait
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
@@ -143,14 +144,28 @@ class Agent:
             asyncio.create_task(self._follow().run(), name="agent-follow"),
             asyncio.create_task(self._heartbeats(), name="agent-heartbeats"),
             asyncio.create_task(self._reconcile_loop(), name="agent-reconcile"),
-            asyncio.create_task(self._serve_logs(), name="agent-logs"),
-            asyncio.create_task(self._serve_weights(), name="agent-weights"),
         ]
+        # `ctl node logs` and `ctl node weights`, under the same supervision as the fold (and in its registry).
+        subscribers = [
+            Subscriber(
+                self.store.nc, logs_subject(self.cfg.node_id), self._on_logs, name="agent-logs", registry=self.folds
+            ),
+            Subscriber(
+                self.store.nc,
+                weights_subject(self.cfg.node_id),
+                self._on_weights,
+                name="agent-weights",
+                registry=self.folds,
+            ),
+        ]
+        tasks += [asyncio.create_task(s.run(), name=s.name) for s in subscribers]
         log.info("agent started", node=self.cfg.node_id, cpus=self.cpus, adopted=len(self.supervisor.engines))
         try:
             await self._stop.wait()
         finally:
             await cancel_and_wait([*tasks, *self._tasks])
+            for s in subscribers:
+                await s.close()
             if self._stop_engines_too and self._stop.is_set():  # asked to: not a crash
                 await self._stop_engines("stopped with llmgw up")
 
@@ -466,50 +481,34 @@ class Agent:
             return WeightsReply(error=f"unknown weights action {req.action!r} (list, collect, remove)")
         return WeightsReply(held=self.weights.held(), removed=removed)
 
-    async def _serve_weights(self) -> None:
-        async def on_request(msg: Any) -> None:
-            try:
-                req = msgspec.json.decode(msg.data, type=WeightsRequest)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                await msg.respond(msgspec.json.encode(WeightsReply(error=f"bad weights request: {exc}")))
-                return
-            try:
-                reply = self._weights_request(req)
-            except OSError as exc:
-                reply = WeightsReply(error=f"node {self.cfg.node_id}: {exc}")
-            await msg.respond(msgspec.json.encode(reply))
-            with contextlib.suppress(Exception):
-                await self.heartbeat()  # what it holds now, without waiting for the next beat
-
-        sub = await self.store.nc.subscribe(weights_subject(self.cfg.node_id), cb=on_request)
+    async def _on_weights(self, msg: Any) -> None:
         try:
-            await asyncio.Event().wait()
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            req = msgspec.json.decode(msg.data, type=WeightsRequest)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            await msg.respond(msgspec.json.encode(WeightsReply(error=f"bad weights request: {exc}")))
+            return
+        try:
+            reply = self._weights_request(req)
+        except OSError as exc:
+            reply = WeightsReply(error=f"node {self.cfg.node_id}: {exc}")
+        await msg.respond(msgspec.json.encode(reply))
+        with contextlib.suppress(Exception):
+            await self.heartbeat()  # what it holds now, without waiting for the next beat
 
-    async def _serve_logs(self) -> None:
-        async def on_request(msg: Any) -> None:
-            try:
-                req = msgspec.json.decode(msg.data, type=LogsRequest)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                await msg.respond(msgspec.json.encode(LogsReply(error=f"bad logs request: {exc}")))
-                return
-            n = max(1, min(req.lines, 5000))
-            if req.replica:
-                path = self.supervisor.log_path(req.replica)
-                if not path.exists():
-                    known = ", ".join(sorted(self.supervisor.engines)) or "none running"
-                    reply = LogsReply(error=f"node {self.cfg.node_id} has no log for replica {req.replica} ({known})")
-                else:
-                    reply = LogsReply(lines=tail(path, n))
+    async def _on_logs(self, msg: Any) -> None:
+        try:
+            req = msgspec.json.decode(msg.data, type=LogsRequest)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            await msg.respond(msgspec.json.encode(LogsReply(error=f"bad logs request: {exc}")))
+            return
+        n = max(1, min(req.lines, 5000))
+        if req.replica:
+            path = self.supervisor.log_path(req.replica)
+            if not path.exists():
+                known = ", ".join(sorted(self.supervisor.engines)) or "none running"
+                reply = LogsReply(error=f"node {self.cfg.node_id} has no log for replica {req.replica} ({known})")
             else:
-                reply = LogsReply(lines=list(self.ring.lines)[-n:])
-            await msg.respond(msgspec.json.encode(reply))
-
-        sub = await self.store.nc.subscribe(logs_subject(self.cfg.node_id), cb=on_request)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+                reply = LogsReply(lines=tail(path, n))
+        else:
+            reply = LogsReply(lines=list(self.ring.lines)[-n:])
+        await msg.respond(msgspec.json.encode(reply))

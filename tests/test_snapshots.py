@@ -35,8 +35,8 @@ from llmgw.services.router import state as RS
 from llmgw.services.router.app import Router
 from llmgw.services.router.config import RouterConfig
 from llmgw.services.scheduler import state as SS
-from llmgw.services.scheduler.reconcile import Config
 from llmgw.services.scheduler.service import FOLDED, SchedulerService
+from llmgw.services.scheduler.vocabulary import Config
 from tests.support import wait_until
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
@@ -115,7 +115,9 @@ async def test_a_router_started_after_a_snapshot_reaches_the_state_folded_from_0
     await store.append_many(list(realistic_log(LOG)))
     logged = await store.stream_last_seq()
     first = await _router(store, routers)
-    await wait_until(lambda: first.snapshotter is not None and first.snapshotter.saves >= 1, what="a snapshot saved")
+    await wait_until(
+        lambda: first.fold.snapshotter is not None and first.fold.snapshotter.saves >= 1, what="a snapshot saved"
+    )
     saved = await (await SnapshotStore.open(store.js)).load(RS.SNAPSHOT_NAME, RS.SNAPSHOT_VERSION)
     assert saved is not None
     at = saved[0]
@@ -189,7 +191,7 @@ async def test_a_scheduler_started_after_its_leaders_snapshot_reaches_the_state_
     running = asyncio.create_task(first.run())
     try:
         await wait_until(
-            lambda: first.snapshotter is not None and first.snapshotter.saves >= 1,
+            lambda: first.fold.snapshotter is not None and first.fold.snapshotter.saves >= 1,
             deadline_s=30,
             what="the leader's snapshot saved",
         )

@@ -7,7 +7,8 @@ service went on answering from frozen state (a revoked key kept working) while i
 
 A :class:`Follower` is that loop once, supervised:
 
-- it starts from a given position and state (a snapshot needs nothing more) and reads the tail;
+- it starts from a given position and state, or (with a :class:`~.snapshots.SnapshotPlan`) from the
+  newest snapshot, whose next ones it then saves itself, and reads the tail;
 - it says when it has caught up with the log as it was when it started (``caught_up``);
 - the reader rides out NATS trouble and remakes a lost consumer itself (:mod:`.reader`); any other
   failure starts the loop again from the fold's position, with backoff (:func:`.retry.keep_running`),
@@ -17,8 +18,13 @@ A :class:`Follower` is that loop once, supervised:
 - a watchdog compares the fold's position with the log's head: a fold that has events to read and
   does not advance for ``stall_s`` seconds (or cannot learn the head that long) is ``stalled``.
 
-Its :meth:`Follower.health` is plain data; a process's :class:`FollowerRegistry` gathers its folds for
-``/healthz`` (503 naming each fold that is not live) and for the metrics.
+Its :meth:`Follower.health` is plain data; a process's :class:`FollowerRegistry` gathers its folds — and
+everything else that follows the bus under the same supervision (core-NATS subscribers,
+:mod:`.subscriber`; projection slots) — for ``/healthz`` (503 naming each one that is not live) and for
+the metrics.
+
+Its first turn to live is logged at debug (a process starts dozens of folds: that is not news to a
+person at a terminal); falling behind, failing and recovering from either are logged for a person.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.events.runtime.retry import keep_running, retrying
+from llmgw.events.runtime.snapshots import SnapshotPlan, Snapshotter, resume
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import subjects as S
 from llmgw.events.schema.codec import encode_envelope
@@ -59,11 +66,11 @@ Apply = Callable[[RecordedEvent], "Awaitable[None] | None"]
 
 
 class FollowerHealth(msgspec.Struct, frozen=True, kw_only=True):
-    """How one fold is doing, as ``/healthz`` and the metrics report it."""
+    """How one fold (or subscriber, or projection slot) is doing, as ``/healthz`` and the metrics report it."""
 
     name: str
     state: str  # one of STATES
-    position: int
+    position: int  # the last log sequence folded (a subscriber: the messages it has handled)
     head: int | None = None  # the log's last sequence on the fold's subjects, when known
     error: str | None = None  # why it is not live (or the last failure it recovered from)
     since: float  # wall-clock time (Unix seconds) the fold has been in this state since
@@ -111,10 +118,10 @@ class Follower:
     """Keeps ``fold`` (an object with ``apply`` and ``position``, or a bare apply function) current
     with ``subject`` of the log, supervised; see the module's docstring.
 
-    ``after`` is where to start (default: the fold's own ``position``, else 0); with a snapshot it is
-    the snapshot's position and ``fold`` its state. ``on_batch`` runs after each batch is applied (a
-    service wakes its loops there). ``apply`` may be a coroutine function; while it is awaited the
-    fold does not advance (a stall the watchdog sees).
+    ``after`` is where to start (default: the fold's own ``position``, else 0). ``snapshot`` starts it
+    from the newest snapshot instead, when one decodes, and saves the next ones (:meth:`restore`).
+    ``on_batch`` runs after each batch is applied (a service wakes its loops there). ``apply`` may be a
+    coroutine function; while it is awaited the fold does not advance (a stall the watchdog sees).
     """
 
     def __init__(
@@ -127,6 +134,7 @@ class Follower:
         after: int | None = None,
         registry: FollowerRegistry | None = None,
         on_batch: Callable[[], Any] | None = None,
+        snapshot: SnapshotPlan | None = None,
         stall_s: float = STALL_S,
         check_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -139,6 +147,9 @@ class Follower:
         start = after if after is not None else int(getattr(self._target, "position", 0) or 0)
         self.position = start
         self.on_batch = on_batch
+        self.snapshot = snapshot
+        self.snapshotter: Snapshotter | None = None  # saves the next snapshots, once restored with a plan
+        self._restored = snapshot is None
         self.stall_s = stall_s
         self.check_s = check_s if check_s is not None else max(min(stall_s / 3, 5.0), 0.05)
         self.clock = clock
@@ -162,6 +173,7 @@ class Follower:
         self._head_error: str | None = None
         self._last_error: str | None = None
         self._shown: tuple[str, float] = ("starting", time.time())
+        self._alarmed = False  # it was logged as not live, and has not been logged live again since
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -171,10 +183,37 @@ class Follower:
             self._task = asyncio.create_task(self.run(), name=f"fold-{self.name}")
         return self
 
+    async def restore(self) -> None:
+        """Start from the newest snapshot of the ``snapshot`` plan (if one decodes at its schema) and set up
+        the saving of the next ones. Once, before reading: :meth:`run` does it if the service did not (a
+        service that must not take requests before its state is restored awaits it first)."""
+        if self._restored:
+            return
+        self._restored = True
+        plan = self.snapshot
+        assert plan is not None
+        resumed = await resume(
+            self.store,
+            plan.name,
+            plan.schema_version,
+            plan.decode,
+            plan.encode,
+            lambda: self.position,
+            every_events=plan.every_events,
+            every_s=plan.every_s,
+            live=plan.live or self.caught_up.is_set,
+            unread=lambda: self.unread,
+        )
+        if resumed is None:
+            return
+        restored, self.snapshotter = resumed
+        if restored is not None:
+            self.start_at(restored.position, plan.adopt(restored.state), unread=restored.unread)
+
     def start_at(self, position: int, fold: Folding | Apply | None = None, unread: Iterable[str] = ()) -> None:
         """Before the fold runs: start after ``position`` (a snapshot's), folding into ``fold`` if given;
         ``unread``: what the snapshot's fold had passed without reading, still unread."""
-        if self._task is not None or self._reading:
+        if self._reading or self._target_head is not None:
             raise RuntimeError(f"the {self.name} fold is already reading: it cannot start elsewhere")
         if fold is not None:
             self._target = fold if hasattr(fold, "apply") else None
@@ -204,6 +243,7 @@ class Follower:
 
     async def run(self) -> None:
         """Follow the log until stopped, the follow loop restarted after any failure, watched."""
+        await self.restore()
         watchdog = asyncio.create_task(self._watch(), name=f"fold-{self.name}-watchdog")
         try:
             await keep_running(
@@ -213,6 +253,8 @@ class Follower:
             watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watchdog
+            if self.snapshotter is not None:
+                self.snapshotter.close()
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -241,6 +283,8 @@ class Follower:
                     result = self.on_batch()
                     if inspect.isawaitable(result):
                         await result
+                if self.snapshotter is not None:
+                    self.snapshotter.folded()  # at the batch's edge, the service's own work on it done
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -335,10 +379,7 @@ class Follower:
         state, reason = judge(self.observe(), self.clock(), self.stall_s)
         if state != self._shown[0]:
             self._shown = (state, time.time())
-            if state in ("stalled", "failed"):
-                log.error("a fold is not live", fold=self.name, state=state, reason=reason)
-            elif state == "live":
-                log.info("a fold is live", fold=self.name, position=self.position)
+            self._alarmed = log_change(self.name, self._alarmed, state, reason, position=self.position)
         return FollowerHealth(
             name=self.name,
             state=state,
@@ -350,11 +391,35 @@ class Follower:
         )
 
 
+def log_change(name: str, alarmed: bool, state: str, reason: str | None, **facts: Any) -> bool:
+    """Log one supervised reader's change to ``state``, for a person where it needs one: not live is an
+    error; live again after that (``alarmed``) is news; the first turn to live at start is not (debug).
+    Returns whether it is alarmed now."""
+    if state in ("stalled", "failed"):
+        log.error("a fold is not live", fold=name, state=state, reason=reason, **facts)
+        return True
+    if state == "live" and alarmed:
+        log.info("a fold is live again", fold=name, **facts)
+        return False
+    if state == "live":
+        log.debug("a fold is live", fold=name, **facts)
+    return alarmed
+
+
+class Supervised(Protocol):
+    """What a :class:`FollowerRegistry` holds: anything following the bus that says how it is doing."""
+
+    name: str
+
+    def health(self) -> FollowerHealth: ...
+
+
 class FollowerRegistry:
-    """The followers of one process, for its ``/healthz`` and its metrics (passed in: no globals)."""
+    """The supervised readers of one process — followers, subscribers, projection slots — for its
+    ``/healthz`` and its metrics (passed in: no globals)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self._folds: dict[str, Follower] = {}
+        self._folds: dict[str, Supervised] = {}
         self.metrics = registry if registry is not None else CollectorRegistry()
         self.quarantined = Counter(
             "llmgw_fold_quarantined",
@@ -364,10 +429,10 @@ class FollowerRegistry:
         )
         self.metrics.register(_FollowerCollector(self))
 
-    def add(self, fold: Follower) -> None:
+    def add(self, fold: Supervised) -> None:
         self._folds[fold.name] = fold
 
-    def remove(self, fold: Follower) -> None:
+    def remove(self, fold: Supervised) -> None:
         if self._folds.get(fold.name) is fold:
             del self._folds[fold.name]
 
@@ -406,4 +471,13 @@ def _describe(exc: BaseException) -> str:
     return text if text.startswith(type(exc).__name__) else f"{type(exc).__name__}: {text}"
 
 
-__all__ = ["Follower", "FollowerHealth", "FollowerRegistry", "Observation", "health_body", "judge"]
+__all__ = [
+    "Follower",
+    "FollowerHealth",
+    "FollowerRegistry",
+    "Observation",
+    "Supervised",
+    "health_body",
+    "judge",
+    "log_change",
+]

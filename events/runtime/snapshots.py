@@ -2,7 +2,8 @@
 
 Without them every in-memory reader (a router, the scheduler) starts from sequence 0 and a start
 costs the whole history. With them a start is: the newest snapshot, decoded, then the events after
-its position, read by the service's :class:`~llmgw.events.runtime.follower.Follower`.
+its position, read by the service's :class:`~llmgw.events.runtime.follower.Follower` — a follower
+given a :class:`SnapshotPlan` restores from it and saves the next ones itself.
 
 A snapshot is one object in the ``llmgw_snapshots`` JetStream object store (an object store, not a
 key-value bucket: a router's state at 100,000 keys is several MB, more than a message may carry),
@@ -28,7 +29,7 @@ import io
 import time
 import zlib
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
 import nats.js.errors
@@ -75,6 +76,27 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     # "type@v" of each kind of event folded into ``state`` that its writer could not read (a newer
     # version's, during a rolling upgrade): a reader that reads one of them must not start from here
     unread: list[str] = []
+
+
+class SnapshotPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """A follower's snapshots: what to start from and how to save the next ones (``Follower(snapshot=...)``).
+
+    The follower restores before it reads: the newest snapshot ``name`` that decodes at
+    ``schema_version`` is given to ``adopt``, which makes it the service's state and returns what the
+    follower folds into from then on (None: the fold it was given, which reads the service's state
+    itself). After each batch, a save is due every ``every_events`` events or ``every_s`` seconds (0
+    turns a trigger off; both 0: none is read or saved), once ``live()`` says so (None: once the
+    follower has caught up). ``encode`` is read at each save, so it may follow a state replaced later.
+    """
+
+    name: str
+    schema_version: int
+    decode: Callable[[bytes], Any]
+    encode: Callable[[], bytes]
+    adopt: Callable[[Any], Any]
+    every_events: int = EVERY_EVENTS
+    every_s: float = EVERY_S
+    live: Callable[[], bool] | None = None
 
 
 class Restored(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
@@ -387,6 +409,7 @@ __all__ = [
     "EVERY_S",
     "Restored",
     "Snapshot",
+    "SnapshotPlan",
     "SnapshotStore",
     "Snapshotter",
     "decode_snapshot",

@@ -33,8 +33,9 @@ from prometheus_client import CollectorRegistry
 from llmgw.events.runtime import log_context
 from llmgw.events.runtime.follower import Follower, FollowerRegistry, health_body
 from llmgw.events.runtime.secrets import engine_key_secret
-from llmgw.events.runtime.snapshots import EVERY_EVENTS, EVERY_S, Snapshotter, resume
+from llmgw.events.runtime.snapshots import EVERY_EVENTS, EVERY_S, SnapshotPlan
 from llmgw.events.runtime.store import EventStore
+from llmgw.events.runtime.subscriber import Subscriber
 from llmgw.events.schema import scheduler as SCH
 from llmgw.events.schema import subjects as S
 from llmgw.events.schema.ids import new_id
@@ -147,10 +148,6 @@ class Router:
     ) -> None:
         self.store = store
         self.cfg = cfg or RouterConfig()
-        # Its folded state is saved every so many events or seconds; a start is the newest snapshot
-        # plus the log after it (0 turns a trigger off; both 0: no snapshots are read or saved).
-        self.snapshot_every = (snapshot_every_events, snapshot_every_s)
-        self.snapshotter: Snapshotter | None = None
         self.clock = clock  # the wall clock (epoch seconds): limits, budgets' periods, key expiry, records
         self.instance = instance or f"router-{new_id()[-12:]}"
         self.state = RouterState()
@@ -204,9 +201,31 @@ class Router:
         self._demand_sent: dict[str, float] = {}
         # Everything the router answers from is folded by one supervised follower: a handler that
         # raises quarantines its event and the fold goes on (a revocation after it still lands), and a
-        # fold that stops advancing makes /healthz 503.
-        self.fold = Follower(store, f"{S.EVENTS_ROOT}.>", self.state, name="router", after=0, registry=folds)
+        # fold that stops advancing makes /healthz 503. Its folded state is saved every so many events
+        # or seconds; a start is the newest snapshot plus the log after it (0 turns a trigger off; both
+        # 0: no snapshots are read or saved).
+        snapshots = SnapshotPlan(
+            name=SNAPSHOT_NAME,
+            schema_version=SNAPSHOT_VERSION,
+            decode=RouterState.decode,
+            encode=lambda: self.state.encode(),
+            adopt=self._adopt,
+            every_events=snapshot_every_events,
+            every_s=snapshot_every_s,
+        )
+        self.fold = Follower(
+            store, f"{S.EVENTS_ROOT}.>", self.state, name="router", after=0, registry=folds, snapshot=snapshots
+        )
         self._caught_up = self.fold.caught_up
+        # The engines' load, from the agents' heartbeats (core NATS), under the same supervision.
+        self._heartbeat = msgspec.json.Decoder(NodeHeartbeat)
+        self.heartbeats = Subscriber(
+            store.nc,
+            f"{S.TELEMETRY_ROOT}.node.*",
+            self._on_heartbeat,
+            name="router-heartbeats",
+            registry=self.fold.registry,
+        )
         self._rng = random.Random()
         # routing.POLICIES: "llmgw" serves; benchmarks and tests set a baseline here to compare with.
         self.routing_policy = "llmgw"
@@ -265,11 +284,11 @@ class Router:
             await self.usage.start()  # publishes what an earlier run left in the journal
         except JournalError as exc:
             raise SystemExit(f"error: {exc}") from exc
-        await self._restore()
+        await self.fold.restore()  # from the newest snapshot, before the fold or anything else runs
         self._tasks.append(asyncio.create_task(self.fold.run(), name="router-follow"))
         self._tasks.append(asyncio.create_task(self.gossip.run(), name="router-gossip"))
         self._tasks.append(asyncio.create_task(self._report_queues(), name="router-queue-report"))
-        self._tasks.append(asyncio.create_task(self._follow_engines(), name="router-engines"))
+        self.heartbeats.start()
         await self.gossip.subscribe()
         await asyncio.wait_for(self._caught_up.wait(), 60)
         # Start-up objects live as long as the process: keep them out of every collection, so the
@@ -277,23 +296,13 @@ class Router:
         gc.collect()
         gc.freeze()
 
-    async def _follow_engines(self) -> None:
-        """The engines' load, from the agents' heartbeats (core NATS; a lost one is only a staler figure)."""
-        decoder = msgspec.json.Decoder(NodeHeartbeat)
-
-        async def on_msg(msg: Any) -> None:
-            try:
-                hb = decoder.decode(msg.data)
-            except (msgspec.ValidationError, msgspec.DecodeError):
-                return  # the scheduler logs heartbeats it cannot read; here one is just a staler figure
-            self.engines_seen(hb, time.monotonic())
-
-        sub = await self.store.nc.subscribe(f"{S.TELEMETRY_ROOT}.node.*", cb=on_msg)
+    async def _on_heartbeat(self, msg: Any) -> None:
+        """One agent's heartbeat: its engines' load (a lost one is only a staler figure)."""
         try:
-            await asyncio.Event().wait()
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            hb = self._heartbeat.decode(msg.data)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return  # the scheduler logs heartbeats it cannot read; here one is just a staler figure
+        self.engines_seen(hb, time.monotonic())
 
     def engines_seen(self, hb: NodeHeartbeat, now: float) -> None:
         """Take one heartbeat's engine loads; nodes silent past ENGINE_STALE_S say nothing any more."""
@@ -302,28 +311,17 @@ class Router:
         self._engines_by_node = fresh
         self.engines = {rid: e for _, loads in fresh.values() for rid, e in loads.items()}
 
-    async def _restore(self) -> None:
-        """Start from the newest snapshot (if one decodes at this schema) and set up the next ones."""
-        every_events, every_s = self.snapshot_every
-        resumed = await resume(
-            self.store,
-            SNAPSHOT_NAME,
-            SNAPSHOT_VERSION,
-            RouterState.decode,
-            lambda: self.state.encode(),
-            lambda: self.state.position,
-            every_events=every_events,
-            every_s=every_s,
-            unread=lambda: self.fold.unread,
-            live=self.fold.caught_up.is_set,
-        )
-        if resumed is None:
-            return
-        restored, self.snapshotter = resumed
-        if restored is not None:
-            self.state = restored.state
-            self.fold.start_at(restored.position, self.state, unread=restored.unread)
-        self.fold.on_batch = self.snapshotter.folded
+    @property
+    def snapshot_every(self) -> tuple[int, float]:
+        """(events, seconds) between two snapshots of its state, as configured (0: that trigger is off)."""
+        plan = self.fold.snapshot
+        assert plan is not None
+        return plan.every_events, plan.every_s
+
+    def _adopt(self, state: RouterState) -> RouterState:
+        """A snapshot's state becomes the router's, and what its fold folds into from there."""
+        self.state = state
+        return state
 
     async def stop(self) -> StopReport:
         """Stop; usage records not yet acknowledged are published (bounded) or journaled, and what
@@ -333,8 +331,7 @@ class Router:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        if self.snapshotter is not None:
-            self.snapshotter.close()
+        await self.heartbeats.close()
         await self.gate.close()
         report = await self.usage.stop()
         await self.responses.close()
@@ -367,7 +364,7 @@ class Router:
         # Refusing billable requests is 503, so a load balancer sends them to a router that can bill;
         # a backlog kept in the journal is not: requests are still billed.
         # A fold not live answers from stale state (a revoked key would keep working): 503, naming it.
-        folds = [self.fold.health()]
+        folds = [self.fold.health(), self.heartbeats.health()]
         ok = self.store.nc.is_connected and all(h.live for h in folds) and usage.refusing is None
         body = {
             "status": "ok" if ok else "degraded",
