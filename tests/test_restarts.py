@@ -13,7 +13,7 @@ from llmgw.events.schema import replicas as R
 from llmgw.events.schema.outcomes import Rejected
 from llmgw.services.fleet.service import decide_restart
 from llmgw.services.scheduler import restarts
-from llmgw.services.scheduler.reconcile import Place, Stop, Waiting
+from llmgw.services.scheduler.vocabulary import Place, Stop, Waiting
 from tests.scheduler_world import (
     CFG,
     CPU_8C_32G,

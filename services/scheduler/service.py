@@ -17,6 +17,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.aio.msg import Msg
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry
@@ -25,8 +26,9 @@ from llmgw.events.runtime.buckets import open_bucket
 from llmgw.events.runtime.connection import StoreError
 from llmgw.events.runtime.follower import Follower, FollowerRegistry
 from llmgw.events.runtime.retry import is_transient, keep_running, retrying
-from llmgw.events.runtime.snapshots import EVERY_EVENTS, EVERY_S, Snapshotter, resume
+from llmgw.events.runtime.snapshots import EVERY_EVENTS, EVERY_S, SnapshotPlan
 from llmgw.events.runtime.store import AppendConflict, EventStore, NewEvent
+from llmgw.events.runtime.subscriber import Subscriber
 from llmgw.events.runtime.tasks import cancel_and_wait
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
@@ -81,10 +83,6 @@ class SchedulerService:
         snapshot_every_s: float = EVERY_S,
     ) -> None:
         self.store = store
-        # The leader saves the folded cluster every so many events or seconds; every instance starts
-        # from the newest snapshot plus the log after it (0 turns a trigger off; both 0: no snapshots).
-        self.snapshot_every = (snapshot_every_events, snapshot_every_s)
-        self.snapshotter: Snapshotter | None = None
         self.cfg = config or Config()
         self.instance = instance or f"sched-{new_id()[-12:]}"
         self.actor = "svc:scheduler"
@@ -109,29 +107,76 @@ class SchedulerService:
         self._seen_position = asyncio.Condition()
         self._blocked: dict[str, tuple[str, float]] = {}
         self._placed_total = 0
-        # The view of the fleet, kept current by the process's one supervised fold of the log.
-        self.fold = Follower(
-            store, f"{S.EVENTS_ROOT}.>", self._apply, name="scheduler", after=0, registry=folds, on_batch=self._folded
+        # The view of the fleet, kept current by the process's one supervised fold of the log. The
+        # leader saves the folded cluster every so many events or seconds; every instance starts from
+        # the newest snapshot plus the log after it (0 turns a trigger off; both 0: no snapshots).
+        snapshots = SnapshotPlan(
+            name=SNAPSHOT_NAME,
+            schema_version=SNAPSHOT_VERSION,
+            decode=ClusterState.decode,
+            encode=lambda: self.state.encode(),
+            adopt=self._adopt,
+            every_events=snapshot_every_events,
+            every_s=snapshot_every_s,
+            live=lambda: self.leader and self.fold.caught_up.is_set(),  # one writer: identical folds agree anyway
         )
+        self.fold = Follower(
+            store,
+            f"{S.EVENTS_ROOT}.>",
+            self._apply,
+            name="scheduler",
+            after=0,
+            registry=folds,
+            on_batch=self._folded,
+            snapshot=snapshots,
+        )
+        # What it follows on the bus beside the log, each under the same supervision as the fold.
+        self._heartbeat = msgspec.json.Decoder(N.NodeHeartbeat)
+        self._queues = msgspec.json.Decoder(SCH.RouterQueues)
+        nc, registry = store.nc, self.fold.registry
+        self.subscribers = [
+            Subscriber(
+                nc, f"{S.TELEMETRY_ROOT}.node.*", self._on_heartbeat, name="scheduler-heartbeats", registry=registry
+            ),
+            Subscriber(nc, f"{S.PREFIX}.demand.*", self._on_demand, name="scheduler-demand", registry=registry),
+            Subscriber(nc, f"{SCH.QUEUE_ROOT}.*", self._on_queues, name="scheduler-queues", registry=registry),
+            # `ctl quota list`, `ctl explain`, `ctl model headroom`: any instance answers (a queue group).
+            Subscriber(
+                nc, Q.QUOTAS_SUBJECT, self._on_quotas, name="scheduler-quotas", queue="scheduler", registry=registry
+            ),
+            Subscriber(
+                nc,
+                SCH.EXPLAIN_SUBJECT,
+                self._on_explain,
+                name="scheduler-explain",
+                queue="scheduler",
+                registry=registry,
+            ),
+            Subscriber(
+                nc,
+                SCH.HEADROOM_SUBJECT,
+                self._on_headroom,
+                name="scheduler-headroom",
+                queue="scheduler",
+                registry=registry,
+            ),
+        ]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        await self._restore()
+        await self.fold.restore()  # from the newest snapshot, before heartbeats or passes see the state
         tasks = [
             asyncio.create_task(self._follow_events(), name="scheduler-events"),
-            asyncio.create_task(self._follow_heartbeats(), name="scheduler-heartbeats"),
-            asyncio.create_task(self._serve_explain(), name="scheduler-explain"),
-            asyncio.create_task(self._follow_demand(), name="scheduler-demand"),
-            asyncio.create_task(self._follow_queues(), name="scheduler-queues"),
+            *(asyncio.create_task(s.run(), name=s.name) for s in self.subscribers),
             asyncio.create_task(self._lead(), name="scheduler-lead"),
         ]
         try:
             await self._stop.wait()
         finally:
             await cancel_and_wait(tasks)
-            if self.snapshotter is not None:
-                self.snapshotter.close()
+            for s in self.subscribers:
+                await s.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -142,27 +187,16 @@ class SchedulerService:
     async def _follow_events(self) -> None:
         await self.fold.run()
 
-    async def _restore(self) -> None:
-        """Start from the newest snapshot (if one decodes at this schema) and set up the next ones."""
-        every_events, every_s = self.snapshot_every
-        resumed = await resume(
-            self.store,
-            SNAPSHOT_NAME,
-            SNAPSHOT_VERSION,
-            ClusterState.decode,
-            lambda: self.state.encode(),
-            lambda: self.state.position,
-            every_events=every_events,
-            every_s=every_s,
-            unread=lambda: self.fold.unread,
-            live=lambda: self.leader and self.fold.caught_up.is_set(),  # one writer: identical folds agree anyway
-        )
-        if resumed is None:
-            return
-        restored, self.snapshotter = resumed
-        if restored is not None:
-            self.state = restored.state
-            self.fold.start_at(restored.position, unread=restored.unread)  # _apply folds into self.state
+    @property
+    def snapshot_every(self) -> tuple[int, float]:
+        """(events, seconds) between two snapshots of its state, as configured (0: that trigger is off)."""
+        plan = self.fold.snapshot
+        assert plan is not None
+        return plan.every_events, plan.every_s
+
+    def _adopt(self, state: ClusterState) -> None:
+        """A snapshot's state becomes the scheduler's (``_apply`` folds into ``self.state``: the fold stays)."""
+        self.state = state
 
     def _closed(self) -> bool:
         return self.store.nc.is_closed
@@ -179,33 +213,21 @@ class SchedulerService:
             # Leader and standby alike: otherwise the state (and its snapshot) keeps every replica ever placed.
             self.state.forget_inactive(self.cfg.forget_after_s, time.time())
             self._forgot_at = now
-        if self.snapshotter is not None:
-            self.snapshotter.folded()
         async with self._seen_position:
             self._seen_position.notify_all()
         self._wake.set()
 
-    async def _follow_heartbeats(self) -> None:
-        decoder = msgspec.json.Decoder(N.NodeHeartbeat)
-
-        async def on_msg(msg: object) -> None:
-            try:
-                hb = decoder.decode(msg.data)  # type: ignore[attr-defined]
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                log.warning("heartbeat ignored", subject=msg.subject, error=str(exc))  # type: ignore[attr-defined]
-                return
-            known = self.state.nodes.get(hb.node_id)
-            first = known is None or known.heartbeat is None
-            self.state.observe(hb, time.monotonic())
-            if first:
-                self._wake.set()
-
-        sub = await self.store.nc.subscribe(f"{S.TELEMETRY_ROOT}.node.*", cb=on_msg)
+    async def _on_heartbeat(self, msg: Msg) -> None:
         try:
-            await asyncio.Event().wait()
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            hb = self._heartbeat.decode(msg.data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.warning("heartbeat ignored", subject=msg.subject, error=str(exc))
+            return
+        known = self.state.nodes.get(hb.node_id)
+        first = known is None or known.heartbeat is None
+        self.state.observe(hb, time.monotonic())
+        if first:
+            self._wake.set()
 
     async def _wait_folded(self, seq: int, timeout: float = 10.0) -> None:
         """Until our own appends are folded: the next pass must see them, or it would place twice."""
@@ -359,75 +381,41 @@ class SchedulerService:
                     )
         return out
 
-    async def _follow_demand(self) -> None:
+    async def _on_demand(self, msg: Msg) -> None:
         """Routers say when a model is asked for: an on-demand model gets a replica, and every request
         for an unservable model triggers a fresh pass (SCHED-5, SCHED-12)."""
+        token = msg.subject.rsplit(".", 1)[1]
+        with contextlib.suppress(ValueError):
+            model = S.decode_token(token)
+            first = model not in self.state.demand
+            self.state.demand[model] = time.time()
+            m = self.state.models.get(model)
+            if first or (m is not None and (m.min == 0 or m.parked is None)):
+                self._wake.set()
 
-        async def on_msg(msg: object) -> None:
-            token = msg.subject.rsplit(".", 1)[1]  # type: ignore[attr-defined]
-            with contextlib.suppress(ValueError):
-                model = S.decode_token(token)
-                first = model not in self.state.demand
-                self.state.demand[model] = time.time()
-                m = self.state.models.get(model)
-                if first or (m is not None and (m.min == 0 or m.parked is None)):
-                    self._wake.set()
-
-        sub = await self.store.nc.subscribe(f"{S.PREFIX}.demand.*", cb=on_msg)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    async def _follow_queues(self) -> None:
+    async def _on_queues(self, msg: Msg) -> None:
         """Routers' queues are load the engines cannot see: it joins the models' load (SCHED-9)."""
-        decoder = msgspec.json.Decoder(SCH.RouterQueues)
-
-        async def on_msg(msg: object) -> None:
-            try:
-                q = decoder.decode(msg.data)  # type: ignore[attr-defined]
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                log.warning("router queue report ignored", subject=msg.subject, error=str(exc))  # type: ignore[attr-defined]
-                return
-            self.state.observe_queue(q.router, q.waiting, time.monotonic())
-
-        sub = await self.store.nc.subscribe(f"{SCH.QUEUE_ROOT}.*", cb=on_msg)
         try:
-            await asyncio.Event().wait()
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            q = self._queues.decode(msg.data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.warning("router queue report ignored", subject=msg.subject, error=str(exc))
+            return
+        self.state.observe_queue(q.router, q.waiting, time.monotonic())
 
-    # -- explain -----------------------------------------------------------------------------
+    # -- explain: `ctl explain` and `ctl model headroom`, from the folded state (any instance can) --
 
-    async def _serve_explain(self) -> None:
-        """Answer `ctl explain` and `ctl model headroom` from the folded state (any instance can)."""
+    async def _on_explain(self, msg: Msg) -> None:
+        name = msg.data.decode()
+        clock = Clock(monotonic=time.monotonic(), epoch=time.time(), started=self.started)
+        body = explain(self.state, name, self.cfg, leader=self.instance if self.leader else None, clock=clock)
+        await msg.respond(msgspec.json.encode(body))
 
-        async def on_explain(msg: object) -> None:
-            name = msg.data.decode()  # type: ignore[attr-defined]
-            clock = Clock(monotonic=time.monotonic(), epoch=time.time(), started=self.started)
-            body = explain(self.state, name, self.cfg, leader=self.instance if self.leader else None, clock=clock)
-            await msg.respond(msgspec.json.encode(body))  # type: ignore[attr-defined]
+    async def _on_headroom(self, msg: Msg) -> None:
+        name = msg.data.decode()
+        clock = Clock(monotonic=time.monotonic(), epoch=time.time(), started=self.started)
+        body = headroom(self.state, name, clock, self.cfg)
+        await msg.respond(msgspec.json.encode({**body, "answered_by": self.instance}))
 
-        async def on_headroom(msg: object) -> None:
-            name = msg.data.decode()  # type: ignore[attr-defined]
-            clock = Clock(monotonic=time.monotonic(), epoch=time.time(), started=self.started)
-            body = headroom(self.state, name, clock, self.cfg)
-            await msg.respond(msgspec.json.encode({**body, "answered_by": self.instance}))  # type: ignore[attr-defined]
-
-        async def on_quotas(msg: object) -> None:  # `ctl quota list` (SCHED-8)
-            body = quota_view(self.state)
-            await msg.respond(msgspec.json.encode({**body, "answered_by": self.instance}))  # type: ignore[attr-defined]
-
-        subs = [
-            await self.store.nc.subscribe(Q.QUOTAS_SUBJECT, queue="scheduler", cb=on_quotas),
-            await self.store.nc.subscribe(SCH.EXPLAIN_SUBJECT, queue="scheduler", cb=on_explain),
-            await self.store.nc.subscribe(SCH.HEADROOM_SUBJECT, queue="scheduler", cb=on_headroom),
-        ]
-        try:
-            await asyncio.Event().wait()
-        finally:
-            for sub in subs:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+    async def _on_quotas(self, msg: Msg) -> None:  # `ctl quota list` (SCHED-8)
+        body = quota_view(self.state)
+        await msg.respond(msgspec.json.encode({**body, "answered_by": self.instance}))
