@@ -35,9 +35,11 @@ from llmgw.events.schema import nodes as N
 from llmgw.events.schema import replicas as R
 from llmgw.events.schema.envelope import Envelope, RecordedEvent
 from llmgw.events.schema.subjects import event_subject
+from llmgw.services.scheduler.candidates import candidates
 from llmgw.services.scheduler.placement import GiB, Need, check, need_of, place
-from llmgw.services.scheduler.reconcile import Clock, Config, Place, Preempt, candidates, reconcile
+from llmgw.services.scheduler.reconcile import reconcile
 from llmgw.services.scheduler.state import ClusterState, capacity_of
+from llmgw.services.scheduler.vocabulary import Clock, Config, Place, Preempt
 
 PASS_TARGET_MS = 50.0  # one pass, 1,000 nodes / 5,000 replicas
 PREEMPT_TARGET_MS = 20.0  # a pass that preempts (SCHED-7), same cluster

@@ -34,7 +34,7 @@ from llmgw.services.accountant.service import PRUNE_EVERY_S, RETENTION_DAYS
 from llmgw.services.backup import service as backup_service
 from llmgw.services.mirror.hub import DEFAULT_HUB
 from llmgw.services.router.config import RouterConfig
-from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
+from llmgw.services.scheduler.vocabulary import Config as SchedulerConfig
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Positive = Annotated[float, msgspec.Meta(gt=0)]

@@ -58,8 +58,8 @@ from llmgw.services.people.bootstrap import ensure_admin
 from llmgw.services.people.service import PeopleService
 from llmgw.services.people.throttle import LoginThrottle
 from llmgw.services.router.app import Router, RouterConfig
-from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
 from llmgw.services.scheduler.service import SchedulerService
+from llmgw.services.scheduler.vocabulary import Config as SchedulerConfig
 from llmgw.services.tenancy.service import TenancyService
 
 log = structlog.get_logger("llmgw.runtime")

@@ -27,7 +27,7 @@ from llmgw.events.schema import models as M
 from llmgw.events.schema import replicas as R
 from llmgw.events.schema.outcomes import CommandCompleted
 from llmgw.services.router.app import RouterConfig
-from llmgw.services.scheduler.reconcile import Config as SchedulerConfig
+from llmgw.services.scheduler.vocabulary import Config as SchedulerConfig
 from tests.signin import cli_env, sign_in_tester
 from tests.support import free_port, free_ports, stop_process, wait_until
 

@@ -25,7 +25,9 @@ from llmgw.events.schema import replicas as R
 from llmgw.events.schema.envelope import Envelope, RecordedEvent
 from llmgw.events.schema.subjects import event_subject
 from llmgw.services.scheduler.placement import Candidate, need_of
-from llmgw.services.scheduler.reconcile import (
+from llmgw.services.scheduler.reconcile import reconcile
+from llmgw.services.scheduler.state import ClusterState, capacity_of
+from llmgw.services.scheduler.vocabulary import (
     Autoscale,
     Blocked,
     Clock,
@@ -41,9 +43,7 @@ from llmgw.services.scheduler.reconcile import (
     Stop,
     Waiting,
     event_of,
-    reconcile,
 )
-from llmgw.services.scheduler.state import ClusterState, capacity_of
 
 GiB = 1024**3
 T0 = 1_700_000_000.0  # epoch of t = 0

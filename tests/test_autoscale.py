@@ -12,8 +12,9 @@ from llmgw.events.folds import models as MF
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
 from llmgw.services.scheduler import autoscale as AS
-from llmgw.services.scheduler.reconcile import Config
+from llmgw.services.scheduler import load as LD
 from llmgw.services.scheduler.state import ClusterState
+from llmgw.services.scheduler.vocabulary import Config
 from tests.scheduler_world import T0, World, model, node, placed, ready, said
 
 CFG = Config()
@@ -187,9 +188,9 @@ def test_a_measured_model_scales_on_requests_per_replica_past_its_slo_concurrenc
     m = world().state.models["m"]
     measured = AS.Measurement(concurrency=4)
     for waiting, running, expect in ((0, 4, None), (1, 4, 2), (0, 5, 2)):
-        load = AS.ModelLoad()
+        load = LD.ModelLoad()
         for t in (0.0, 61.0):
-            AS.fold_load(load, AS.LoadSample(at=t, waiting=waiting, running=running, ready=1, slots=4))
+            LD.fold_load(load, LD.LoadSample(at=t, waiting=waiting, running=running, ready=1, slots=4))
         live = world().state.replicas_of("m")
         clock = World().advance(61).clock()
         *_, step = AS.adjust(m, 1, 3, live, load, clock, CFG, measured)
@@ -197,13 +198,13 @@ def test_a_measured_model_scales_on_requests_per_replica_past_its_slo_concurrenc
 
 
 def test_the_load_series_keeps_only_changes_and_a_bounded_past() -> None:
-    load = AS.ModelLoad()
+    load = LD.ModelLoad()
     for t in range(0, 4000, 5):
-        AS.fold_load(load, AS.LoadSample(at=float(t), waiting=0, running=1, ready=1))
+        LD.fold_load(load, LD.LoadSample(at=float(t), waiting=0, running=1, ready=1))
     assert len(load.samples) == 1 and load.seen_at == 3995.0
     for t in range(4000, 8000, 5):
-        AS.fold_load(load, AS.LoadSample(at=float(t), waiting=t % 2, running=1, ready=1))
-    assert load.samples[1].at >= 7995 - AS.KEEP_S and load.samples[0].at <= 7995 - AS.KEEP_S
+        LD.fold_load(load, LD.LoadSample(at=float(t), waiting=t % 2, running=1, ready=1))
+    assert load.samples[1].at >= 7995 - LD.KEEP_S and load.samples[0].at <= 7995 - LD.KEEP_S
 
 
 def test_model_autoscaled_is_a_fact_every_reader_folds_the_same() -> None:

@@ -413,7 +413,7 @@ def test_the_scheduler_holds_no_external_model() -> None:
     assert state.models == {}  # nothing to place, hold or preempt
     from llmgw.services.scheduler.explain import explain
     from llmgw.services.scheduler.headroom import headroom
-    from llmgw.services.scheduler.reconcile import Clock, Config
+    from llmgw.services.scheduler.vocabulary import Clock, Config
 
     clock = Clock(monotonic=0.0, epoch=0.0, started=0.0)
     for answer in (explain(state, "ext", Config()), headroom(state, "ext", clock, Config())):

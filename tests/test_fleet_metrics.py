@@ -20,8 +20,8 @@ from llmgw.projections.metrics import ProjectionMetrics
 from llmgw.services.backup.service import BackupMetrics
 from llmgw.services.router.metrics import PoolSaturation, QueueDepth, RouterMetrics, pool_loads
 from llmgw.services.scheduler.metrics import NODE_SERIES, FleetCollector, fleet_figures, node_samples
-from llmgw.services.scheduler.reconcile import Blocked
 from llmgw.services.scheduler.state import ClusterState
+from llmgw.services.scheduler.vocabulary import Blocked
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.scheduler_world import CFG, CPU_16C_64G, T0, World, model, node, on_model, on_node, placed, ready, shaped

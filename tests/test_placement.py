@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
+from llmgw.services.scheduler.candidates import candidates
 from llmgw.services.scheduler.placement import (
     WEIGHTS,
     Candidate,
@@ -27,8 +28,8 @@ from llmgw.services.scheduler.placement import (
     scores,
     summarise,
 )
-from llmgw.services.scheduler.reconcile import Place, candidates
 from llmgw.services.scheduler.state import ClusterState
+from llmgw.services.scheduler.vocabulary import Place
 from tests.scheduler_world import (
     CFG,
     CPU_2C_8G,

@@ -15,7 +15,7 @@ from llmgw.services.scheduler import preemption as PRE
 from llmgw.services.scheduler.explain import explain
 from llmgw.services.scheduler.headroom import headroom
 from llmgw.services.scheduler.metrics import FleetCollector
-from llmgw.services.scheduler.reconcile import Preempt, Stop
+from llmgw.services.scheduler.vocabulary import Preempt, Stop
 from tests.scheduler_world import (
     CFG,
     T0,

@@ -4,7 +4,7 @@ and its winner preempted again (2,345 preemptions in a simulated day, 350 of the
 
 from __future__ import annotations
 
-from llmgw.services.scheduler.reconcile import Place
+from llmgw.services.scheduler.vocabulary import Place
 from tests.scheduler_world import Fact, World, beats, later, model, node, placed, ready, said, stopped
 from tests.test_preemption import OLD, preempted
 

@@ -23,7 +23,7 @@ from llmgw.events.schema import scheduler as SCH
 from llmgw.events.schema import subjects as S
 from llmgw.events.schema import tenancy as T
 from llmgw.events.schema.subjects import event_subject
-from llmgw.services.scheduler.reconcile import Config
+from llmgw.services.scheduler.vocabulary import Config
 from tests.fleet import Fleet
 from tests.support import NatsServer, wait_until
 

@@ -15,7 +15,7 @@ from llmgw.events.schema import quotas as Q
 from llmgw.events.schema import tenancy as T
 from llmgw.services.scheduler import quota as QU
 from llmgw.services.scheduler.headroom import headroom
-from llmgw.services.scheduler.reconcile import Blocked, Config, Place
+from llmgw.services.scheduler.vocabulary import Blocked, Config, Place
 from llmgw.services.tenancy.quotas import decide_quota, need_quota
 from tests.scheduler_world import GPU_H100X8, Fact, World, node, placed, ready, said, shaped, spec
 

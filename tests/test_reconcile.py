@@ -11,7 +11,7 @@ import pytest
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
 from llmgw.events.schema import replicas as R
-from llmgw.services.scheduler.reconcile import Blocked, Config, Place, Stop, Waiting, backoff_s
+from llmgw.services.scheduler.vocabulary import Blocked, Config, Place, Stop, Waiting, backoff_s
 from tests.scheduler_world import (
     CFG,
     CPU_2C_8G,
@@ -580,7 +580,7 @@ def test_the_lost_limit_is_configurable() -> None:
 
 def test_a_replica_placed_without_cores_records_the_share_it_reserved_which_its_agent_runs_with() -> None:
     from llmgw.agent.engines.commands import choose_threads
-    from llmgw.services.scheduler.reconcile import Place
+    from llmgw.services.scheduler.vocabulary import Place
 
     w = World().add(node("a", cpus=8, mem_gb=64), node("b", cpus=2, mem_gb=64), model("m", 2, mem=1))
     placed = {d.node_id: d.need.cores for d in w.run() if isinstance(d, Place)}
@@ -642,7 +642,7 @@ def test_when_no_profile_fits_the_refusal_names_what_each_one_lacks() -> None:
 
 
 def test_the_placed_event_carries_the_profile_the_replica_runs() -> None:
-    from llmgw.services.scheduler.reconcile import event_of
+    from llmgw.services.scheduler.vocabulary import event_of
 
     w = World().add(shaped("c", CPU_8C_32G), two_profiles("m"))
     [place] = [d for d in w.run() if isinstance(d, Place)]

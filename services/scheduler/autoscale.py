@@ -1,10 +1,10 @@
 """Autoscaling (SPEC SCHED-9): the replicas a model holds follow its load, between min and max.
 
 Pure. The load is what the engines say in the heartbeats (requests running and waiting on each
-ready replica, ``events/schema/nodes.py`` ``ReplicaReport``), folded by the scheduler into a short series
-per model (:class:`LoadSample`, :func:`fold_load`): an observation of this process, like the
-routers' demand, not an event. What must survive a leader change — how many replicas the load
-added, when the last step was — is the ``model.autoscaled`` event, folded by ``fold_model``.
+ready replica, ``events/schema/nodes.py`` ``ReplicaReport``), folded by the scheduler into a short
+series per model (``load.py``): an observation of this process, like the routers' demand, not an
+event. What must survive a leader change — how many replicas the load added, when the last step
+was — is the ``model.autoscaled`` event, folded by ``fold_model``.
 
 The rules, without a measurement of the model (SCHED-10 not saved):
 
@@ -22,42 +22,21 @@ The rules, without a measurement of the model (SCHED-10 not saved):
 With a measurement (:class:`Measurement`, saved by ``ctl bench --save``, :func:`measurement_of`), the trigger is
 SCHED-9's second sentence: up when requests per ready replica pass the concurrency one replica serves
 within the SLO; down only if the rest stay under ``scale_down_below`` of the measured capacity.
+
+A step is the :class:`~llmgw.services.scheduler.vocabulary.Autoscale` decision, which :func:`adjust` returns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from llmgw.events.schema import models as M
-
-if TYPE_CHECKING:  # the reconciler's settings; it imports this module
-    from llmgw.events.schema import nodes as N
-    from llmgw.services.scheduler.reconcile import Clock, Config
-    from llmgw.services.scheduler.state import ModelState, ReplicaState
-
-KEEP_S = 1800.0  # load kept per model: longer than any idle window worth configuring
-KEEP_SAMPLES = 4096  # and at most this many changes of it
-
-
-class LoadSample(msgspec.Struct, frozen=True, kw_only=True):
-    """A model's load from ``at`` (this process's monotonic seconds) until the next sample: the sum
-    over the ready replicas whose engines answered their metrics."""
-
-    at: float
-    waiting: int
-    running: int
-    ready: int
-    slots: int | None = None  # the concurrent requests those replicas serve; None where one did not say
-
-
-class ModelLoad(msgspec.Struct, kw_only=True):
-    """A model's load as a step function: a sample is kept only when the load changes."""
-
-    samples: list[LoadSample] = []
-    seen_at: float | None = None  # the last heartbeat that said anything of the model
+from llmgw.events.schema import nodes as N
+from llmgw.services.scheduler.load import LoadSample, ModelLoad
+from llmgw.services.scheduler.state import ModelState, ReplicaState
+from llmgw.services.scheduler.vocabulary import Autoscale, Clock, Config
 
 
 class Measurement(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,41 +48,6 @@ class Measurement(msgspec.Struct, frozen=True, kw_only=True):
     at: float | None = None  # when it was measured (epoch seconds)
     profile: str = ""
     shape: M.NodeShape | None = None
-
-
-class Autoscale(msgspec.Struct, frozen=True, kw_only=True):
-    """A step: the model holds ``to`` replicas instead of ``from_`` (a ``model.autoscaled`` event)."""
-
-    model: str
-    from_: int
-    to: int
-    added: int
-    reason: str
-    at: float
-
-
-def fold_load(load: ModelLoad | None, sample: LoadSample) -> ModelLoad:
-    """``load`` with ``sample`` added: a sample equal to the last in all but time moves only ``seen_at``;
-    samples older than :data:`KEEP_S` go, but the newest before that line stays (it holds until the next)."""
-    load = load or ModelLoad()
-    load.seen_at = sample.at
-    last = load.samples[-1] if load.samples else None
-    if last is not None and (last.waiting, last.running, last.ready, last.slots) == (
-        sample.waiting,
-        sample.running,
-        sample.ready,
-        sample.slots,
-    ):
-        return load
-    load.samples.append(sample)
-    cut = 0
-    while cut + 1 < len(load.samples) and (
-        load.samples[cut + 1].at <= sample.at - KEEP_S or len(load.samples) - cut > KEEP_SAMPLES
-    ):
-        cut += 1
-    if cut:
-        del load.samples[:cut]
-    return load
 
 
 def measurement_of(
@@ -263,7 +207,3 @@ def _capacity_per_replica(window: list[LoadSample], measured: Measurement | None
 
 def _replicas(n: int) -> str:
     return "replica" if n == 1 else "replicas"
-
-
-def event_of(d: Autoscale) -> M.ModelAutoscaled:
-    return M.ModelAutoscaled(from_=d.from_, to=d.to, added=d.added, reason=d.reason, at=d.at)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from llmgw.services.scheduler import preemption as PRE
+from llmgw.services.scheduler.candidates import candidates
 from llmgw.services.scheduler.placement import evaluate, need_of, profile_order
 from llmgw.services.scheduler.quota import Ledger, owner_problem
-from llmgw.services.scheduler.reconcile import Clock, Config, Preempt, Waiting, candidates, held_back, try_preempt
+from llmgw.services.scheduler.reconcile import held_back, try_preempt
 from llmgw.services.scheduler.state import ClusterState, external_note
+from llmgw.services.scheduler.vocabulary import Clock, Config, Preempt, Waiting
 
 
 def explain(

@@ -17,8 +17,9 @@ import msgspec
 
 from llmgw.services.scheduler import autoscale as AS
 from llmgw.services.scheduler.quota import stopped_at
-from llmgw.services.scheduler.reconcile import Blocked, Clock, Config, Place, reconcile
+from llmgw.services.scheduler.reconcile import reconcile
 from llmgw.services.scheduler.state import ClusterState, ModelState, external_note
+from llmgw.services.scheduler.vocabulary import Blocked, Clock, Config, Place
 
 CAP = 256  # the most extra replicas asked for: "at least 256" is answer enough
 

@@ -20,8 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from llmgw.services.scheduler import autoscale as AS
 from llmgw.services.scheduler.preemption import class_of
 from llmgw.services.scheduler.quota import CAPACITY_SERIES, capacity_samples
-from llmgw.services.scheduler.reconcile import Config, wanted_replicas
+from llmgw.services.scheduler.reconcile import wanted_replicas
 from llmgw.services.scheduler.state import ClusterState
+from llmgw.services.scheduler.vocabulary import Config
 
 NODE_STATES = ("ready", "cordoned", "lost")
 

@@ -22,18 +22,10 @@ from __future__ import annotations
 
 import msgspec
 
+from llmgw.services.scheduler.pass_state import PassState
 from llmgw.services.scheduler.placement import Candidate, cores_on, need_of, place, profile_order
-from llmgw.services.scheduler.reconcile import (
-    Clock,
-    Config,
-    Decision,
-    Place,
-    Stop,
-    Waiting,
-    _Pass,
-    backoff_s,
-)
 from llmgw.services.scheduler.state import ClusterState, ModelState, ReplicaState
+from llmgw.services.scheduler.vocabulary import Clock, Config, Decision, Place, Stop, backing_off
 
 
 def surge(staying: list[ReplicaState]) -> set[str]:
@@ -58,7 +50,7 @@ def step(
     replacements: list[ReplicaState],
     clock: Clock,
     cfg: Config,
-    p: _Pass,
+    p: PassState,
 ) -> list[Decision]:
     """The next step of ``m``'s restarts. ``staying``: its running replicas off draining nodes, the
     ``replacements`` (see :func:`surge`) not among them."""
@@ -81,10 +73,8 @@ def step(
         old, why, order = back  # only a profile it prefers is worth the move
     else:
         return []
-    if m.failures and m.last_failure_at is not None:
-        until = m.last_failure_at + backoff_s(m.failures, cfg)
-        if clock.epoch < until:
-            return [Waiting(model=m.name, until=until)]
+    if (waiting := backing_off(m, clock, cfg)) is not None:
+        return [waiting]
     needs = {k: need_of(m.spec.profiles[k]) for k in order}
     cs = p.candidates(m.name)
     seed = f"{m.name}/restart/{old.id}/{state.position}"
@@ -124,7 +114,7 @@ def step(
 
 
 def _back_to_preferred(
-    state: ClusterState, m: ModelState, staying: list[ReplicaState], p: _Pass
+    state: ClusterState, m: ModelState, staying: list[ReplicaState], p: PassState
 ) -> tuple[ReplicaState, str, list[int]] | None:
     """The oldest ready replica running a fallback profile while a profile the model prefers fits now
     somewhere (CAT-2), with the reason it moves and the profiles it prefers (in order); None when

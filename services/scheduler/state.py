@@ -23,7 +23,7 @@ from llmgw.events.schema import quotas as Q
 from llmgw.events.schema import replicas as R
 from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.subjects import aggregate_of
-from llmgw.services.scheduler.autoscale import LoadSample, ModelLoad, fold_load
+from llmgw.services.scheduler.load import LoadSample, ModelLoad, fold_load
 
 GiB = 1024**3
 T = TypeVar("T")

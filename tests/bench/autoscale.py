@@ -43,7 +43,7 @@ import msgspec
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
 from llmgw.events.schema import replicas as R
-from llmgw.services.scheduler.reconcile import Config, Place, Stop
+from llmgw.services.scheduler.vocabulary import Config, Place, Stop
 from tests.scheduler_world import T0, World, model, node
 
 STEP_S = 5.0

@@ -51,16 +51,8 @@ from llmgw.events.schema import models as M
 from llmgw.events.schema import replicas as R
 from llmgw.services.scheduler import quota as QU
 from llmgw.services.scheduler.placement import need_of
-from llmgw.services.scheduler.reconcile import (
-    Blocked,
-    Config,
-    Decision,
-    Preempt,
-    Stop,
-    Waiting,
-    reconcile,
-    wanted_replicas,
-)
+from llmgw.services.scheduler.reconcile import reconcile, wanted_replicas
+from llmgw.services.scheduler.vocabulary import Blocked, Config, Decision, Preempt, Stop, Waiting
 from tests.scheduler_world import (
     CPU_8C_32G,
     CPU_16C_64G,

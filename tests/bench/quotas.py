@@ -39,8 +39,9 @@ from llmgw.events.schema.envelope import Envelope, RecordedEvent
 from llmgw.events.schema.subjects import event_subject
 from llmgw.services.scheduler.headroom import headroom
 from llmgw.services.scheduler.quota import Ledger, guarantee_shares, quota_view
-from llmgw.services.scheduler.reconcile import Place, reconcile
+from llmgw.services.scheduler.reconcile import reconcile
 from llmgw.services.scheduler.state import ClusterState
+from llmgw.services.scheduler.vocabulary import Place
 
 GiB = 1024**3
 TARGET_MS = 5.0

@@ -22,8 +22,8 @@ from llmgw.agent import discovery
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
 from llmgw.services.scheduler.metrics import FleetCollector, node_samples
-from llmgw.services.scheduler.reconcile import Blocked, Config, Place
 from llmgw.services.scheduler.state import capacity_of
+from llmgw.services.scheduler.vocabulary import Blocked, Config, Place
 from tests.scheduler_world import World, spec
 
 
