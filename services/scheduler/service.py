@@ -42,7 +42,9 @@ from llmgw.services.scheduler.explain import explain
 from llmgw.services.scheduler.headroom import headroom
 from llmgw.services.scheduler.metrics import FleetCollector
 from llmgw.services.scheduler.quota import quota_view
-from llmgw.services.scheduler.reconcile import (
+from llmgw.services.scheduler.reconcile import reconcile
+from llmgw.services.scheduler.state import SNAPSHOT_NAME, SNAPSHOT_VERSION, ClusterState
+from llmgw.services.scheduler.vocabulary import (
     Autoscale,
     Blocked,
     Clock,
@@ -55,9 +57,7 @@ from llmgw.services.scheduler.reconcile import (
     Stop,
     Waiting,
     event_of,
-    reconcile,
 )
-from llmgw.services.scheduler.state import SNAPSHOT_NAME, SNAPSHOT_VERSION, ClusterState
 
 log = structlog.get_logger("llmgw.services.scheduler")
 
