@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 import structlog
@@ -39,10 +39,21 @@ from llmgw.projections.backends import Backend, Transaction
 from llmgw.projections.base import Projection, Row
 from llmgw.projections.reader import read_log
 
-if TYPE_CHECKING:
-    from llmgw.projections.runner import ProjectionRunner
-
 log = structlog.get_logger("llmgw.projections.rebuild")
+
+
+class LiveRunner(Protocol):
+    """What :func:`rebuild` and :func:`verify` need of the live runner in their process
+    (:class:`~llmgw.projections.runner.ProjectionRunner`): whether it runs the projection, to hold it
+    between batches, and to adopt the swapped-in checkpoint. Named by what it does, not imported: the
+    runner imports this module, to rebuild a projection whose version changed."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def paused(self, name: str) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+    async def note_checkpoint(self, name: str, position: int) -> None: ...
+
 
 SWAP_TRIES = 5
 VERIFY_TRIES = 5
@@ -124,7 +135,7 @@ async def rebuild(
     store: EventStore,
     backend: Backend,
     projection: Projection,
-    runner: ProjectionRunner | None = None,
+    runner: LiveRunner | None = None,
     *,
     batch_size: int = 2000,
 ) -> RebuildResult:
@@ -190,7 +201,7 @@ async def verify(
     store: EventStore,
     backend: Backend,
     projection: Projection,
-    runner: ProjectionRunner | None = None,
+    runner: LiveRunner | None = None,
     *,
     batch_size: int = 2000,
     limit: int = 100,
@@ -333,7 +344,7 @@ async def _fold_shadow(
 
 
 @contextlib.asynccontextmanager
-async def _paused(runner: ProjectionRunner | None, name: str) -> AsyncIterator[None]:
+async def _paused(runner: LiveRunner | None, name: str) -> AsyncIterator[None]:
     if runner is None or name not in runner:
         yield
         return

@@ -12,6 +12,11 @@ until :meth:`ProjectionRunner.restart` (after a fix). The other projections go o
 connections, and errors of the machine rather than of an event (a full disk, a read-only file
 system, a locked database: :func:`environmental`), are retried with backoff instead, so a
 projection resumes by itself once space returns; each change of state is logged.
+
+Each projection is also one of the process's supervised readers (given ``folds``, a
+:class:`~llmgw.events.runtime.follower.FollowerRegistry`): ``projection-NAME`` on ``/healthz`` and in
+``llmgw_fold_healthy``, failed once it stopped on an event, stalled once it has been retrying for
+``stall_s`` (:func:`slot_health`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -26,6 +32,7 @@ import msgspec
 import structlog
 from prometheus_client import CollectorRegistry
 
+from llmgw.events.runtime.follower import STALL_S, FollowerHealth, FollowerRegistry
 from llmgw.events.runtime.retry import backoff_delay
 from llmgw.events.runtime.store import EventStore
 from llmgw.projections.apply import (
@@ -44,6 +51,7 @@ from llmgw.projections.backends import Backend, Transaction
 from llmgw.projections.base import Projection
 from llmgw.projections.metrics import ProjectionMetrics
 from llmgw.projections.reader import read_log
+from llmgw.projections.rebuild import rebuild
 
 log = structlog.get_logger("llmgw.projections.runner")
 
@@ -117,10 +125,49 @@ class _Slot:
         # Held for each batch transaction; a rebuild holds it to pause this projection.
         self.lock = asyncio.Lock()
         self.changed = asyncio.Condition()
+        self.running_since: float | None = None  # monotonic: when it last began reading
+        self.retrying_since: float | None = None  # monotonic: the first failure of the run of them it is in
 
     @property
     def failed(self) -> bool:
         return self.status == "failed"
+
+
+def slot_health(
+    status: str, error: str | None, retrying_since: float | None, now: float, stall_s: float
+) -> tuple[str, str | None]:
+    """A projection's state as a supervised reader (``/healthz``'s words) and why. Pure.
+
+    Running (or paused by a rebuild) is live, and so is one that another release supersedes (it writes
+    the tables now); one stopped on an event is failed; one that has been retrying (the bus or the
+    database away, the disk full) for ``stall_s`` is stalled — before that, a blip is not news."""
+    if status == "failed":
+        return "failed", error
+    if status == "retrying" and retrying_since is not None and now - retrying_since >= stall_s:
+        return "stalled", f"retrying for {now - retrying_since:.0f} s: {error}"
+    if status == "starting":
+        return "starting", None
+    return "live", error if status in ("retrying", "superseded") else None
+
+
+class _SlotHealth:
+    """One projection as a :class:`FollowerRegistry` entry."""
+
+    def __init__(self, slot: _Slot, runner: ProjectionRunner) -> None:
+        self.name = f"projection-{slot.projection.name}"
+        self.slot = slot
+        self.runner = runner
+        self.since = (slot.status, time.time())
+
+    def health(self) -> FollowerHealth:
+        slot, runner = self.slot, self.runner
+        error = None if slot.error is None else str(slot.error)
+        state, reason = slot_health(slot.status, error, slot.retrying_since, runner.clock(), runner.stall_s)
+        if state != self.since[0]:
+            self.since = (state, time.time())
+        return FollowerHealth(
+            name=self.name, state=state, position=slot.position, head=slot.head, error=reason, since=self.since[1]
+        )
 
 
 class ProjectionRunner:
@@ -128,7 +175,9 @@ class ProjectionRunner:
 
     ``metrics`` (or a ``registry`` to create them in) receives the Prometheus series; with
     neither they go to a private registry. ``lag_interval_s`` refreshes the lag gauges in the
-    background (``None``: only when :meth:`refresh_lag` is called, e.g. on each scrape).
+    background (``None``: only when :meth:`refresh_lag` is called, e.g. on each scrape). ``folds``,
+    when given, holds each projection's health while the runner runs (``stall_s``: how long a
+    projection may retry before it is stalled there).
     """
 
     def __init__(
@@ -142,6 +191,9 @@ class ProjectionRunner:
         registry: CollectorRegistry | None = None,
         lag_interval_s: float | None = 5.0,
         on_batch: Callable[[str, int], None] | None = None,
+        folds: FollowerRegistry | None = None,
+        stall_s: float = STALL_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         names = [p.name for p in projections]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -158,6 +210,10 @@ class ProjectionRunner:
         # Told (projection, new checkpoint) after each committed batch: the replay snapshots' saver.
         self.on_batch = on_batch
         self._slots = {p.name: _Slot(p, store) for p in self.projections}
+        self.folds = folds
+        self.stall_s = stall_s
+        self.clock = clock
+        self._health = [_SlotHealth(slot, self) for slot in self._slots.values()]
         self._lag_task: asyncio.Task[None] | None = None
         self._started = False
 
@@ -173,6 +229,8 @@ class ProjectionRunner:
             await self._prepare(slot)
         for slot in self._slots.values():
             slot.task = asyncio.create_task(self._run(slot), name=f"projection-{slot.projection.name}")
+        for entry in self._health if self.folds is not None else ():
+            self.folds.add(entry)  # type: ignore[union-attr]
         if self.lag_interval_s:
             self._lag_task = asyncio.create_task(self._lag_loop(), name="projection-lag")
 
@@ -190,6 +248,8 @@ class ProjectionRunner:
             if not t.cancelled() and t.exception() is not None:
                 log.error("projection task ended with an error", task=t.get_name(), error=str(t.exception()))
         self._lag_task = None
+        for entry in self._health if self.folds is not None else ():
+            self.folds.remove(entry)  # type: ignore[union-attr]
         for slot in self._slots.values():
             slot.task = None
             if not slot.failed:
@@ -338,8 +398,6 @@ class ProjectionRunner:
                 await create_tables(tx, p)
         if checkpoint.version != p.version:
             # The projection's code changed shape: its tables are rebuilt from the log, then swapped in.
-            from llmgw.projections.rebuild import rebuild
-
             log.warning(
                 "projection version changed; rebuilding it from the log",
                 projection=p.name,
@@ -361,7 +419,7 @@ class ProjectionRunner:
         retries = 0
         while True:
             try:
-                slot.status = "running"
+                slot.status, slot.running_since = "running", self.clock()
                 batches = read_log(
                     slot.store, p.subject, after=slot.position, follow=True, batch_size=self.batch_size, decode=p.decode
                 )
@@ -375,6 +433,7 @@ class ProjectionRunner:
                         if retries:
                             log.info("projection resumed", projection=p.name, position=slot.position, retries=retries)
                             retries = 0
+                        slot.retrying_since = None
                         if rewind:
                             break
                     else:
@@ -397,6 +456,11 @@ class ProjectionRunner:
                 # The bus or the database went away, or the disk is full: read again from the
                 # checkpoint, with backoff; the first retry and every 10th are logged.
                 self.metrics.errors.labels(projection=p.name).inc()
+                now = self.clock()
+                if slot.retrying_since is None or (
+                    slot.running_since is not None and now - slot.running_since >= self.stall_s
+                ):
+                    slot.retrying_since = now  # the first failure after a good while: a new run of them
                 slot.status, slot.error = "retrying", error
                 retries += 1
                 delay = backoff_delay(retries, RETRY_MIN_S, RETRY_MAX_S)
