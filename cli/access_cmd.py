@@ -15,6 +15,7 @@ import click
 
 from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
+from llmgw.cli.table import table
 from llmgw.events.schema import access as A
 
 _DURATION = re.compile(r"^(\d+)([mhdw])$")
@@ -39,11 +40,6 @@ def parse_expiry(text: str, now: datetime) -> datetime:
 
 def _csv(text: str | None) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()] if text else []
-
-
-def _table(rows: list[list[str]], header: list[str]) -> list[str]:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
-    return ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]]
 
 
 def _dash(value: Any) -> str:
@@ -141,7 +137,7 @@ def key_list(ctx: click.Context, project: str | None, as_json: bool) -> None:
             for k in keys
         ]
         header = ["ID", "KEY", "PROJECT", "NAME", "USER", "RPM", "TPM", "MODELS", "EXPIRES", "STATE"]
-        for line in _table(rows, header):
+        for line in table(header, rows):
             click.echo(line)
 
     run(ctx, go)
@@ -207,8 +203,8 @@ def limit_list(ctx: click.Context, as_json: bool) -> None:
         if not rows:
             click.echo("no limits set: `llmgw ctl limit set SCOPE --rpm N --tpm N`")
             return
-        table = [[r["path"], _dash(r["rpm"]), _dash(r["tpm"]), r["updated_at"][:19]] for r in rows]
-        for line in _table(table, ["SCOPE", "RPM", "TPM", "SET AT"]):
+        cells = [[r["path"], _dash(r["rpm"]), _dash(r["tpm"]), r["updated_at"][:19]] for r in rows]
+        for line in table(["SCOPE", "RPM", "TPM", "SET AT"], cells):
             click.echo(line)
 
     run(ctx, go)
@@ -252,8 +248,8 @@ def price_list(ctx: click.Context, as_json: bool) -> None:
         if not rows:
             click.echo("no prices set: `llmgw ctl price set MODEL --input USD --output USD`")
             return
-        table = [[r["model"], f"{r['input_usd_per_m']:g}", f"{r['output_usd_per_m']:g}"] for r in rows]
-        for line in _table(table, ["MODEL", "INPUT $/M", "OUTPUT $/M"]):
+        cells = [[r["model"], f"{r['input_usd_per_m']:g}", f"{r['output_usd_per_m']:g}"] for r in rows]
+        for line in table(["MODEL", "INPUT $/M", "OUTPUT $/M"], cells):
             click.echo(line)
 
     run(ctx, go)
@@ -299,8 +295,8 @@ def budget_list(ctx: click.Context, as_json: bool) -> None:
         if not rows:
             click.echo("no budgets set: `llmgw ctl budget set SCOPE --usd N --period month`")
             return
-        table = [[r["path"], f"{r['usd']:g}", r["period"], r["updated_at"][:19]] for r in rows]
-        for line in _table(table, ["SCOPE", "USD", "PERIOD", "SET AT"]):
+        cells = [[r["path"], f"{r['usd']:g}", r["period"], r["updated_at"][:19]] for r in rows]
+        for line in table(["SCOPE", "USD", "PERIOD", "SET AT"], cells):
             click.echo(line)
 
     run(ctx, go)

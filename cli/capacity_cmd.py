@@ -21,7 +21,8 @@ from llmgw.bench import capacity as C
 from llmgw.cli.client import Session, run
 from llmgw.cli.context import default_data_dir, read_run_info
 from llmgw.cli.ctl import ctl
-from llmgw.cli.fleet_cmd import _ask_scheduler, model
+from llmgw.cli.fleet_cmd import model
+from llmgw.cli.scheduler_query import ask_scheduler
 from llmgw.cli.table import table
 from llmgw.events.commands.client import CommandError, CommandRejectedError, Unreachable
 from llmgw.events.schema import models as M
@@ -44,7 +45,7 @@ async def _model_row(s: Session, name: str) -> dict[str, Any]:
 async def _one_replica(s: Session, name: str, deadline: float) -> dict[str, Any]:
     """The model's only active replica once it is ready (waiting until ``deadline``, monotonic)."""
     while True:
-        active = [r for r in (await _ask_scheduler(s, SCH.EXPLAIN_SUBJECT, name))["replicas"] if r["state"] in ACTIVE]
+        active = [r for r in (await ask_scheduler(s, SCH.EXPLAIN_SUBJECT, name))["replicas"] if r["state"] in ACTIVE]
         if len(active) == 1 and active[0]["state"] == "ready":
             return active[0]
         if time.monotonic() > deadline:
@@ -134,7 +135,7 @@ def bench(
                 f"model {name} is an embedding model: ctl bench measures generation (time to first token, tokens/s)",
                 "invalid_route",
             )
-        explained = await _ask_scheduler(s, SCH.EXPLAIN_SUBJECT, name)
+        explained = await ask_scheduler(s, SCH.EXPLAIN_SUBJECT, name)
         active = [r for r in explained["replicas"] if r["state"] in ACTIVE]
         before = (row["min_replicas"], row["max_replicas"])
         held = len(active) != 1 or before[1] > 1
@@ -255,7 +256,7 @@ def model_target(ctx: click.Context, name: str, tokens_per_s: float, apply: bool
         raise click.UsageError("--tokens-per-sec must be above 0")
 
     async def go(s: Session) -> int:
-        one = (await _ask_scheduler(s, SCH.HEADROOM_SUBJECT, name)).get("one_more")
+        one = (await ask_scheduler(s, SCH.HEADROOM_SUBJECT, name)).get("one_more")
         if not one:
             raise CommandRejectedError(
                 f"model {name} has no measurement that counts (none saved, or taken against another SLO): "

@@ -7,10 +7,36 @@ import json
 import click
 
 from llmgw.cli.client import Session, run
+from llmgw.cli.lazy_group import LazyCommand, LazyGroup
 from llmgw.events.schema import tenancy as T
 
+# The modules holding `ctl`'s other subcommands: each adds its own to `ctl` as it is imported (they
+# import `ctl` from here). They are imported when `ctl` is first asked for a subcommand, not with this
+# module, so importing one of them first never finds the others half-made.
+SUBCOMMAND_MODULES = (
+    "llmgw.cli.access_cmd",  # `ctl key|limit|price|budget`
+    "llmgw.cli.audit_cmd",  # `ctl audit`
+    "llmgw.cli.capacity_cmd",  # `ctl bench` and `ctl model target`
+    "llmgw.cli.fleet_cmd",  # `ctl model|models|nodes|…`
+    "llmgw.cli.jobs_cmd",  # `ctl model serve` and `ctl job`
+    "llmgw.cli.nats_cmd",  # `ctl nats`
+    "llmgw.cli.people_cmd",  # `ctl user|token`
+    "llmgw.cli.quota_cmd",  # `ctl quota`
+    "llmgw.cli.usage_cmd",  # `ctl usage|request`
+)
 
-@click.group()
+
+@click.group(
+    cls=LazyGroup,
+    registering=SUBCOMMAND_MODULES,
+    lazy={
+        # needs nothing from a running system, nor from this module
+        "cert": LazyCommand(
+            "llmgw.cli.cert_cmd:cert",
+            "The installation's CA and its certificates: HTTPS for the gateway and admin API, NATS TLS.",
+        )
+    },
+)
 def ctl() -> None:
     """Operate the system: tenancy, keys, limits, prices, budgets, models, nodes."""
 
@@ -90,13 +116,3 @@ def render_tree(orgs: list[dict]) -> list[str]:
 
     walk(orgs, 0)
     return lines
-
-
-def _register_cert() -> None:
-    # Imported here: cert_cmd needs nothing from this module, and `ctl cert` works without a running system.
-    from llmgw.cli.cert_cmd import cert
-
-    ctl.add_command(cert)
-
-
-_register_cert()

@@ -14,6 +14,7 @@ import yaml
 
 from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
+from llmgw.cli.scheduler_query import ask_scheduler
 from llmgw.cli.table import table
 from llmgw.events.commands.client import CommandRejectedError, Unreachable
 from llmgw.events.runtime.store import EventStore
@@ -664,7 +665,7 @@ def explain(ctx: click.Context, name: str, as_json: bool) -> None:
     """Why MODEL runs where it does, or node by node what each lacks."""
 
     async def go(s: Session) -> int:
-        body = await _ask_scheduler(s, SCH.EXPLAIN_SUBJECT, name)
+        body = await ask_scheduler(s, SCH.EXPLAIN_SUBJECT, name)
         if as_json:
             click.echo(json.dumps(body, indent=2))
             return 0
@@ -728,19 +729,6 @@ def logs(ctx: click.Context, node: str, replica: str | None, lines: int) -> None
     run(ctx, go)
 
 
-async def _ask_scheduler(s: Session, subject: str, name: str) -> dict[str, Any]:
-    """A scheduler's answer about model ``name`` (any instance answers); its error as a CommandError."""
-    store = await s.store()
-    try:
-        msg = await store.nc.request(subject, name.encode(), timeout=10)
-    except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
-        raise Unreachable("no scheduler answered: is the scheduler service running?") from exc
-    body = json.loads(msg.data)
-    if body.get("error"):
-        raise CommandRejectedError(body["error"], "not_found")
-    return body
-
-
 @model.command("headroom")
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True)
@@ -749,7 +737,7 @@ def model_headroom(ctx: click.Context, name: str, as_json: bool) -> None:
     """How many more replicas of NAME fit now, on which nodes, and why not more (SCHED-11)."""
 
     async def go(s: Session) -> None:
-        body = await _ask_scheduler(s, SCH.HEADROOM_SUBJECT, name)
+        body = await ask_scheduler(s, SCH.HEADROOM_SUBJECT, name)
         if as_json:
             click.echo(json.dumps(body, indent=2))
             return

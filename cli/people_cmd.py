@@ -13,10 +13,10 @@ from datetime import UTC, datetime, timedelta
 
 import click
 
-from llmgw.cli.access_cmd import _table
 from llmgw.cli.client import Session, run
 from llmgw.cli.credentials import forget_token, save_token
 from llmgw.cli.ctl import ctl
+from llmgw.cli.table import table
 from llmgw.events.commands import roles as R
 from llmgw.events.commands.client import CommandError, CommandRejectedError
 from llmgw.events.schema import people as P
@@ -140,7 +140,7 @@ def user_list(ctx: click.Context, as_json: bool) -> None:
             ]
             for p in people
         ]
-        for line in _table(rows, ["NAME", "DISPLAY NAME", "STATE", "ROLES", "TOKENS", "ADDED"]):
+        for line in table(["NAME", "DISPLAY NAME", "STATE", "ROLES", "TOKENS", "ADDED"], rows):
             click.echo(line)
 
     run(ctx, go)

@@ -19,7 +19,8 @@ import msgspec
 import pytest
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from llmgw.cli.main import server, up
+from llmgw.cli.server_cmd import server
+from llmgw.cli.up_cmd import up
 from llmgw.events.commands.client import CommandRejectedError
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import mirror as E
