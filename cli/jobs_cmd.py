@@ -13,6 +13,7 @@ from llmgw.cli.ctl import ctl
 from llmgw.cli.fleet_cmd import model
 from llmgw.cli.progress import Downloads
 from llmgw.events.commands.client import CommandRejectedError
+from llmgw.events.folds.jobs import JobState
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import jobs as J
 from llmgw.events.schema import mirror as E
@@ -31,7 +32,7 @@ async def follow_job(store: EventStore, job_id: str) -> int:
     subject = event_subject(J.AGGREGATE, job_id)
     if not await store.last_seq(subject):
         raise CommandRejectedError(f"there is no job {job_id}", "not_found")
-    decided: dict[str, object] = {}  # what the steps so far decided (the fetch step names the mirror's model)
+    job = JobState(job_id)  # the job's shared fold: what its done steps decided names the mirror's model
     bars = Downloads()
     watching = None
     try:
@@ -39,11 +40,11 @@ async def follow_job(store: EventStore, job_id: str) -> int:
             for e in batch:
                 if not isinstance(e, RecordedEvent):
                     continue
+                job.apply(e)
                 p = e.payload
                 if isinstance(p, J.JobStep):
-                    decided.update(p.data)
-                    if p.step == "fetch" and p.status == J.STARTED and watching is None and "model" in decided:
-                        watching = await watch_any_version(store, str(decided["model"]), bars)
+                    if p.step == "fetch" and p.status == J.STARTED and watching is None and "model" in job.data:
+                        watching = await watch_any_version(store, str(job.data["model"]), bars)
                     elif p.step == "fetch" and watching is not None:
                         for file in list(bars.files):
                             bars.finish(file)

@@ -17,12 +17,12 @@ from llmgw.cli.client import Session, run
 from llmgw.cli.progress import Downloads
 from llmgw.cli.table import table
 from llmgw.events.commands.client import CommandError
+from llmgw.events.folds.mirror import FETCHING, PRESENT, MirrorState
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import mirror as E
 from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.mirror.rules import human
-from llmgw.services.mirror.state import FETCHING, PRESENT, MirrorState
 
 
 @click.group()
@@ -136,7 +136,8 @@ def fetch(
     run(ctx, go)
 
 
-async def _fold(s: Session) -> MirrorState:
+async def _mirror_state(s: Session) -> MirrorState:
+    """What the mirror holds: its events in the log through the shared fold (so it answers while the mirror is down)."""
     store = await s.store()
     state = MirrorState()
     for e in await store.read(f"{EVENTS_ROOT}.{E.AGGREGATE}.>"):
@@ -151,7 +152,7 @@ def list_(ctx: click.Context, as_json: bool) -> None:
     """What the mirror holds and fetches: model, version, state, files, size, repository."""
 
     async def go(s: Session) -> None:
-        rows = (await _fold(s)).rows()
+        rows = (await _mirror_state(s)).rows()
         if as_json:
             click.echo(json.dumps(rows, indent=2))
             return

@@ -1,4 +1,7 @@
-"""A job folded from its events: what was asked, which steps are done and what they decided."""
+"""A job folded from its events: what was asked, which steps are done and what they decided.
+
+The jobs service runs a job on from it; `ctl model serve` and `ctl job ID` follow one with it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ from llmgw.events.schema.envelope import RecordedEvent
 
 
 class JobState:
+    """One job as its events tell it."""
+
     def __init__(self, job_id: str) -> None:
         self.id = job_id
         self.request: J.JobStarted | None = None

@@ -1,4 +1,6 @@
-"""What the mirror holds, folded from its events: the mirror service, the file server and `llmgw mirror list`.
+"""What the mirror holds, folded from its events: the mirror service, its file server and peer, and
+`llmgw mirror list` and `mirror fetch` (which fold the log themselves, so they answer while the
+mirror is down) all call this one fold.
 
 Pure: no I/O. Events are applied once each (by sequence), so the service may fold from a live
 follower and from a catch-up read without counting anything twice.
@@ -52,6 +54,8 @@ class VersionState(msgspec.Struct, kw_only=True):
 
 
 class MirrorState:
+    """Every model version the mirror holds or fetches, with its files, folded from ``mirror.*`` events."""
+
     def __init__(self) -> None:
         self.models: dict[str, dict[str, VersionState]] = {}
         self.position = 0

@@ -26,6 +26,7 @@ from llmgw.events.commands.client import CommandClient, CommandError, CommandRej
 from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import CommandProcessor
 from llmgw.events.commands.shell import CommandShell, Decision
+from llmgw.events.folds.jobs import JobState
 from llmgw.events.runtime.follower import FollowerRegistry
 from llmgw.events.runtime.followers import Followers
 from llmgw.events.runtime.retry import backoff_delay, is_transient
@@ -47,7 +48,6 @@ from llmgw.modelfiles.picking import RepoFile, validate_repo_id
 from llmgw.modelfiles.sizing import estimate_memory
 from llmgw.services.jobs import rules
 from llmgw.services.jobs.rules import StepFailed, StepResult
-from llmgw.services.jobs.state import JobState
 from llmgw.services.mirror.hub import DEFAULT_HUB, HubClient, HubError
 
 log = structlog.get_logger("llmgw.services.jobs")

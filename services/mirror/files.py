@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from llmgw.events.folds.mirror import FileState
 from llmgw.services.mirror.rules import valid_name
-from llmgw.services.mirror.state import FileState
 
 
 class Holdings(Protocol):

@@ -27,6 +27,7 @@ import aiohttp
 import msgspec
 import structlog
 
+from llmgw.events.folds.mirror import PRESENT, FileState, MirrorState
 from llmgw.events.runtime.follower import Follower, FollowerRegistry
 from llmgw.events.runtime.store import EventStore, NewEvent
 from llmgw.events.runtime.tasks import cancel_and_wait
@@ -34,7 +35,6 @@ from llmgw.events.schema import mirror as E
 from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.mirror.download import DiskGuard, DownloadError, download
-from llmgw.services.mirror.state import PRESENT, FileState, MirrorState
 
 log = structlog.get_logger("llmgw.services.mirror.peer")
 

@@ -38,7 +38,7 @@ from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 
 if TYPE_CHECKING:
-    from llmgw.services.mirror.state import MirrorState
+    from llmgw.events.folds.mirror import MirrorState
 
 log = structlog.get_logger("llmgw.services.mirror.purge")
 

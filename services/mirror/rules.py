@@ -12,8 +12,8 @@ import re
 import msgspec
 
 from llmgw.events.commands.processor import Rejected
+from llmgw.events.folds.mirror import FETCHING, MirrorState
 from llmgw.events.schema import mirror as E
-from llmgw.services.mirror.state import FETCHING, MirrorState
 
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 _MODEL = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")

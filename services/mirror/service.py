@@ -27,6 +27,7 @@ from llmgw.events.commands.auth import CommandVerifier
 from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import CommandProcessor, Rejected
 from llmgw.events.commands.shell import Cause, CommandShell, Decision
+from llmgw.events.folds.mirror import FETCHING, MirrorState, VersionState
 from llmgw.events.runtime.follower import FollowerRegistry
 from llmgw.events.runtime.followers import Followers
 from llmgw.events.runtime.secrets import engine_key_secret, mirror_token
@@ -41,7 +42,6 @@ from llmgw.services.mirror.hub import DEFAULT_HUB, HubClient, HubError
 from llmgw.services.mirror.peer import PeerMirror
 from llmgw.services.mirror.purge import Purger
 from llmgw.services.mirror.rules import check_model, check_repo, human, plan_fetch, should_report
-from llmgw.services.mirror.state import FETCHING, MirrorState, VersionState
 
 log = structlog.get_logger("llmgw.services.mirror")
 _progress_encoder = msgspec.json.Encoder()
