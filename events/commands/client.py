@@ -17,6 +17,12 @@ import nats.js.errors
 
 from llmgw.events.commands.auth import ServiceSigner, Signer, sign_command
 from llmgw.events.commands.command import Command, command_subject
+from llmgw.events.commands.errors import (  # importers of the client find its errors here too
+    CommandError,
+    CommandRejectedError,
+    CommandTimeoutError,
+    Unreachable,
+)
 from llmgw.events.runtime.retry import is_transient
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import subjects as S
@@ -24,31 +30,6 @@ from llmgw.events.schema.codec import decode_event
 from llmgw.events.schema.envelope import utc_now
 from llmgw.events.schema.ids import new_id
 from llmgw.events.schema.outcomes import CommandCompleted, CommandRejected
-
-
-class CommandError(Exception):
-    """Base of the caller-side errors; each maps to an exit code in the CLI."""
-
-    exit_code = 1
-
-
-class CommandRejectedError(CommandError):
-    """The owning service refused the command; ``reason`` says what to do."""
-
-    exit_code = 2
-
-    def __init__(self, reason: str, code: str = "rejected") -> None:
-        self.reason = reason
-        self.code = code
-        super().__init__(reason)
-
-
-class CommandTimeoutError(CommandError):
-    exit_code = 3
-
-
-class Unreachable(CommandError):
-    exit_code = 4
 
 
 class CommandClient:
