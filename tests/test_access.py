@@ -274,11 +274,12 @@ async def test_a_key_is_never_created_for_a_project_deleted_while_it_was_decided
         await racer.catch_up()
         _, prefix, digest = A.make_api_key()
         create = A.CreateKey(project="acme/ml/chat", prefix=prefix, secret_sha256=digest)
-        decision = racer.decision(decide(racer.state, create, utc_now()))  # decided, fenced on the tree as read
+        decision = decide(racer.state, create, utc_now())
+        append = racer.shell.append_of(decision)  # fenced on the tree as read
         await access.send("delete", T.DeleteScope(kind="project", path="acme/ml/chat"), service=T.SERVICE)
         events = [NewEvent(payload=p, actor="user:test") for p in decision.payloads]
         with pytest.raises(AppendConflict):
-            await racer.shell._append(decision, events)
+            await racer.shell._append(append, events)
     finally:
         await racer.close()
     assert await store.read(f"{EVENTS_ROOT}.{A.KEY_AGGREGATE}.>") == []

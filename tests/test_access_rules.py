@@ -25,11 +25,10 @@ Step = T.TenancyCommand | A.AccessCommand
 def fold(steps: list[Step]) -> AccessState:
     """The state after each step is decided and its events applied, as the service would."""
     state = AccessState()
-    for i, step in enumerate(steps, start=1):
-        env = Envelope(id=f"e{i}", type="x", at=NOW, actor="user:t", causation=f"c{i}")
-        seq = max([state.tree.last_seq, *state.subject_seqs.values()]) + 1
+    for seq, step in enumerate(steps, start=1):
+        env = Envelope(id=f"e{seq}", type="x", at=NOW, actor="user:t", causation=f"c{seq}")
         if isinstance(step, T.CreateScope | T.RenameScope | T.DeleteScope):
-            for payload in tenancy.decide(state.tree, step):
+            for payload in tenancy.decide(state.tree, step).payloads:
                 state.apply(RecordedEvent(envelope=env, payload=payload, subject=TREE, seq=seq))
             continue
         decision = decide(state, step, NOW)
@@ -252,7 +251,7 @@ def test_a_key_is_made_for_the_project_s_id_with_a_short_id_and_only_the_hash() 
     assert decision.subject == event_subject("key", created.key_id)
     assert created.models == ["not-in-any-catalog"]  # kept as given: the catalog may change
     assert (created.prefix, created.secret_sha256) == (c.prefix, c.secret_sha256)
-    assert decision.fence_tree, "a key is appended only while the tree is as decided on"
+    assert decision.fence == TREE, "a key is appended only while the tree is as decided on"
     assert decision.message == f"key {created.key_id} (ci) created for project acme/ml/chat"
 
 

@@ -51,18 +51,17 @@ async def running(processor: CommandProcessor) -> AsyncIterator[CommandProcessor
 
 
 def with_rival(store: EventStore, service: TenancyService, races: int | None) -> list[int]:
-    """Make a rival create an org after each of the first ``races`` decisions (None: after every one)."""
+    """Make a rival create an org after each of the first ``races`` decisions (None: after every one), before
+    the decision is appended; returns the tree's sequence each decision was made at."""
     decided: list[int] = []
 
-    async def decide(command: Command, payload: T.TenancyCommand) -> Decision:
-        decision = service.decide(command, payload)
-        decided.append(decision.expected)
+    async def rival(command: Command, payload: T.TenancyCommand, decision: Decision) -> None:
+        decided.append(service.fold.seq(TREE))  # nothing awaited since the decision: the sequence it was made at
         if races is None or len(decided) <= races:
             rival = T.OrgCreated(org_id=new_id(), name=f"rival{len(decided)}")
             await store.append(TREE, [NewEvent(payload=rival, actor="user:rival")])
-        return decision
 
-    service.shell.decide = decide
+    service.shell.before_append = rival
     return decided
 
 

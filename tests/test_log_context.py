@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+from datetime import datetime
+from typing import Any
 
 import pytest
 import structlog
@@ -12,7 +14,6 @@ from structlog.testing import LogCapture
 
 from llmgw.cli import logs
 from llmgw.events.commands.client import CommandClient
-from llmgw.events.commands.command import Command
 from llmgw.events.commands.shell import Decision
 from llmgw.events.runtime import log_context
 from llmgw.events.runtime.store import EventStore
@@ -64,9 +65,9 @@ async def test_every_line_a_command_s_handling_logs_names_the_command_and_its_co
     service = TenancyService(store)
     decide = service.shell.decide
 
-    async def logging_decide(command: Command, payload: T.TenancyCommand) -> Decision:
+    def logging_decide(state: Any, payload: T.TenancyCommand, now: datetime) -> Decision:
         structlog.get_logger("test").info("deciding")
-        return await decide(command, payload) if asyncio.iscoroutinefunction(decide) else decide(command, payload)
+        return decide(state, payload, now)
 
     service.shell.decide = logging_decide
     async with running(service.processor()):

@@ -43,12 +43,12 @@ EDITS = [
 
 @pytest.mark.parametrize(("_name", "command", "before", "message", "after"), EDITS, ids=[c[0] for c in EDITS])
 def test_an_slo_edit(_name: str, command: M.SetSlo, before: M.Slo | None, message: str, after: object) -> None:
-    name, payloads, said = decide(_catalog(before), command)
-    assert (name, said) == ("chat", message)
+    d = decide(_catalog(before), command)
+    assert (d.result["model"], d.message) == ("chat", message)
     if after == "unchanged":
-        assert payloads == []
+        assert d.payloads == []
         return
-    [changed] = payloads
+    [changed] = d.payloads
     assert isinstance(changed, M.ModelChanged) and changed.spec.slo == after
     assert M.spec_hash(changed.spec) == M.spec_hash(_catalog(before).models["chat"].spec), "no restart for an SLO"
 

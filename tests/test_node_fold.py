@@ -31,7 +31,7 @@ from llmgw.events.schema.subjects import event_subject
 from llmgw.projections.apply import commit_batch, create_tables
 from llmgw.projections.backends import open_backend
 from llmgw.projections.fleet import FleetProjection
-from llmgw.services.fleet.service import decide
+from llmgw.services.fleet.rules import decide_node
 from llmgw.services.scheduler.state import ClusterState
 from tests.fleet import Fleet
 from tests.support import wait_until
@@ -96,10 +96,10 @@ def test_the_fleet_service_refuses_what_the_folded_node_already_is() -> None:
     ]
     for node, command, code in refusals:
         with pytest.raises(Rejected) as refused:
-            decide(node, command)
+            decide_node(node, command)
         assert refused.value.code == code, refused.value.reason
-    payloads, _ = decide(cordoned, N.DrainNode(node_id="n1", grace_s=10))
-    assert payloads == [N.NodeDrainRequested(node_id="n1", grace_s=10)]
+    decision = decide_node(cordoned, N.DrainNode(node_id="n1", grace_s=10))
+    assert decision.payloads == [N.NodeDrainRequested(node_id="n1", grace_s=10)]
 
 
 # -- every reader agrees --------------------------------------------------------------------------

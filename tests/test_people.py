@@ -19,7 +19,7 @@ import pytest
 from llmgw.events.commands.auth import TokenSigner
 from llmgw.events.commands.client import CommandClient, CommandRejectedError
 from llmgw.events.commands.processor import Rejected
-from llmgw.events.folds.people import People
+from llmgw.events.folds.people import People, PeopleAndTree
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import people as P
 from llmgw.events.schema.envelope import Envelope, RecordedEvent
@@ -53,10 +53,10 @@ def folded(*payloads: object) -> People:
 
 
 def test_a_person_is_added_with_an_argon2id_hash_and_never_twice() -> None:
-    d = rules.decide(People(), P.AddUser(name="ann", password_hash=HASH), NOW)
+    d = rules.decide(PeopleAndTree(), P.AddUser(name="ann", password_hash=HASH), NOW)
     assert [type(p) for p in d.payloads] == [P.UserAdded, P.PasswordSet] and d.expected == 0
     with pytest.raises(Rejected, match="user ann exists"):
-        rules.decide(folded(*d.payloads), P.AddUser(name="ann", password_hash=HASH), NOW)
+        rules.decide(PeopleAndTree(folded(*d.payloads)), P.AddUser(name="ann", password_hash=HASH), NOW)
 
 
 @pytest.mark.parametrize(
@@ -69,14 +69,14 @@ def test_a_person_is_added_with_an_argon2id_hash_and_never_twice() -> None:
 )
 def test_anything_but_a_strong_argon2id_hash_is_refused(password_hash: str) -> None:
     with pytest.raises(Rejected, match="argon2id hash") as refused:
-        rules.decide(People(), P.AddUser(name="ann", password_hash=password_hash), NOW)
+        rules.decide(PeopleAndTree(), P.AddUser(name="ann", password_hash=password_hash), NOW)
     assert refused.value.code == "invalid_password_hash"
 
 
 def test_user_names_are_plain() -> None:
     for bad in ("Ann", "1ann", "ann smith", "a" * 64, ""):
         with pytest.raises(Rejected, match="is not a user name"):
-            rules.decide(People(), P.AddUser(name=bad, password_hash=HASH), NOW)
+            rules.decide(PeopleAndTree(), P.AddUser(name=bad, password_hash=HASH), NOW)
 
 
 def test_a_disabled_persons_token_stops_working_and_a_revoked_one_is_forgotten() -> None:
@@ -126,7 +126,7 @@ def test_a_token_prefix_is_never_issued_twice() -> None:
         P.TokenIssued(name="ann", token_id="t1", prefix=prefix, secret_sha256=digest, kind="personal"),
     )
     with pytest.raises(Rejected, match=f"token prefix {prefix} is taken"):
-        rules.decide(people, P.IssueToken(name="ann", prefix=prefix, secret_sha256=digest), NOW)
+        rules.decide(PeopleAndTree(people), P.IssueToken(name="ann", prefix=prefix, secret_sha256=digest), NOW)
 
 
 # -- passwords and the throttle -----------------------------------------------------------------
@@ -402,16 +402,16 @@ def test_a_role_is_granted_over_a_scope_by_path_and_kept_by_id() -> None:
     ):
         env = Envelope(id=f"t{seq}", type="x", at=NOW, actor="user:test")
         tree.apply(RecordedEvent(envelope=env, payload=p, subject=subject(T.AGGREGATE, T.TREE_ID), seq=seq))
-    people = folded(P.UserAdded(name="ann"))
-    d = rules.decide(people, P.GrantRole(name="ann", role="team-admin", scope="team:acme/ml"), NOW, tree)
+    state = PeopleAndTree(folded(P.UserAdded(name="ann")), tree)
+    d = rules.decide(state, P.GrantRole(name="ann", role="team-admin", scope="team:acme/ml"), NOW)
     assert d.payloads == [P.RoleGranted(name="ann", role="team-admin", scope="team:t1")]
     assert d.message == "ann is team-admin of team:acme/ml"
     with pytest.raises(Rejected, match="org-admin is bound to a org, not 'team:acme/ml'"):
-        rules.decide(people, P.GrantRole(name="ann", role="org-admin", scope="team:acme/ml"), NOW, tree)
+        rules.decide(state, P.GrantRole(name="ann", role="org-admin", scope="team:acme/ml"), NOW)
     with pytest.raises(Rejected, match="there is no role 'owner'"):
-        rules.decide(people, P.GrantRole(name="ann", role="owner", scope="cluster"), NOW, tree)
+        rules.decide(state, P.GrantRole(name="ann", role="owner", scope="cluster"), NOW)
     with pytest.raises(Rejected, match="there is no team 'acme/nope'"):
-        rules.decide(people, P.GrantRole(name="ann", role="team-admin", scope="team:acme/nope"), NOW, tree)
+        rules.decide(state, P.GrantRole(name="ann", role="team-admin", scope="team:acme/nope"), NOW)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from llmgw.events.folds import quotas as QF
 from llmgw.events.schema import models as M
 from llmgw.events.schema import quotas as Q
 from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.scheduler import quota as QU
 from llmgw.services.scheduler.headroom import headroom
 from llmgw.services.scheduler.vocabulary import Blocked, Config, Place
@@ -353,15 +354,16 @@ def test_quota_refusal(_name: str, command: Q.QuotaCommand, says: str) -> None:
 
 def test_set_then_clear_folds_to_no_quota() -> None:
     tree_ = _tree().state.tree
-    sid, payloads, message = decide_quota(tree_, {}, Q.SetQuota(scope="acme/ml", limit=Q.Resources(gpus=2)))
-    assert (sid, message) == ("acme.ml", "quota of team:acme/ml set")
-    quotas = {sid: QF.fold_quota(None, payloads[0])}
+    d = decide_quota(tree_, {}, Q.SetQuota(scope="acme/ml", limit=Q.Resources(gpus=2)))
+    sid = d.result["scope_id"]
+    assert (sid, d.subject, d.message) == ("acme.ml", event_subject(Q.AGGREGATE, sid), "quota of team:acme/ml set")
+    quotas = {sid: QF.fold_quota(None, d.payloads[0])}
     assert quotas[sid] == QF.Quota(scope_id="acme.ml", kind="team", limit=Q.Resources(gpus=2))
-    _, payloads, message = decide_quota(tree_, quotas, Q.ClearQuota(scope="team:acme/ml"))
-    assert message == "quota of team:acme/ml cleared"
-    assert QF.fold_quota(quotas[sid], payloads[0]) is None
-    _, payloads, message = decide_quota(tree_, {}, Q.ClearQuota(scope="acme/ml"))
-    assert (payloads, message) == ([], "team:acme/ml has no quota")
+    d = decide_quota(tree_, quotas, Q.ClearQuota(scope="team:acme/ml"))
+    assert d.message == "quota of team:acme/ml cleared"
+    assert QF.fold_quota(quotas[sid], d.payloads[0]) is None
+    d = decide_quota(tree_, {}, Q.ClearQuota(scope="acme/ml"))
+    assert (d.payloads, d.message) == ([], "team:acme/ml has no quota")
 
 
 def test_an_orgs_quota_needs_a_cluster_admin_and_a_teams_its_orgs_admin() -> None:
@@ -450,12 +452,12 @@ EDITS = [
 def test_model_edit(_name: str, command: M.CatalogCommand, message: str, changed: dict | None) -> None:
     from llmgw.services.catalog.rules import decide
 
-    name, payloads, said_ = decide(_catalog(), command)  # type: ignore[arg-type]
-    assert (name, said_) == ("chat", message)
+    d = decide(_catalog(), command)  # type: ignore[arg-type]
+    assert (d.result["model"], d.message) == ("chat", message)
     if changed is None:
-        assert payloads == []
+        assert d.payloads == []
     else:
-        [payload] = payloads
+        [payload] = d.payloads
         assert isinstance(payload, M.ModelChanged)
         assert {k: getattr(payload.spec, k) for k in changed} == changed
 

@@ -11,7 +11,7 @@ from llmgw.events.folds import replicas as F
 from llmgw.events.schema import models as M
 from llmgw.events.schema import replicas as R
 from llmgw.events.schema.outcomes import Rejected
-from llmgw.services.fleet.service import decide_restart
+from llmgw.services.fleet.rules import decide_restart
 from llmgw.services.scheduler import restarts
 from llmgw.services.scheduler.vocabulary import Place, Stop, Waiting
 from tests.scheduler_world import (
@@ -208,9 +208,9 @@ def test_a_restart_is_asked_for_a_running_replica_and_an_unknown_one_is_refused_
             decide_restart(replicas, command)
         assert str(refused.value).startswith(says) and refused.value.code == "not_found"
         return
-    payloads, message = decide_restart(replicas, command)
-    assert message == says and len(payloads) == events
-    assert payloads == [R.ReplicaRestartRequested(replica_id=asked, reason="new weights")][:events]
+    decision = decide_restart(replicas, command)
+    assert decision.message == says and len(decision.payloads) == events
+    assert decision.payloads == [R.ReplicaRestartRequested(replica_id=asked, reason="new weights")][:events]
 
 
 def test_a_scale_down_stops_a_replica_waiting_for_its_restart_first() -> None:

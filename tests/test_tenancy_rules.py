@@ -14,7 +14,7 @@ from llmgw.services.tenancy.tree import TenancyTree, decide
 def fold(commands: list[T.TenancyCommand]) -> TenancyTree:
     tree = TenancyTree()
     for i, command in enumerate(commands, start=1):
-        for payload in decide(tree, command):
+        for payload in decide(tree, command).payloads:
             env = Envelope(id=f"e{i}", type="x", at=utc_now(), actor="user:t", causation=f"c{i}")
             tree.apply(RecordedEvent(envelope=env, payload=payload, subject="s", seq=tree.last_seq + 1))
     return tree
@@ -162,5 +162,5 @@ def test_a_project_that_still_holds_keys_is_not_deleted_and_says_which() -> None
 def test_a_project_whose_keys_are_all_revoked_can_be_deleted() -> None:
     tree = fold(ACME)
     _with_keys(tree, "acme/ml/chat", ["web", "ci"], revoked=2)
-    [deleted] = decide(tree, T.DeleteScope(kind="project", path="acme/ml/chat"))
+    [deleted] = decide(tree, T.DeleteScope(kind="project", path="acme/ml/chat")).payloads
     assert isinstance(deleted, T.ProjectDeleted)

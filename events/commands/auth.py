@@ -152,7 +152,9 @@ class CommandVerifier:
         self.clock = clock
         self.folded = PeopleAndTree()
         self.people, self.tree = self.folded.people, self.folded.tree
-        self.fold = Followers(store, PeopleAndTree.subjects(name), self.folded.apply, registry=registry)
+        self.fold = Followers(
+            store, PeopleAndTree.subjects(name), self.folded.apply, registry=registry, for_commands=False
+        )
         self._users = 0  # processors between their start and their close
         self._secret: bytes | None = None
         self._keys: dict[str, Ed25519PublicKey] = {}  # recorded public key (or svc:name) -> loaded key

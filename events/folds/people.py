@@ -99,9 +99,9 @@ class PeopleAndTree:
     """The people and the tenancy tree their roles are bound over, folded together: what the people
     service decides on and what a command verifier authorizes with."""
 
-    def __init__(self) -> None:
-        self.people = People()
-        self.tree = TenancyTree()
+    def __init__(self, people: People | None = None, tree: TenancyTree | None = None) -> None:
+        self.people = people if people is not None else People()
+        self.tree = tree if tree is not None else TenancyTree()
 
     @staticmethod
     def subjects(name: str) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """Keeping a pure fold current with some subjects of the log, for deciding commands on it.
 
 :class:`Followers` is what a command service (and the command verifier) folds the log with: one
-supervised :class:`~llmgw.events.runtime.follower.Follower` per subject, and :meth:`Followers.catch_up` to
-wait, with a deadline, until every one has read the log up to its head.
+supervised :class:`~llmgw.events.runtime.follower.Follower` per subject, :meth:`Followers.catch_up` to
+wait, with a deadline, until every one has read the log up to its head, and :meth:`Followers.seq`: the
+sequence an aggregate was at as the fold has read it, which the command shell appends a decision with.
 """
 
 from __future__ import annotations
@@ -46,13 +47,17 @@ class Followers:
         *,
         registry: FollowerRegistry | None = None,
         wait_s: float = CATCH_UP_S,
+        for_commands: bool = True,
     ) -> None:
         self.store = store
         self.apply = apply
         self.names = dict(subjects)
         self.registry = registry if registry is not None else FollowerRegistry()
         self.wait_s = wait_s
+        # What deciding commands needs besides the fold; a reader that decides nothing (the verifier) keeps neither.
+        self.for_commands = for_commands
         self.caused: dict[str, int] = {}  # command id -> sequence of the first event it caused
+        self.seqs: dict[str, int] = {}  # subject -> the last sequence on it read (under a wildcard filter)
         self.folds: dict[str, Follower] = {}
         self._moved = asyncio.Condition()  # notified after each batch any of the folds applied
         self._closed = False
@@ -81,8 +86,11 @@ class Followers:
             await fold.close()
 
     def _fold(self, event: RecordedEvent) -> Awaitable[None] | None:
-        if event.envelope.causation:
-            self.caused.setdefault(event.envelope.causation, event.seq)
+        if self.for_commands:
+            # Before the fold: an event it raises on (quarantined) still moves its aggregate on.
+            self.seqs[event.subject] = event.seq
+            if event.envelope.causation:
+                self.caused.setdefault(event.envelope.causation, event.seq)
         return self.apply(event)
 
     async def _notify(self) -> None:
@@ -116,6 +124,31 @@ class Followers:
                     "again once the process's /healthz shows the fold live"
                 ) from None
 
+    def seq(self, subject: str) -> int:
+        """The last sequence on ``subject`` (one aggregate's) the fold has read: what a decision made on
+        the fold now expects it to be still. 0 when none was read (a new aggregate)."""
+        exact = self.folds.get(subject)
+        if exact is not None:
+            # Followed by a filter of its own: where that follower has read to, past an event that could
+            # not be decoded too, so one poisoned event does not make every later append conflict.
+            return exact.position
+        return self.seqs.get(subject, 0)
+
+    def follows(self, subject: str) -> bool:
+        """Whether ``subject`` is under one of the followed filters (``*`` one token, ``>`` the rest)."""
+        return any(_matches(f, subject) for f in self.names)
+
     def applied(self, command_id: str) -> int | None:
         """The sequence of the first event ``command_id`` caused, or None when it caused none yet."""
         return self.caused.get(command_id)
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` is one token, a final ``>`` one or more."""
+    want, got = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(got) > i
+        if i >= len(got) or (token != "*" and token != got[i]):
+            return False
+    return len(got) == len(want)

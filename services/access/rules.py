@@ -3,9 +3,9 @@ pure decisions over it.
 
 The access state folds the tenancy tree (to resolve ``team:acme/ml`` to the team's id) and the
 ``key``, ``limit``, ``price`` and ``budget`` aggregates. Each decision is a function of (state,
-command, now) that returns a :class:`Decision` — the aggregate's subject and the payloads to
-append — or raises :class:`Rejected` with a reason a person can act on. Routers enforce; this
-module only decides what is recorded.
+command, now) that returns a :class:`~llmgw.events.commands.shell.Decision` — the aggregate's
+subject and the payloads to append — or raises :class:`Rejected` with a reason a person can act on.
+Routers enforce; this module only decides what is recorded.
 
 Scopes are written ``org:<id>``, ``team:<id>``, ``project:<id>`` or ``key:<key id>`` on the log;
 commands may name them by path (``team:acme/ml``), by id, or without the kind where that is
@@ -19,18 +19,18 @@ import re
 import secrets
 import string
 from datetime import datetime
-from typing import Any
 
 import msgspec
 
 from llmgw.events.commands import roles as R
 from llmgw.events.commands.processor import Rejected
+from llmgw.events.commands.shell import Decision
 from llmgw.events.folds import keys as K
 from llmgw.events.folds.tenancy import TenancyTree
 from llmgw.events.schema import access as A
 from llmgw.events.schema import tenancy as T
 from llmgw.events.schema.envelope import RecordedEvent
-from llmgw.events.schema.subjects import aggregate_of, event_subject
+from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 
 SCOPE_KINDS = ("org", "team", "project", "key")
 SCOPE_FORMS = "org:acme, team:acme/ml, project:acme/ml/chat or key:<key id or prefix>"
@@ -44,6 +44,15 @@ MAX_REASON = 500
 _PREFIX = re.compile(r"^[a-z0-9]{8}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _ALPHABET = string.ascii_lowercase + string.digits
+TREE = event_subject(T.AGGREGATE, T.TREE_ID)
+# What the state folds, each subject filter with the name its follower shows on /healthz.
+SUBJECTS = {
+    TREE: "access-tenancy",
+    **{
+        f"{EVENTS_ROOT}.{aggregate}.>": f"access-{aggregate}s"
+        for aggregate in (A.KEY_AGGREGATE, A.LIMIT_AGGREGATE, A.PRICE_AGGREGATE, A.BUDGET_AGGREGATE)
+    },
+}
 
 
 def new_key_id() -> str:
@@ -60,16 +69,6 @@ class ResolvedScope(msgspec.Struct, frozen=True, kw_only=True):
     label: str  # for people: "team acme/ml", "key key_… (ci)"
 
 
-class Decision(msgspec.Struct, frozen=True, kw_only=True):
-    """What to append (to one aggregate's subject), what to say, and what the caller gets back."""
-
-    subject: str
-    payloads: list[Any]
-    message: str
-    result: dict[str, Any] = {}
-    fence_tree: bool = False  # append only while the tenancy tree is as decided on (a key's project)
-
-
 class AccessState:
     """Mutable, but changed only by :meth:`apply`, so the same events always give the same state."""
 
@@ -81,7 +80,6 @@ class AccessState:
         self.limits: dict[str, K.Limit] = self.book.limits
         self.prices: dict[str, K.Price] = self.book.prices
         self.budgets: dict[str, K.Budget] = self.book.budgets
-        self.subject_seqs: dict[str, int] = {}  # aggregate subject -> its last sequence (the expected one)
 
     # -- fold --------------------------------------------------------------------------------
 
@@ -91,7 +89,6 @@ class AccessState:
             self.tree.apply(event)
             return
         self.book.apply(event.payload)
-        self.subject_seqs[event.subject] = max(self.subject_seqs.get(event.subject, 0), event.seq)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -265,7 +262,7 @@ def decide_create_key(state: AccessState, c: A.CreateKey, now: datetime) -> Deci
         message=f"key {key_id}{named} created for project {path}"
         + ("; it may call external models (its prompts may leave the cluster)" if c.external else ""),
         result={"id": key_id, "prefix": c.prefix, "project": path, "project_id": project_id},
-        fence_tree=True,
+        fence=TREE,  # appended only while the tree is as decided on: never a key for a project deleted meanwhile
     )
 
 

@@ -8,14 +8,17 @@ fallback to nothing).
 from __future__ import annotations
 
 import re
+from datetime import datetime
 
 import msgspec
 
 from llmgw.events.commands.processor import Rejected
+from llmgw.events.commands.shell import Decision
 from llmgw.events.folds import models as MF
 from llmgw.events.schema import models as M
 from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.quotas import owner_shape_error
+from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
@@ -27,10 +30,17 @@ class CatalogEntry(msgspec.Struct, MF.ModelStatusView, kw_only=True):
     seq: int = 0  # last sequence on the model's subject (any event there, e.g. scheduler.unplaceable)
 
 
+SUBJECTS = {f"{EVENTS_ROOT}.{M.AGGREGATE}.>": "catalog"}  # what the catalog folds, as /healthz names it
+
+
 class Catalog:
     def __init__(self) -> None:
         self.models: dict[str, CatalogEntry] = {}
         self.position = 0
+
+    def apply_event(self, event: RecordedEvent) -> None:
+        """Fold one event of a model's subject (``llmgw.evt.model.<name>``)."""
+        self.apply(aggregate_of(event.subject)[1], event)
 
     def apply(self, name: str, event: RecordedEvent) -> None:
         self.position = max(self.position, event.seq)
@@ -159,7 +169,16 @@ def _not_declared(entry: CatalogEntry, what: str) -> None:
         )
 
 
-def decide(catalog: Catalog, command: M.CatalogCommand) -> tuple[str, list[msgspec.Struct], str]:
+def decide(catalog: Catalog, command: M.CatalogCommand, now: datetime | None = None) -> Decision:
+    """Pure: the model's events for a command (on the model's subject), or a refusal. ``now`` is unused:
+    nothing in the catalog's rules depends on the time."""
+    name, payloads, message = _decide(catalog, command)
+    return Decision(
+        subject=event_subject(M.AGGREGATE, name), payloads=payloads, message=message, result={"model": name}
+    )
+
+
+def _decide(catalog: Catalog, command: M.CatalogCommand) -> tuple[str, list[msgspec.Struct], str]:
     """(model name, payloads, message) for a command, or a refusal."""
     match command:
         case M.AddModel(spec=spec):

@@ -11,16 +11,14 @@ from pathlib import Path
 import structlog
 
 from llmgw.events.commands.auth import CommandVerifier
-from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import CommandProcessor
-from llmgw.events.commands.shell import CommandShell, Decision
+from llmgw.events.commands.shell import CommandShell
 from llmgw.events.runtime.follower import FollowerRegistry
 from llmgw.events.runtime.followers import Followers
 from llmgw.events.runtime.store import EventStore, NewEvent
 from llmgw.events.schema import models as M
-from llmgw.events.schema.envelope import RecordedEvent
-from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
-from llmgw.services.catalog.rules import Catalog, decide
+from llmgw.events.schema.subjects import event_subject
+from llmgw.services.catalog.rules import SUBJECTS, Catalog, decide
 
 log = structlog.get_logger("llmgw.services.catalog")
 
@@ -31,23 +29,17 @@ class CatalogService:
     ) -> None:
         self.store = store
         self.catalog = Catalog()
-        # Each model subject's last sequence, a removed model's too: adding it again expects that.
-        self.seqs: dict[str, int] = {}
-        self.fold = Followers(store, {f"{EVENTS_ROOT}.{M.AGGREGATE}.>": "catalog"}, self._apply, registry=folds)
+        self.fold = Followers(store, SUBJECTS, self.catalog.apply_event, registry=folds)
         self.shell = CommandShell(
             store,
             service=M.SERVICE,
             what="the catalog",
             fold=self.fold,
-            decide=self.decide,
+            state=self.catalog,
+            decide=decide,
             payload_type=M.CatalogCommand,
             verifier=verifier,
         )
-
-    def _apply(self, event: RecordedEvent) -> None:
-        _, name = aggregate_of(event.subject)
-        self.seqs[name] = event.seq
-        self.catalog.apply(name, event)
 
     def start(self) -> None:
         """Follow the log from now on (the first command would start it otherwise)."""
@@ -58,16 +50,6 @@ class CatalogService:
 
     async def catch_up(self, timeout: float | None = None) -> None:
         await self.fold.catch_up(timeout)
-
-    def decide(self, command: Command, payload: M.CatalogCommand) -> Decision:
-        name, payloads, message = decide(self.catalog, payload)
-        return Decision(
-            subject=event_subject(M.AGGREGATE, name),
-            payloads=payloads,
-            expected=self.seqs.get(name, 0),
-            message=message,
-            result={"model": name},
-        )
 
     async def sync_declared(self, specs: list[M.ModelSpec]) -> None:
         """Bring models declared in the catalog file into the log (CAT-3): added or changed as declared."""

@@ -7,13 +7,16 @@ the log, reading a GGUF header, one HTTP request to the replica.
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from typing import Any
 
 import msgspec
 
 from llmgw.events.commands.processor import Rejected
+from llmgw.events.commands.shell import Decision
 from llmgw.events.schema import jobs as J
 from llmgw.events.schema import models as M
+from llmgw.events.schema.subjects import event_subject
 from llmgw.modelfiles.picking import PickError, RepoFile, pick_gguf, validate_repo_id
 from llmgw.modelfiles.sizing import Estimate
 
@@ -86,6 +89,36 @@ class StepFailed(Exception):
 class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     message: str
     data: dict[str, Any] = {}
+
+
+class NewJob(msgspec.Struct, frozen=True, kw_only=True):
+    """What a serve command's decision needs from the command itself: the job is named by the command's
+    id (so a redelivered command finds the job it started) and is requested by its verified actor."""
+
+    id: str
+    requested_by: str
+
+
+def decide(job: NewJob, payload: J.ServeModel, now: datetime) -> Decision:
+    """Pure: a serve command → the job it starts (checked first, so a bad request is refused at once)."""
+    check_request(payload)
+    started = J.JobStarted(
+        kind="serve",
+        repo=payload.repo,
+        quant=payload.quant,
+        file=payload.file,
+        name=payload.name,
+        on_demand=payload.on_demand,
+        ctx_pool=payload.ctx_pool,
+        cores=payload.cores,
+        requested_by=job.requested_by,
+    )
+    return Decision(
+        subject=event_subject(J.AGGREGATE, job.id),
+        payloads=[started],
+        message=f"job {job.id}: serving {payload.repo}",
+        result={"job": job.id},
+    )
 
 
 def check_request(req: J.ServeModel) -> None:

@@ -93,7 +93,9 @@ class JobsService:
             service=J.SERVICE,
             what="the job",
             fold=self.fold,
-            decide=self.decide,
+            # The command names the job and who asked: gathered from it, then decided purely.
+            gather=lambda command, payload: rules.NewJob(id=command.id, requested_by=command.actor),
+            decide=rules.decide,
             payload_type=J.JobCommand,
             after_append=self._started,
             applied_result=lambda command, payload: {"job": command.id},
@@ -148,28 +150,6 @@ class JobsService:
         job.seq = result.last_seq
 
     # -- commands ----------------------------------------------------------------------------
-
-    def decide(self, command: Command, payload: J.ServeModel) -> Decision:
-        """A job whose id is the command's, so a redelivered command finds the job it started."""
-        rules.check_request(payload)
-        started = J.JobStarted(
-            kind="serve",
-            repo=payload.repo,
-            quant=payload.quant,
-            file=payload.file,
-            name=payload.name,
-            on_demand=payload.on_demand,
-            ctx_pool=payload.ctx_pool,
-            cores=payload.cores,
-            requested_by=command.actor,
-        )
-        return Decision(
-            subject=event_subject(J.AGGREGATE, command.id),
-            payloads=[started],
-            expected=0,
-            message=f"job {command.id}: serving {payload.repo}",
-            result={"job": command.id},
-        )
 
     async def _started(
         self, command: Command, payload: J.ServeModel, decision: Decision, appended: AppendResult

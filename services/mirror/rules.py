@@ -1,5 +1,8 @@
 """The mirror's rules (SPEC MIR-1): pure decisions over what the hub published and what the mirror holds.
 
+The service gathers first (asks the hub about the repository, reads the disk's room: :class:`Asked`),
+then :func:`decide` decides purely on that and the folded state (:class:`Facts`).
+
 What is refused is refused before a byte is downloaded, with what to do instead: a name that is not
 ``owner/name``, a gated repository without a token, pickled weights without ``allow_pickle``,
 files the repository does not have, a fetch the disk cannot hold.
@@ -8,12 +11,15 @@ files the repository does not have, a fetch the disk cannot hold.
 from __future__ import annotations
 
 import re
+from datetime import datetime
 
 import msgspec
 
 from llmgw.events.commands.processor import Rejected
-from llmgw.events.folds.mirror import FETCHING, MirrorState
+from llmgw.events.commands.shell import Decision
+from llmgw.events.folds.mirror import FETCHING, MirrorState, VersionState
 from llmgw.events.schema import mirror as E
+from llmgw.events.schema.subjects import event_subject
 
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 _MODEL = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -177,6 +183,98 @@ def plan_fetch(state: MirrorState, cmd: E.MirrorFetch, info: HubInfo, *, has_tok
         files=wanted,
         message=f"fetching {len(wanted)} file(s), {human(need)}, of {info.repo} at {info.commit[:12]} "
         f"({cmd.revision}) into {model}/{version}",
+    )
+
+
+class Asked(msgspec.Struct, frozen=True, kw_only=True):
+    """What a fetch's decision needs from outside the log, gathered before deciding: the hub's answer
+    about the repository and the room on the mirror's disk."""
+
+    fetch: E.MirrorFetch  # the command, its repository and revision as cleaned (check_repo) before asking
+    info: HubInfo
+    free_bytes: int  # free on the disk now (what fetches under way will still write is taken off when deciding)
+    has_token: bool  # a hub token is configured
+    hub: str  # the hub as it may be shown: never the credentials an endpoint URL may carry
+
+
+class Facts(msgspec.Struct, frozen=True, kw_only=True):
+    """What the mirror decides on: what it holds (the fold), and for a fetch what the hub and disk said."""
+
+    state: MirrorState
+    asked: Asked | None = None
+
+
+class Preflight(msgspec.Struct, frozen=True, kw_only=True):
+    """A gated repository's first file, to ask the hub for (HEAD) before a fetch is promised: a token is
+    configured, but has its owner accepted the terms?"""
+
+    repo: str
+    commit: str
+    path: str
+
+
+def reserved(state: MirrorState) -> int:
+    """Bytes that fetches under way will still write: promised already, so not free."""
+    return sum(max(f.size - f.done, 0) for v in state.fetching() for f in v.files.values() if not f.verified)
+
+
+def decide(facts: Facts, command: E.MirrorCommand, now: datetime) -> Decision:
+    """Pure: a fetch or a removal over what the mirror holds (and what was asked) → its :class:`Decision`."""
+    if isinstance(command, E.MirrorFetch):
+        assert facts.asked is not None, "a fetch is decided on what the hub said"
+        return decide_fetch(facts.state, facts.asked)
+    return decide_remove(facts.state, command)
+
+
+def decide_fetch(state: MirrorState, asked: Asked) -> Decision:
+    cmd, info = asked.fetch, asked.info
+    model = cmd.model
+    plan = plan_fetch(state, cmd, info, has_token=asked.has_token, free_bytes=asked.free_bytes - reserved(state))
+    result = {"model": model, "version": plan.version, "commit": info.commit}
+    if plan.already:
+        held = state.version(model, plan.version)
+        return Decision(message=plan.message, result={**result, "state": held.state if held else FETCHING})
+    started = E.FetchStarted(
+        version=plan.version,
+        repo=cmd.repo,
+        revision=cmd.revision,
+        commit=info.commit,
+        files=plan.files,
+        hub=asked.hub,
+    )
+    return Decision(
+        subject=event_subject(E.AGGREGATE, model),
+        payloads=[started],
+        message=plan.message,
+        result={**result, "state": FETCHING, "files": len(plan.files), "bytes": sum(f.size for f in plan.files)},
+        confirm=Preflight(repo=cmd.repo, commit=info.commit, path=plan.files[0].path) if info.gated else None,
+    )
+
+
+def targets(state: MirrorState, p: E.MirrorRemove) -> list[VersionState]:
+    """The versions a removal removes, or why there is nothing to remove."""
+    versions = state.models.get(p.model)
+    if not versions:
+        held = ", ".join(sorted(state.models)) or "nothing"
+        raise Rejected(f"the mirror holds no model {p.model!r} (it holds: {held})", "not_found")
+    if p.version is not None and p.version not in versions:
+        raise Rejected(
+            f"the mirror holds no {p.model}/{p.version}; versions of {p.model}: {', '.join(sorted(versions))}",
+            "not_found",
+        )
+    return [versions[p.version]] if p.version is not None else list(versions.values())
+
+
+def decide_remove(state: MirrorState, p: E.MirrorRemove) -> Decision:
+    removed = targets(state, p)
+    what = f"{p.model}/{p.version}" if p.version else f"{p.model} ({', '.join(v.version for v in removed)})"
+    files = sum(len(v.files) for v in removed)
+    size = sum(v.size for v in removed)
+    return Decision(
+        subject=event_subject(E.AGGREGATE, p.model),
+        payloads=[E.MirrorRemoved(version=p.version)],
+        message=f"removed {what} from the mirror: {files} file(s), {human(size)}",
+        result={"model": p.model, "versions": [v.version for v in removed]},
     )
 
 

@@ -27,7 +27,7 @@ from llmgw.events.commands.auth import CommandVerifier
 from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import CommandProcessor, Rejected
 from llmgw.events.commands.shell import Cause, CommandShell, Decision
-from llmgw.events.folds.mirror import FETCHING, MirrorState, VersionState
+from llmgw.events.folds.mirror import MirrorState, VersionState
 from llmgw.events.runtime.follower import FollowerRegistry
 from llmgw.events.runtime.followers import Followers
 from llmgw.events.runtime.secrets import engine_key_secret, mirror_token
@@ -36,12 +36,13 @@ from llmgw.events.runtime.tasks import cancel_and_wait
 from llmgw.events.schema import mirror as E
 from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.modelfiles import outbound
+from llmgw.services.mirror import rules
 from llmgw.services.mirror.download import DiskGuard, DownloadError, Mismatch, download
 from llmgw.services.mirror.files import file_server
 from llmgw.services.mirror.hub import DEFAULT_HUB, HubClient, HubError
 from llmgw.services.mirror.peer import PeerMirror
 from llmgw.services.mirror.purge import Purger
-from llmgw.services.mirror.rules import check_model, check_repo, human, plan_fetch, should_report
+from llmgw.services.mirror.rules import check_model, check_repo, human, should_report
 
 log = structlog.get_logger("llmgw.services.mirror")
 _progress_encoder = msgspec.json.Encoder()
@@ -101,7 +102,8 @@ class MirrorService:
             service=E.SERVICE,
             what="the mirror",
             fold=self.fold,
-            decide=self.decide,
+            gather=self.gather,
+            decide=rules.decide,
             payload_type=E.MirrorCommand,
             before_append=self._before_append,
             after_append=self._after_append,
@@ -209,82 +211,37 @@ class MirrorService:
 
     # -- commands ----------------------------------------------------------------------------
 
-    async def decide(self, command: Command, payload: E.MirrorCommand) -> Decision:
-        """The rules' decision (:mod:`.rules`), once the hub has said what the repository holds."""
-        if isinstance(payload, E.MirrorFetch):
-            return await self._decide_fetch(payload)
-        return self._decide_remove(payload)
-
-    def _reserved(self) -> int:
-        """Bytes that fetches under way will still write: promised already, so not free."""
-        return sum(max(f.size - f.done, 0) for v in self.state.fetching() for f in v.files.values() if not f.verified)
-
-    async def _decide_fetch(self, p: E.MirrorFetch) -> Decision:
-        model = check_model(p.model)
-        repo = check_repo(p.repo)
-        revision = p.revision.strip() or "main"
+    async def gather(self, command: Command, payload: E.MirrorCommand) -> rules.Facts:
+        """What the rules (:mod:`.rules`) decide on: the folded state, and for a fetch what the hub says
+        about the repository and how much room the disk has. A name that is not one is refused before
+        it reaches a URL."""
+        if not isinstance(payload, E.MirrorFetch):
+            return rules.Facts(state=self.state)
+        check_model(payload.model)
+        repo = check_repo(payload.repo)
+        revision = payload.revision.strip() or "main"
         if len(revision) > 256 or any(c.isspace() for c in revision):
             raise Rejected(f"{revision!r} is not a revision: a branch, tag or commit", "invalid_revision")
         try:
             info = await self.hub.info(repo, revision)
         except HubError as exc:
             raise Rejected(exc.message, exc.code) from exc
-        free = await asyncio.to_thread(self.guard.free) - self._reserved()
-        cmd = msgspec.structs.replace(p, repo=repo, revision=revision)
-        plan = plan_fetch(self.state, cmd, info, has_token=bool(self.config.token), free_bytes=free)
-        expected = self.state.seqs.get(model, 0)  # read with the plan: the fold moves on during the preflight
-        result = {"model": model, "version": plan.version, "commit": info.commit}
-        if plan.already:
-            held = self.state.version(model, plan.version)
-            return Decision(message=plan.message, result={**result, "state": held.state if held else FETCHING})
-        if info.gated:
-            # A token is configured, but has its owner accepted the terms? Ask before promising a fetch.
-            await self._preflight(repo, info.commit, plan.files[0])
-        started = E.FetchStarted(
-            version=plan.version,
-            repo=repo,
-            revision=revision,
-            commit=info.commit,
-            files=plan.files,
-            hub=self.hub.shown,  # never the credentials an endpoint URL may carry
+        free = await asyncio.to_thread(self.guard.free)
+        asked = rules.Asked(
+            fetch=msgspec.structs.replace(payload, repo=repo, revision=revision),
+            info=info,
+            free_bytes=free,
+            has_token=bool(self.config.token),
+            hub=self.hub.shown,
         )
-        return Decision(
-            subject=event_subject(E.AGGREGATE, model),
-            payloads=[started],
-            expected=expected,
-            message=plan.message,
-            result={**result, "state": FETCHING, "files": len(plan.files), "bytes": sum(f.size for f in plan.files)},
-        )
-
-    def _targets(self, p: E.MirrorRemove) -> list[VersionState]:
-        versions = self.state.models.get(p.model)
-        if not versions:
-            held = ", ".join(sorted(self.state.models)) or "nothing"
-            raise Rejected(f"the mirror holds no model {p.model!r} (it holds: {held})", "not_found")
-        if p.version is not None and p.version not in versions:
-            raise Rejected(
-                f"the mirror holds no {p.model}/{p.version}; versions of {p.model}: {', '.join(sorted(versions))}",
-                "not_found",
-            )
-        return [versions[p.version]] if p.version is not None else list(versions.values())
-
-    def _decide_remove(self, p: E.MirrorRemove) -> Decision:
-        targets = self._targets(p)
-        what = f"{p.model}/{p.version}" if p.version else f"{p.model} ({', '.join(v.version for v in targets)})"
-        files = sum(len(v.files) for v in targets)
-        size = sum(v.size for v in targets)
-        return Decision(
-            subject=event_subject(E.AGGREGATE, p.model),
-            payloads=[E.MirrorRemoved(version=p.version)],
-            expected=self.state.seqs.get(p.model, 0),
-            message=f"removed {what} from the mirror: {files} file(s), {human(size)}",
-            result={"model": p.model, "versions": [v.version for v in targets]},
-        )
+        return rules.Facts(state=self.state, asked=asked)
 
     async def _before_append(self, command: Command, payload: E.MirrorCommand, decision: Decision) -> None:
+        if isinstance(decision.confirm, rules.Preflight):
+            await self._preflight(decision.confirm)  # a gated repository: may the token read it?
         # A removal stops the downloads it removes before it is written, so none writes after it.
         if isinstance(payload, E.MirrorRemove):
-            for v in self._targets(payload):
+            for v in rules.targets(self.state, payload):
                 await self._cancel(payload.model, v.version)
 
     async def _after_append(
@@ -301,9 +258,10 @@ class MirrorService:
         self._spawn(held)
         log.info("fetch started", model=model, version=version, repo=held.repo, files=len(held.fetch_files))
 
-    async def _preflight(self, repo: str, commit: str, f: E.MirrorFile) -> None:
+    async def _preflight(self, ask: rules.Preflight) -> None:
         assert self._session is not None
-        url = self.hub.file_url(repo, commit, f.path)
+        repo = ask.repo
+        url = self.hub.file_url(repo, ask.commit, ask.path)
         headers = {"Accept-Encoding": "identity", **self.hub.auth_for(url)}
         try:
             async with self._session.head(url, headers=headers, allow_redirects=False) as resp:

@@ -9,7 +9,7 @@ from llmgw.events.commands import roles as R
 from llmgw.events.commands import signing
 from llmgw.events.commands.processor import Rejected
 from llmgw.events.commands.shell import Decision
-from llmgw.events.folds.people import People, Person
+from llmgw.events.folds.people import People, PeopleAndTree, Person
 from llmgw.events.folds.tenancy import TenancyTree
 from llmgw.events.schema import people as P
 from llmgw.events.schema.ids import new_id
@@ -26,8 +26,10 @@ MIN_MEMORY_KIB = 19 * 1024
 MIN_PASSES = 2
 
 
-def decide(people: People, c: P.PeopleCommand, now: datetime, tree: TenancyTree | None = None) -> Decision:
-    """``tree``: the tenancy tree, to resolve a role's scope (``team:acme/ml``) to its id on the log."""
+def decide(state: PeopleAndTree, c: P.PeopleCommand, now: datetime) -> Decision:
+    """Pure: a people command over the people → its :class:`Decision`, or a refusal. The tree resolves
+    a role's scope (``team:acme/ml``) to its id on the log."""
+    people, tree = state.people, state.tree
     match c:
         case P.AddUser():
             return _add(people, c)
@@ -53,7 +55,7 @@ def decide(people: People, c: P.PeopleCommand, now: datetime, tree: TenancyTree 
             return _decision(person, [P.UserEnabled(name=person.name)], f"{person.name} may sign in again")
         case P.GrantRole():
             person = _person(people, c.name)
-            scope, label = _role_scope(c.role, c.scope, tree or TenancyTree())
+            scope, label = _role_scope(c.role, c.scope, tree)
             if (c.role, scope) in person.roles:
                 return Decision(message=f"{person.name} is {R.needs(c.role, label)} already")
             return _decision(
@@ -63,7 +65,7 @@ def decide(people: People, c: P.PeopleCommand, now: datetime, tree: TenancyTree 
             )
         case P.RevokeRole():
             person = _person(people, c.name)
-            scope, label = _role_scope(c.role, c.scope, tree or TenancyTree())
+            scope, label = _role_scope(c.role, c.scope, tree)
             if (c.role, scope) not in person.roles:
                 held = ", ".join(f"{r} of {s}" for r, s in person.roles) or "none"
                 raise Rejected(
@@ -81,7 +83,7 @@ def decide(people: People, c: P.PeopleCommand, now: datetime, tree: TenancyTree 
             token = people.find_token(person, c.token.strip())
             if token is None:
                 raise Rejected(
-                    f"{person.name} has no token {c.token.strip()!r}: give its id or prefix (`llmgw ctl token list`)",
+                    f"{person.name} has no token {c.token.strip()!r}: give its id or prefix (`llmgw ctl user list`)",
                     "not_found",
                 )
             _check_text("reason", c.reason, MAX_REASON)
@@ -110,7 +112,6 @@ def _add(people: People, c: P.AddUser) -> Decision:
             P.UserAdded(name=c.name, display_name=c.display_name),
             P.PasswordSet(name=c.name, password_hash=c.password_hash),
         ],
-        expected=0,
         message=f"user {c.name} added",
         result={"user": c.name},
     )
@@ -195,7 +196,6 @@ def _decision(person: Person, payloads: list, message: str, result: dict | None 
     return Decision(
         subject=event_subject(P.AGGREGATE, person.name),
         payloads=payloads,
-        expected=person.seq,
         message=message,
         result={"user": person.name, **(result or {})},
     )

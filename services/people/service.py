@@ -9,9 +9,8 @@ from collections.abc import Callable
 from datetime import datetime
 
 from llmgw.events.commands.auth import CommandVerifier
-from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import CommandProcessor
-from llmgw.events.commands.shell import CommandShell, Decision
+from llmgw.events.commands.shell import CommandShell
 from llmgw.events.folds.people import PeopleAndTree
 from llmgw.events.runtime.follower import FollowerRegistry
 from llmgw.events.runtime.followers import Followers
@@ -40,10 +39,12 @@ class PeopleService:
             service=P.SERVICE,
             what="the people",
             fold=self.fold,
-            decide=self.decide,
+            state=self.folded,
+            decide=rules.decide,
             payload_type=P.PeopleCommand,
             authorize=lambda command, payload: rules.need(command.actor, payload),
             verifier=verifier,
+            clock=clock,
         )
 
     def start(self) -> None:
@@ -52,9 +53,6 @@ class PeopleService:
 
     async def close(self) -> None:
         await self.fold.close()
-
-    def decide(self, command: Command, payload: P.PeopleCommand) -> Decision:
-        return rules.decide(self.people, payload, self.clock(), self.tree)
 
     def processor(self) -> CommandProcessor:
         return self.shell.processor()

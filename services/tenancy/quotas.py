@@ -10,9 +10,11 @@ import msgspec
 
 from llmgw.events.commands import roles as R
 from llmgw.events.commands.processor import Rejected
+from llmgw.events.commands.shell import Decision
 from llmgw.events.folds import quotas as QF
 from llmgw.events.folds.tenancy import Scope, TenancyTree
 from llmgw.events.schema import quotas as Q
+from llmgw.events.schema.subjects import event_subject
 
 
 def _scope(tree: TenancyTree, text: str) -> Scope:
@@ -30,12 +32,15 @@ def _check(what: str, r: Q.Resources) -> None:
             raise Rejected(f"{what} {name.replace('_bytes', '')} {v} is negative", "invalid_quota")
 
 
-def decide_quota(
-    tree: TenancyTree, quotas: dict[str, QF.Quota], command: Q.QuotaCommand
-) -> tuple[str, list[msgspec.Struct], str]:
-    """(scope id, payloads, message) for a quota command, or a refusal."""
+def decide_quota(tree: TenancyTree, quotas: dict[str, QF.Quota], command: Q.QuotaCommand) -> Decision:
+    """The scope's quota events for a quota command (on the scope's quota subject), or a refusal."""
     scope = _scope(tree, command.scope)
     label = f"{scope.kind}:{tree.path(scope)}"
+
+    def decision(payloads: list[msgspec.Struct], message: str) -> Decision:
+        subject = event_subject(Q.AGGREGATE, scope.id)
+        return Decision(subject=subject, payloads=payloads, message=message, result={"scope_id": scope.id})
+
     match command:
         case Q.SetQuota(guarantee=g, limit=lim):
             if g.is_empty() and lim.is_empty():
@@ -57,17 +62,14 @@ def decide_quota(
                     )
             old = quotas.get(scope.id)
             if old is not None and old.guarantee == g and old.limit == lim:
-                return scope.id, [], f"{label} already has this quota"
+                return decision([], f"{label} already has this quota")
             payload = Q.QuotaSet(scope_id=scope.id, kind=scope.kind, path=tree.path(scope), guarantee=g, limit=lim)
-            return scope.id, [payload], f"quota of {label} set"
+            return decision([payload], f"quota of {label} set")
         case Q.ClearQuota():
             if scope.id not in quotas:
-                return scope.id, [], f"{label} has no quota"
-            return (
-                scope.id,
-                [Q.QuotaCleared(scope_id=scope.id, kind=scope.kind, path=tree.path(scope))],
-                (f"quota of {label} cleared"),
-            )
+                return decision([], f"{label} has no quota")
+            cleared = Q.QuotaCleared(scope_id=scope.id, kind=scope.kind, path=tree.path(scope))
+            return decision([cleared], f"quota of {label} cleared")
     raise Rejected(f"unknown quota command {type(command).__name__}")
 
 

@@ -16,17 +16,20 @@ import msgspec
 
 from llmgw.events.commands import roles as R
 from llmgw.events.commands.processor import Rejected
+from llmgw.events.commands.shell import Decision
 from llmgw.events.folds.tenancy import Scope, TenancyTree
 from llmgw.events.schema import tenancy as T
 from llmgw.events.schema.ids import new_id
+from llmgw.events.schema.subjects import event_subject
 
 MAX_NAME = 63
 _NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 RESERVED = frozenset({"all", "none", "system", "llmgw", "unknown"})
 DEPTH = {"org": 1, "team": 2, "project": 3}
+SUBJECT = event_subject(T.AGGREGATE, T.TREE_ID)  # the one tree: every tenancy event is on it
 
 
-# -- decisions: pure functions of (tree, command) → payloads, or a refusal ----------------------
+# -- decisions: pure functions of (tree, command) → payloads (decide: a Decision), or a refusal ------
 
 
 def check_name(kind: str, name: str) -> None:
@@ -149,15 +152,36 @@ def decide_delete(tree: TenancyTree, kind: str, path: str) -> list[msgspec.Struc
     return [T.ProjectDeleted(project_id=scope.id, name=scope.name)]
 
 
-def decide(tree: TenancyTree, command: T.CreateScope | T.RenameScope | T.DeleteScope) -> list[msgspec.Struct]:
+def decide(tree: TenancyTree, command: T.TenancyCommand) -> Decision:
+    """The tree's events for ``command`` (on the one tree subject), or a refusal."""
     match command:
         case T.CreateScope():
-            return decide_create(tree, command.kind, command.path)
+            payloads = decide_create(tree, command.kind, command.path)
         case T.RenameScope():
-            return decide_rename(tree, command.kind, command.path, command.name)
+            payloads = decide_rename(tree, command.kind, command.path, command.name)
         case T.DeleteScope():
-            return decide_delete(tree, command.kind, command.path)
-    raise Rejected(f"unknown tenancy command {type(command).__name__}")
+            payloads = decide_delete(tree, command.kind, command.path)
+        case _:
+            raise Rejected(f"unknown tenancy command {type(command).__name__}")
+    return Decision(subject=SUBJECT, payloads=payloads, message=describe(command), result={"id": scope_id(payloads[0])})
+
+
+def describe(command: T.TenancyCommand) -> str:
+    match command:
+        case T.CreateScope():
+            return f"{command.kind} {command.path} created"
+        case T.RenameScope():
+            return f"{command.kind} {command.path} renamed to {command.name}"
+        case T.DeleteScope():
+            return f"{command.kind} {command.path} deleted"
+    return "done"
+
+
+def scope_id(payload: msgspec.Struct) -> str:
+    for field in ("project_id", "team_id", "org_id"):  # most specific first: a team names its org too
+        if hasattr(payload, field):
+            return getattr(payload, field)
+    return ""
 
 
 # The role over the parent each kind of tenant is managed by: orgs by the cluster's admins, a team by its
