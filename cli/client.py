@@ -63,7 +63,7 @@ class Session:
         self, service: str, verb: str, payload: msgspec.Struct, timeout: float = 15.0
     ) -> CommandCompleted:
         client = CommandClient(await self.store(), self.signer())
-        # The actor is left to the verifier: the person whose token signed it (docs/security.md).
+        # The actor is left to the verifier: the person whose token signed it (docs/people.md, Signed commands).
         return await client.send(service, verb, payload, actor="", timeout=timeout)
 
     def signer(self) -> TokenSigner:

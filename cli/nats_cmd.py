@@ -2,7 +2,8 @@
 
 These work on files, not over the bus: the credential files `llmgw up` keeps in DATA_DIR/nats/users/
 (or ``--dir`` for a cluster's own NATS), the server's users file beside its configuration, and a
-SIGHUP to the running `up` server so it reloads them. docs/security.md has the roles.
+SIGHUP to the running `up` server so it reloads them. docs/operations.md (NATS users and permissions)
+has the roles.
 """
 
 from __future__ import annotations
