@@ -1,7 +1,8 @@
 """Every `llmgw …` command line a person is shown parses against the click tree.
 
 The lines come from the docs (`docs/*.md`, `README.md`: backticked code spans and lines of code
-blocks that start with `llmgw `), from `ops/` (backticked spans, systemd `ExecStart=` lines) and from
+blocks that start with `llmgw `), from `ops/` (backticked spans, systemd `ExecStart=` lines, compose
+`command:` lists) and from
 backticked `llmgw …` in the string literals of the package's own source (the messages and help the
 services and the CLI print). Each is walked down the tree with click's own parser, one
 `make_context` per level, so a command that does not exist, an option given to the wrong command
@@ -106,16 +107,35 @@ def lines_in_markdown(path: Path) -> Iterator[CommandLine]:
 
 
 def lines_in_ops(path: Path) -> Iterator[CommandLine]:
-    """Backticked `llmgw …` spans (alert descriptions, comments) and systemd `ExecStart=` lines."""
+    """Backticked `llmgw …` spans (alert descriptions, comments), systemd `ExecStart=` lines and the
+    `command:` lists of ops/cluster/compose.yaml."""
     rel = path.relative_to(ROOT).as_posix()
     text = re.sub(r"\{\{.*?\}\}", "VALUE", path.read_text())
     for at, span in _spans(text, 1):
         for command in _commands_in(span):
             yield CommandLine(f"{rel}:{at}", command)
-    for n, line in enumerate(text.splitlines(), 1):
+    lines = text.splitlines()
+    for n, line in enumerate(lines, 1):
         exec_start = re.match(r"\s*ExecStart=\S*/(llmgw\s.*)$", line)
         if exec_start:
             yield CommandLine(f"{rel}:{n}", exec_start.group(1).strip())
+        if re.match(r"\s*command:\s*$", line):  # a compose service's command, one word per item
+            words = _yaml_items(lines[n:])
+            if words[:1] == ["llmgw"]:
+                yield CommandLine(f"{rel}:{n}", shlex.join(words))
+
+
+def _yaml_items(lines: list[str]) -> list[str]:
+    """The items of the YAML list that starts at ``lines[0]`` (`- word` lines; comments skipped)."""
+    items = []
+    for line in lines:
+        if line.strip().startswith("#"):
+            continue
+        item = re.match(r"\s*-\s+(.*?)\s*$", line)
+        if item is None:
+            break
+        items.append(item.group(1).strip("\"'"))
+    return items
 
 
 def _literal(node: ast.Constant | ast.JoinedStr) -> str:
