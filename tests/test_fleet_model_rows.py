@@ -248,10 +248,10 @@ def expected_rows(events: list[RecordedEvent]) -> dict[str, dict[str, Any]]:
     return out
 
 
-async def projected(events: list[RecordedEvent], db: Path) -> dict[str, dict[str, Any]]:
+async def projected(events: list[RecordedEvent], dsn: str) -> dict[str, dict[str, Any]]:
     """The projection's model rows after ``events``, applied as the runner applies a batch, JSON decoded."""
     projection = FleetProjection()
-    backend = await open_backend(f"sqlite:///{db}")
+    backend = await open_backend(dsn)
     try:
         async with backend.transaction(projection) as tx:
             await create_tables(tx, projection)
@@ -276,9 +276,61 @@ def test_every_column_of_a_model_row_is_what_the_shared_folds_make_of_its_events
 ) -> None:
     events = recorded(history)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = asyncio.run(projected(events, Path(tmp) / "projections.db"))
+        rows = asyncio.run(projected(events, f"sqlite:///{Path(tmp) / 'projections.db'}"))
     want = expected_rows(events)
     assert rows.keys() == want.keys(), "`ctl models` lists other models than the catalog's fold holds"
     for name, row in rows.items():
         for column in COLUMNS:
             assert row[column] == want[name][column], f"{name}: column {column}"
+
+
+def every_kind_of_model_event(name: str = "m") -> list[tuple[str, msgspec.Struct]]:
+    """One of each: a model's events, its replicas' and the scheduler's word, in an order that moves every column."""
+    rid = f"{name}-r1"
+    events: list[msgspec.Struct] = [
+        M.ModelAdded(spec=spec(name), declared=True),
+        SCH.PlacementBlocked(model=name, reason="no node fits", wanted=1),
+        R.ReplicaPlaced(
+            replica_id=rid, model=name, node_id="n1", source=f"/{name}.gguf", profile=M.Profile(), spec_hash="h"
+        ),
+        R.ReplicaFailed(replica_id=rid, node_id="n1", reason="exit 1"),
+        M.ModelParked(reason="5 failed starts", failures=5),
+        M.ModelScaled(min=2, max=3),
+        M.ModelPreempted(
+            replicas=[rid],
+            node_id="n1",
+            capacity_class="default",
+            for_model="w",
+            for_class="high",
+            reason="gave room to w",
+            at=T0,
+            held_until=T0 + 60,
+        ),
+        M.ModelAutoscaled(from_=2, to=3, added=1, reason="load", at=T0),
+        M.ModelMeasured(
+            profile="default",
+            shape=M.NodeShape(cpus=16),
+            node_id="n1",
+            replica_id=rid,
+            concurrency=4,
+            tokens_per_s=80.0,
+            ttft_p95_s=0.4,
+            request_tokens_per_s=10.0,
+            basis="knee",
+            requests=40,
+            at=T0,
+        ),
+        M.ModelStopped(saved_min=2, saved_max=3),
+        M.ModelStarted(min=2, max=3),
+        M.ModelChanged(spec=spec(name, memory_gb=2.0)),
+        M.ModelRetried(),
+    ]
+    return [(name, p) for p in events]
+
+
+async def test_a_model_row_holds_the_same_on_sqlite_and_postgresql(db_dsn: str) -> None:
+    events = recorded([*every_kind_of_model_event("m"), *every_kind_of_model_event("n"), ("n", M.ModelRemoved())])
+    rows = await projected(events, db_dsn)
+    want = expected_rows(events)
+    assert list(rows) == ["m"] and rows["m"]["preemptions"] == 1 and rows["m"]["measured"]
+    assert rows == want
