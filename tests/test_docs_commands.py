@@ -351,6 +351,10 @@ def test_every_llmgw_command_line_shown_to_people_parses_against_the_cli(line: C
         ("llmgw ctl model stop\\|begin NAME", True),
         ("llmgw streams replicas [N]", False),
         ("llmgw ctl model serve", False),
+        ("llmgw ctl models --no-such-option", True),
+        ("llmgw ctl --data-dir DIR models", True),
+        ("llmgw ctl key create --project P --rpm many", True),
+        ("llmgw events tail [-n 20] [--type T]… [--follow]", False),
     ],
 )
 def test_the_check_refuses_what_click_refuses_and_reads_placeholders_as_values(text: str, refused: bool) -> None:
