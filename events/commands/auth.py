@@ -159,6 +159,15 @@ class CommandVerifier:
         self._secret: bytes | None = None
         self._keys: dict[str, Ed25519PublicKey] = {}  # recorded public key (or svc:name) -> loaded key
 
+    def fold_to_decide_on(self) -> Followers:
+        """The verifier's fold of the people and the tree, for a service of the same process that decides
+        on that very fold (the people service), so the process folds them once: from here it also keeps
+        what deciding needs (each subject's sequence, the commands that caused events). Before it starts."""
+        if self.fold.folds:
+            raise RuntimeError("the verifier's fold has started: share it before the first command")
+        self.fold.for_commands = True
+        return self.fold
+
     def start(self) -> None:
         """One more processor uses the verifier: follow the log (from the first)."""
         self._users += 1

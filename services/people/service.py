@@ -31,9 +31,15 @@ class PeopleService:
     ) -> None:
         self.store = store
         self.clock = clock
-        self.folded = PeopleAndTree()  # the tree resolves the scope a role is granted over
+        # The people and the tree (which resolves the scope a role is granted over): the process's verifier
+        # folds exactly these, so with one the service decides on its fold instead of folding them again.
+        self.shares_fold = verifier is not None
+        if verifier is not None:
+            self.folded, self.fold = verifier.folded, verifier.fold_to_decide_on()
+        else:
+            self.folded = PeopleAndTree()
+            self.fold = Followers(store, PeopleAndTree.subjects("people"), self.folded.apply, registry=folds)
         self.people, self.tree = self.folded.people, self.folded.tree
-        self.fold = Followers(store, PeopleAndTree.subjects("people"), self.folded.apply, registry=folds)
         self.shell = CommandShell(
             store,
             service=P.SERVICE,
@@ -52,7 +58,8 @@ class PeopleService:
         self.fold.start()
 
     async def close(self) -> None:
-        await self.fold.close()
+        if not self.shares_fold:  # a shared fold stops with the verifier's last user
+            await self.fold.close()
 
     def processor(self) -> CommandProcessor:
         return self.shell.processor()
