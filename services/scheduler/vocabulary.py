@@ -1,7 +1,8 @@
 """The scheduler's vocabulary: its settings, its clock, and the decisions a pass returns.
 
-Every other scheduler module speaks these words, so this one imports none of them but placement's
-``Need``/``Verdict`` (what a placement reserves, why a node does not fit) and preemption's defaults:
+Every other scheduler module speaks these words, so this one imports none of them but the few it is
+made of: placement's ``Need``/``Verdict`` (what a placement reserves, why a node does not fit),
+preemption's defaults, and the state ``event_of`` reads:
 
 - :class:`Config`, the settings (`llmgw.toml`'s ``scheduler:``), and :class:`Clock`, the times a pass is
   judged at (a pass reads no clock of its own, so tests and `ctl explain` can ask at any time);
