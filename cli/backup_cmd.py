@@ -20,7 +20,7 @@ import msgspec
 from llmgw.cli.client import Session, run
 from llmgw.cli.context import default_data_dir, read_run_info
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError, read_credential
-from llmgw.events.commands.client import CommandError, CommandRejectedError
+from llmgw.events.commands.errors import CommandError, CommandRejectedError
 from llmgw.events.runtime.connection import StoreError
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema.catalog import default_registry

@@ -22,12 +22,12 @@ from llmgw.cli.client import Session, run
 from llmgw.cli.context import default_data_dir, read_run_info
 from llmgw.cli.ctl import ctl
 from llmgw.cli.fleet_cmd import model
+from llmgw.cli.from_services import DEMO_KEY_FILE
 from llmgw.cli.scheduler_query import ask_scheduler
 from llmgw.cli.table import table
-from llmgw.events.commands.client import CommandError, CommandRejectedError, Unreachable
+from llmgw.events.commands.errors import CommandError, CommandRejectedError, Unreachable
 from llmgw.events.schema import models as M
 from llmgw.events.schema import scheduler as SCH
-from llmgw.services.access.bootstrap import DEMO_KEY_FILE
 
 ONE_READY_WAIT_S = 300.0  # how long `--scale-to-one` waits for the model to stand at one ready replica
 ACTIVE = ("placed", "starting", "ready")

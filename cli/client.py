@@ -13,21 +13,24 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import click
 import msgspec
 
 from llmgw.cli.context import Target, default_data_dir, resolve
-from llmgw.cli.natsd import CredentialError, read_credential
-from llmgw.events.commands.auth import TokenSigner
-from llmgw.events.commands.client import CommandClient, CommandError, CommandRejectedError, Unreachable
-from llmgw.events.runtime.connection import NatsCredential, StoreError
-from llmgw.events.runtime.store import EventStore
-from llmgw.events.schema.catalog import default_registry
-from llmgw.events.schema.outcomes import CommandCompleted
-from llmgw.infra import pki
+from llmgw.events.commands.errors import CommandError, CommandRejectedError, Unreachable
+
+# The bus (NATS, the store, signing) and HTTP (aiohttp) are imported by the Session's methods when a
+# command first uses them, so a command that reads the admin API never waits for NATS's imports, nor
+# one that only signs commands for aiohttp's (docs/benchmarks.md, "The CLI's start").
+if TYPE_CHECKING:
+    import aiohttp
+
+    from llmgw.events.commands.auth import TokenSigner
+    from llmgw.events.runtime.connection import NatsCredential
+    from llmgw.events.runtime.store import EventStore
+    from llmgw.events.schema.outcomes import CommandCompleted
 
 CONNECT_GIVE_UP_S = 10.0  # a person waits this long for NATS, then is told it cannot be reached (exit 4)
 
@@ -43,6 +46,12 @@ class Session:
 
     async def store(self) -> EventStore:
         if self._store is None:
+            from llmgw.cli.natsd import CredentialError, read_credential
+            from llmgw.events.runtime.connection import StoreError
+            from llmgw.events.runtime.store import EventStore
+            from llmgw.events.schema.catalog import default_registry
+            from llmgw.infra import pki
+
             try:
                 tls = nats_tls(
                     os.environ.get("LLMGW_NATS_CA"), os.environ.get("LLMGW_NATS_CERT"), os.environ.get("LLMGW_NATS_KEY")
@@ -62,12 +71,16 @@ class Session:
     async def command(
         self, service: str, verb: str, payload: msgspec.Struct, timeout: float = 15.0
     ) -> CommandCompleted:
+        from llmgw.events.commands.client import CommandClient
+
         client = CommandClient(await self.store(), self.signer())
         # The actor is left to the verifier: the person whose token signed it (docs/people.md, Signed commands).
         return await client.send(service, verb, payload, actor="", timeout=timeout)
 
     def signer(self) -> TokenSigner:
         """Commands are signed with the person's token: `llmgw login`'s, $LLMGW_TOKEN, or this machine's admin's."""
+        from llmgw.events.commands.auth import TokenSigner
+
         if not self.target.token:
             raise CommandRejectedError(
                 "sign in first: `llmgw login` (or set LLMGW_TOKEN to a personal token); commands are signed "
@@ -83,6 +96,10 @@ class Session:
     ) -> Any:
         if not self.target.api_url:
             raise Unreachable("no admin API address: pass --api URL (or LLMGW_API_URL), or run `llmgw up`")
+        import aiohttp
+
+        from llmgw.infra import pki
+
         if self._http is None:
             try:
                 context = api_tls(self.ca)
@@ -162,6 +179,8 @@ def trusted_ca(chosen: str | None, data_dir: str | None) -> str | None:
 
 def api_tls(ca: str | None) -> ssl.SSLContext:
     """The client context for the admin API: TLS ≥ 1.2, the certificate checked against ``ca``."""
+    from llmgw.infra import pki
+
     return pki.client_context(ca, now=time.time())
 
 
@@ -169,6 +188,8 @@ def nats_tls(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContex
     """The context to reach NATS over TLS with (None: plain); :class:`pki.PkiError` names what is wrong."""
     if not (ca or cert or key):
         return None
+    from llmgw.infra import pki
+
     if bool(cert) != bool(key):
         raise pki.PkiError("a NATS client certificate needs both --nats-cert FILE and --nats-key FILE")
     return pki.client_context(ca, cert, key, now=time.time())
@@ -188,6 +209,8 @@ def load_creds(path: str | None) -> NatsCredential | None:
     """The credential in ``path`` (None: connect with no user); a click error naming what to do."""
     if not path:
         return None
+    from llmgw.cli.natsd import CredentialError, read_credential
+
     try:
         return read_credential(path)
     except CredentialError as exc:

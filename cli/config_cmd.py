@@ -6,8 +6,6 @@ from pathlib import Path
 
 import click
 
-from llmgw.cli import config_file as C
-
 
 @click.group("config")
 def config() -> None:
@@ -23,6 +21,8 @@ def config() -> None:
 )
 def config_reference(page: Path | None) -> None:
     """Every setting: its key, what it takes, its default, its environment variable and what it does."""
+    from llmgw.cli import config_file as C  # the services' settings structs: only when asked for them
+
     reference = C.render_reference()
     if page is None:
         click.echo(reference, nl=False)
@@ -37,4 +37,6 @@ def config_reference(page: Path | None) -> None:
 @config.command("example")
 def config_example() -> None:
     """A config file holding every setting, each with what it does (ops/llmgw.yaml)."""
+    from llmgw.cli import config_file as C
+
     click.echo(C.render_example(), nl=False)

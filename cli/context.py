@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from llmgw.cli.credentials import token_for
-from llmgw.events.commands.client import Unreachable
+from llmgw.events.commands.errors import Unreachable
 
 RUN_FILE = "run.json"
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import msgspec
 
+from llmgw.cli.from_services import ADMIN_TOKEN_FILE
 from llmgw.infra.private import write_private
-from llmgw.services.people.bootstrap import TOKEN_FILE
 
 
 def credentials_file() -> Path:
@@ -37,7 +37,7 @@ def token_for(api_url: str | None, data_dir: Path | None) -> str | None:
         return saved
     if data_dir is not None:
         try:
-            return (data_dir / TOKEN_FILE).read_text().strip() or None
+            return (data_dir / ADMIN_TOKEN_FILE).read_text().strip() or None
         except OSError:
             return None
     return None

@@ -10,20 +10,36 @@ from llmgw.cli.client import Session, run
 from llmgw.cli.lazy_group import LazyCommand, LazyGroup
 from llmgw.events.schema import tenancy as T
 
-# The modules holding `ctl`'s other subcommands: each adds its own to `ctl` as it is imported (they
-# import `ctl` from here). They are imported when `ctl` is first asked for a subcommand, not with this
-# module, so importing one of them first never finds the others half-made.
-SUBCOMMAND_MODULES = (
-    "llmgw.cli.access_cmd",  # `ctl key|limit|price|budget`
-    "llmgw.cli.audit_cmd",  # `ctl audit`
-    "llmgw.cli.capacity_cmd",  # `ctl bench` and `ctl model target`
-    "llmgw.cli.fleet_cmd",  # `ctl model|models|nodes|…`
-    "llmgw.cli.jobs_cmd",  # `ctl model serve` and `ctl job`
-    "llmgw.cli.nats_cmd",  # `ctl nats`
-    "llmgw.cli.people_cmd",  # `ctl user|token`
-    "llmgw.cli.quota_cmd",  # `ctl quota`
-    "llmgw.cli.usage_cmd",  # `ctl usage|request`
-)
+# The modules holding `ctl`'s other subcommands, and the names each adds to `ctl` (or adds to: `ctl
+# model`'s subcommands live in three). Each adds its own as it is imported (they import `ctl` from here),
+# so they are imported when `ctl` is asked for one of their names, not with this module: `ctl models`
+# imports only fleet_cmd, and importing one of them first never finds the others half-made.
+# tests/test_cli_imports.py holds these names to what each module adds.
+SUBCOMMAND_MODULES = {
+    "llmgw.cli.access_cmd": ("budget", "key", "keys", "limit", "price"),
+    "llmgw.cli.audit_cmd": ("audit",),
+    "llmgw.cli.capacity_cmd": ("bench", "model"),  # `ctl bench` and `ctl model target`
+    "llmgw.cli.fleet_cmd": (
+        "cordon",
+        "drain",
+        "explain",
+        "logs",
+        "model",
+        "models",
+        "node",
+        "nodes",
+        "replicas",
+        "restart",
+        "retry",
+        "uncordon",
+        "weights",
+    ),
+    "llmgw.cli.jobs_cmd": ("job", "model"),  # `ctl job` and `ctl model serve`
+    "llmgw.cli.nats_cmd": ("nats",),
+    "llmgw.cli.people_cmd": ("token", "user"),
+    "llmgw.cli.quota_cmd": ("quota",),
+    "llmgw.cli.usage_cmd": ("request", "usage"),
+}
 
 
 @click.group(

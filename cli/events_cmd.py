@@ -5,19 +5,20 @@ from __future__ import annotations
 import json
 import re
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
 
 from llmgw.cli.client import Session, run
+from llmgw.cli.from_services import KEYS_LIMIT, KEYS_LIMIT_MAX
 from llmgw.events.commands.audit import CommandAudit
-from llmgw.events.commands.client import CommandError, CommandRejectedError
-from llmgw.events.runtime.connection import Quarantined
-from llmgw.events.runtime.secrets import signing_secret
+from llmgw.events.commands.errors import CommandError, CommandRejectedError
 from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of
-from llmgw.services.api.views import KEYS_LIMIT, KEYS_LIMIT_MAX
+
+if TYPE_CHECKING:
+    from llmgw.events.runtime.connection import Quarantined  # with NATS: the reader's, when it reads
 
 
 @click.group()
@@ -298,6 +299,8 @@ def verify(ctx: click.Context, as_json: bool) -> None:
 
     async def go(s: Session) -> int:
         store = await s.store()
+        from llmgw.events.runtime.secrets import signing_secret  # NATS's: loaded with the store
+
         audit = CommandAudit(secret=await signing_secret(store.js))
         async for batch in store.subscribe(f"{EVENTS_ROOT}.>", follow=False):
             for event in batch:

@@ -5,19 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
-import nats.errors
-import yaml
 
 from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
 from llmgw.cli.scheduler_query import ask_scheduler
 from llmgw.cli.table import table
-from llmgw.events.commands.client import CommandRejectedError, Unreachable
-from llmgw.events.runtime.store import EventStore
+from llmgw.events.commands.errors import CommandRejectedError, Unreachable
 from llmgw.events.schema import jobs as J
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
@@ -36,9 +33,14 @@ from llmgw.events.schema.subjects import event_subject
 from llmgw.modelfiles.gguf_header import read_header_file
 from llmgw.modelfiles.sizing import estimate_memory
 
+if TYPE_CHECKING:
+    from llmgw.events.runtime.store import EventStore  # the store comes from the Session, NATS with it
+
 
 def load_model_file(path: str) -> list[M.ModelSpec]:
     """One model, or ``models: [...]``, from YAML; errors name the field."""
+    import yaml  # only when a model file is read
+
     try:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -207,6 +209,8 @@ async def _sources_in_use(s: Session) -> dict[str, str]:
 
 async def _ask_agent(s: Session, node: str, req: WeightsRequest) -> WeightsReply | None:
     store = await s.store()
+    import nats.errors  # loaded with the store
+
     try:
         msg = await store.nc.request(weights_subject(node), msgspec.json.encode(req), timeout=10)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
@@ -715,6 +719,8 @@ def logs(ctx: click.Context, node: str, replica: str | None, lines: int) -> None
 
     async def go(s: Session) -> None:
         store = await s.store()
+        import nats.errors  # loaded with the store
+
         req = msgspec.json.encode(LogsRequest(replica=replica, lines=lines))
         try:
             msg = await store.nc.request(logs_subject(node), req, timeout=5)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
@@ -12,13 +12,15 @@ from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
 from llmgw.cli.fleet_cmd import model
 from llmgw.cli.progress import Downloads
-from llmgw.events.commands.client import CommandRejectedError
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.folds.jobs import JobState
-from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import jobs as J
 from llmgw.events.schema import mirror as E
 from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.subjects import event_subject
+
+if TYPE_CHECKING:
+    from llmgw.events.runtime.store import EventStore  # the store comes from the Session, NATS with it
 
 
 def step_line(p: J.JobStep) -> str:

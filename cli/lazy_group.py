@@ -10,7 +10,7 @@ commands imports none of them. tests/test_cli_imports.py holds each summary to t
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import click
 
@@ -34,36 +34,37 @@ class LazyGroup(click.Group):
     """A group of commands given as :class:`LazyCommand`: one is imported when it is run (or asked
     for its own help); the group's help lists their summaries without importing any.
 
-    ``registering``: modules that add their own commands to this group as they are imported (`ctl`'s:
-    they import the group from its module, so they can only be imported after it, when the group is
-    first asked for a command it does not hold).
+    ``registering``: modules that add their own commands to this group as they are imported, each with
+    the names it adds or adds to (`ctl`'s: they import the group from its module, so they can only be
+    imported after it). Asked for one of those names, the group imports the modules naming it; listing
+    its commands imports them all.
     """
 
     def __init__(
         self,
         *args: object,
         lazy: dict[str, LazyCommand] | None = None,
-        registering: Sequence[str] = (),
+        registering: Mapping[str, Sequence[str]] | None = None,
         **kwargs: object,
     ) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.lazy = dict(lazy or {})
-        self.registering = tuple(registering)
+        self.registering = dict(registering or {})
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        self._import_registering()
+        self._import_registering(lambda names: True)
         return sorted({*super().list_commands(ctx), *self.lazy})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name not in self.commands and cmd_name in self.lazy:
             self.add_command(self.lazy[cmd_name].load(), cmd_name)
-        if cmd_name not in self.commands:
-            self._import_registering()
+        self._import_registering(lambda names: cmd_name in names)  # each at most once: Python keeps modules
         return super().get_command(ctx, cmd_name)
 
-    def _import_registering(self) -> None:
-        for module in self.registering:
-            importlib.import_module(module)
+    def _import_registering(self, wanted: Callable[[Sequence[str]], bool]) -> None:
+        for module, names in self.registering.items():
+            if wanted(names):
+                importlib.import_module(module)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """click's own listing, with each lazy command's summary instead of its imported help."""

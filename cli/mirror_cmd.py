@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
@@ -16,13 +16,15 @@ import msgspec
 from llmgw.cli.client import Session, run
 from llmgw.cli.progress import Downloads
 from llmgw.cli.table import table
-from llmgw.events.commands.client import CommandError
+from llmgw.events.commands.errors import CommandError
 from llmgw.events.folds.mirror import FETCHING, PRESENT, MirrorState
-from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import mirror as E
 from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.services.mirror.rules import human
+
+if TYPE_CHECKING:
+    from llmgw.events.runtime.store import EventStore  # the store comes from the Session, NATS with it
 
 
 @click.group()

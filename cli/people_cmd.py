@@ -18,13 +18,14 @@ from llmgw.cli.credentials import forget_token, save_token
 from llmgw.cli.ctl import ctl
 from llmgw.cli.table import table
 from llmgw.events.commands import roles as R
-from llmgw.events.commands.client import CommandError, CommandRejectedError
+from llmgw.events.commands.errors import CommandError, CommandRejectedError
 from llmgw.events.schema import people as P
-from llmgw.services.people.passwords import hash_password, password_problem
 
 
 def _new_password(from_stdin: bool) -> str:
     """A new password, from stdin (one line) or asked twice on the terminal; refused if too weak."""
+    from llmgw.services.people.passwords import password_problem  # beside argon2: imported only when one is set
+
     if from_stdin:
         password = sys.stdin.readline().rstrip("\n")
     else:
@@ -33,6 +34,13 @@ def _new_password(from_stdin: bool) -> str:
     if problem is not None:
         raise click.ClickException(problem)
     return password
+
+
+def _hashed(password: str) -> str:
+    """``password`` hashed with argon2id, as the people service keeps it (imported only when one is set)."""
+    from llmgw.services.people.passwords import hash_password
+
+    return hash_password(password)
 
 
 def _send(ctx: click.Context, verb: str, payload: P.PeopleCommand) -> None:
@@ -56,7 +64,7 @@ def user() -> None:
 @click.pass_context
 def user_add(ctx: click.Context, name: str, display_name: str, password_stdin: bool) -> None:
     """Add a person who may sign in with `llmgw login`."""
-    password_hash = hash_password(_new_password(password_stdin))
+    password_hash = _hashed(_new_password(password_stdin))
 
     async def go(s: Session) -> None:
         add = P.AddUser(name=name, password_hash=password_hash, display_name=display_name)
@@ -72,7 +80,7 @@ def user_add(ctx: click.Context, name: str, display_name: str, password_stdin: b
 @click.pass_context
 def user_passwd(ctx: click.Context, name: str, password_stdin: bool) -> None:
     """Set a person's password (their sessions and tokens go on working)."""
-    password_hash = hash_password(_new_password(password_stdin))
+    password_hash = _hashed(_new_password(password_stdin))
 
     _send(ctx, "user.passwd", P.SetPassword(name=name, password_hash=password_hash))
 

@@ -11,11 +11,16 @@ import sys
 from collections import deque
 from typing import IO
 
-from llmgw.services.mirror.rules import human as human_bytes
-
 BAR = 24
 WINDOW_S = 5.0  # the rate is averaged over this much of the recent past
 PLAIN_STEP = 10  # without a terminal, a line every this many percent
+
+
+def human_bytes(n: int | float) -> str:
+    """``n`` bytes as the mirror says them (services/mirror/rules.py ``human``), imported at the first line."""
+    from llmgw.services.mirror.rules import human
+
+    return human(n)
 
 
 def _duration(seconds: float) -> str:

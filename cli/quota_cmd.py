@@ -7,12 +7,11 @@ from typing import Any
 
 import click
 import msgspec
-import nats.errors
 
 from llmgw.cli.client import Session, run
 from llmgw.cli.ctl import ctl
 from llmgw.cli.table import table
-from llmgw.events.commands.client import Unreachable
+from llmgw.events.commands.errors import Unreachable
 from llmgw.events.schema import quotas as Q
 from llmgw.events.schema import tenancy as T
 
@@ -96,6 +95,8 @@ def quota_list(ctx: click.Context, as_json: bool) -> None:
 
     async def go(s: Session) -> None:
         store = await s.store()
+        import nats.errors  # loaded with the store
+
         try:
             msg = await store.nc.request(Q.QUOTAS_SUBJECT, b"", timeout=10)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:

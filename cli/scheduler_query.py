@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import nats.errors
-
 from llmgw.cli.client import Session
-from llmgw.events.commands.client import CommandRejectedError, Unreachable
+from llmgw.events.commands.errors import CommandRejectedError, Unreachable
 
 
 async def ask_scheduler(s: Session, subject: str, name: str) -> dict[str, Any]:
     """A scheduler's answer about model ``name`` (any instance answers); its error as a CommandError."""
     store = await s.store()
+    import nats.errors  # loaded with the store
+
     try:
         msg = await store.nc.request(subject, name.encode(), timeout=10)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from llmgw.cli.client import Session, run
-from llmgw.events.commands.client import CommandError
+from llmgw.events.commands.errors import CommandError
 from llmgw.events.runtime.connection import StoreError
 
 
