@@ -1,12 +1,13 @@
 """The CLI's two ways in: the bus (commands, the log) and the admin API (read models).
 
-Errors follow one small hierarchy (:mod:`llmgw.events.commands.client`): rejected, timed out,
+Errors follow one small hierarchy (:mod:`llmgw.events.commands.errors`): rejected, timed out,
 unreachable; each becomes one line on stderr and its own exit code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import os
 import ssl
 import sys
@@ -21,12 +22,10 @@ import msgspec
 from llmgw.cli.context import Target, default_data_dir, resolve
 from llmgw.events.commands.errors import CommandError, CommandRejectedError, Unreachable
 
-# The bus (NATS, the store, signing) and HTTP (aiohttp) are imported by the Session's methods when a
-# command first uses them, so a command that reads the admin API never waits for NATS's imports, nor
-# one that only signs commands for aiohttp's (docs/benchmarks.md, "The CLI's start").
+# The bus (NATS, the store, signing) is imported by the Session's methods when a command first uses
+# it, so a command that only reads the admin API never waits for NATS's imports (docs/benchmarks.md,
+# "The CLI's start"); the admin API is called with the standard library (cli/admin_http.py).
 if TYPE_CHECKING:
-    import aiohttp
-
     from llmgw.events.commands.auth import TokenSigner
     from llmgw.events.runtime.connection import NatsCredential
     from llmgw.events.runtime.store import EventStore
@@ -42,7 +41,7 @@ class Session:
         self.target = target
         self.ca = ca  # the CA an https admin API's certificate is checked against (None: the system's)
         self._store: EventStore | None = None
-        self._http: aiohttp.ClientSession | None = None
+        self._tls: ssl.SSLContext | None = None  # the admin API's, made at its first call
 
     async def store(self) -> EventStore:
         if self._store is None:
@@ -96,50 +95,47 @@ class Session:
     ) -> Any:
         if not self.target.api_url:
             raise Unreachable("no admin API address: pass --api URL (or LLMGW_API_URL), or run `llmgw up`")
-        import aiohttp
-
+        from llmgw.cli.admin_http import call, in_thread
         from llmgw.infra import pki
 
-        if self._http is None:
+        if self._tls is None:
             try:
-                context = api_tls(self.ca)
+                self._tls = api_tls(self.ca)
             except (pki.PkiError, ssl.SSLError) as exc:
                 raise CommandError(
                     f"cannot trust the CA {self.ca} ({exc}): give a CA certificate with --ca FILE"
                 ) from exc
-            self._http = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=timeout), connector=aiohttp.TCPConnector(ssl=context)
-            )
         url = self.target.api_url.rstrip("/") + path
-        headers = {"Authorization": f"Bearer {self.target.token}"} if self.target.token else None
+        headers = {"Authorization": f"Bearer {self.target.token}"} if self.target.token else {}
+        context = self._tls
         try:
-            async with self._http.request(method, url, params=params, json=json, headers=headers) as resp:
-                body = await resp.json(content_type=None)
-                if resp.status >= 400:
-                    error = (body or {}).get("error", {}) if isinstance(body, dict) else {}
-                    message = error.get("message") or f"{method} {path} answered {resp.status}"
-                    if resp.status < 500:  # refused: the reason says what to do (exit 2)
-                        raise CommandRejectedError(message, error.get("code") or str(resp.status))
-                    raise CommandError(message)
-                return body
-        except aiohttp.ClientConnectorCertificateError as exc:
+            answer = await in_thread(
+                lambda: call(method, url, params=params, body=json, headers=headers, context=context, timeout=timeout)
+            )
+        except ssl.SSLCertVerificationError as exc:
             trusted = f"the CA {self.ca}" if self.ca else "this machine's CAs"
             raise Unreachable(
                 f"the admin API at {self.target.api_url} has a certificate {trusted} does not vouch for "
-                f"({exc.certificate_error}): give the CA that issued it with --ca FILE (or LLMGW_CA)"
-            ) from exc
-        except aiohttp.ClientConnectionError as exc:
-            raise Unreachable(
-                f"the admin API at {self.target.api_url} did not answer ({exc}); is `llmgw up` running?"
+                f"({exc}): give the CA that issued it with --ca FILE (or LLMGW_CA)"
             ) from exc
         except TimeoutError as exc:
             raise Unreachable(f"the admin API at {self.target.api_url} did not answer within {timeout:.0f}s") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            raise Unreachable(
+                f"the admin API at {self.target.api_url} did not answer ({exc}); is `llmgw up` running?"
+            ) from exc
+        body = answer.body
+        if answer.status >= 400:
+            error = (body or {}).get("error", {}) if isinstance(body, dict) else {}
+            message = error.get("message") or f"{method} {path} answered {answer.status}"
+            if answer.status < 500:  # refused: the reason says what to do (exit 2)
+                raise CommandRejectedError(message, error.get("code") or str(answer.status))
+            raise CommandError(message)
+        return body
 
     async def close(self) -> None:
         if self._store is not None:
             await self._store.close()
-        if self._http is not None:
-            await self._http.close()
 
 
 def run(ctx: click.Context, fn: Callable[[Session], Awaitable[int | None]]) -> None:
