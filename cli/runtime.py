@@ -1,7 +1,9 @@
 """The composition root: which services run in this process, wired to one bus and one database.
 
 `llmgw up` and `llmgw server` both call :func:`serve`; they differ only in where NATS and the
-database are. Services never import one another; this module is where they meet.
+database are. Services never import one another; they meet here: :func:`serve` connects, makes what
+they share, and walks the table of services (cli/service_table.py) — each with one lifecycle, started
+in order and stopped in reverse.
 """
 
 from __future__ import annotations
@@ -9,19 +11,15 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import structlog
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from llmgw.cli.context import default_data_dir
 from llmgw.cli.natsd import CredentialError, read_credential
-from llmgw.events.commands.client import CommandError
-from llmgw.events.commands.processor import Rejected
+from llmgw.cli.service_table import STOP_STEP_S, TABLE, Shared, bounded
 from llmgw.events.runtime.follower import FollowerRegistry
 from llmgw.events.runtime.metrics import StoreMetrics
 from llmgw.events.runtime.secrets import engine_key_secret, signing_secret
@@ -41,26 +39,15 @@ from llmgw.projections.runner import ProjectionRunner
 from llmgw.projections.tenancy import TenancyProjection
 from llmgw.projections.usage import UsageProjection
 from llmgw.services.access.bootstrap import DEMO_KEY_FILE as DEMO_KEY_FILE  # for `up`'s message
-from llmgw.services.access.bootstrap import ensure_demo_key
-from llmgw.services.access.service import AccessService
-from llmgw.services.accountant.service import PRUNE_EVERY_S, RETENTION_DAYS, AccountantService
-from llmgw.services.api.app import AdminApi
+from llmgw.services.accountant.service import PRUNE_EVERY_S, RETENTION_DAYS
 from llmgw.services.api.exposure import exposure_refusal
-from llmgw.services.api.signin import SESSION_HOURS, SignIn
+from llmgw.services.api.signin import SESSION_HOURS
 from llmgw.services.backup import service as backup_service
-from llmgw.services.catalog.service import CatalogService
-from llmgw.services.fleet.service import FleetService
-from llmgw.services.jobs.service import JobsConfig, JobsService
+from llmgw.services.lifecycle import Service
 from llmgw.services.mirror.hub import DEFAULT_HUB
-from llmgw.services.mirror.service import MirrorConfig, MirrorService
-from llmgw.services.people.bootstrap import PASSWORD_FILE as ADMIN_PASSWORD_FILE
-from llmgw.services.people.bootstrap import ensure_admin
-from llmgw.services.people.service import PeopleService
 from llmgw.services.people.throttle import LoginThrottle
-from llmgw.services.router.app import Router, RouterConfig
-from llmgw.services.scheduler.service import SchedulerService
+from llmgw.services.router.app import RouterConfig
 from llmgw.services.scheduler.vocabulary import Config as SchedulerConfig
-from llmgw.services.tenancy.service import TenancyService
 
 log = structlog.get_logger("llmgw.runtime")
 
@@ -193,42 +180,6 @@ def projections() -> list:
     return [TenancyProjection(), EventLogProjection(), FleetProjection(), AccessProjection(), UsageProjection()]
 
 
-async def _site(app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> web.AppRunner:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise SystemExit(f"error: cannot listen on {host}:{port} ({exc.strerror}); choose another port") from exc
-    return runner
-
-
-async def _bootstrap_admin(store: EventStore, data_dir: Path, services: tuple[str, ...]) -> None:
-    if "people" not in services:
-        log.warning("no first administrator: the people service does not run here", services=list(services))
-        return
-    try:
-        if await ensure_admin(store, data_dir):
-            log.info("first administrator made: user admin", password_file=str(data_dir / ADMIN_PASSWORD_FILE))
-    except (CommandError, OSError) as exc:
-        log.error("could not make the first administrator; the next start tries again", error=str(exc))
-
-
-async def _bootstrap_access(store: EventStore, data_dir: Path, services: tuple[str, ...]) -> None:
-    if not {"tenancy", "access"} <= set(services):
-        log.warning("no demo key: the tenancy and access services do not run here", services=list(services))
-        return
-    try:
-        written = await ensure_demo_key(store, data_dir)
-    except (CommandError, OSError) as exc:
-        log.error("could not create the demo key; create one with `llmgw ctl key create`", error=str(exc))
-        return
-    if written is not None:
-        log.info("demo key created", path=str(written))
-
-
 async def serve(
     config: ServerConfig,
     stop: asyncio.Event,
@@ -237,7 +188,9 @@ async def serve(
 ) -> None:
     """Run the configured services until ``stop`` is set; then stop them cleanly.
 
-    ``handles``, when given, is filled with the running service objects (tests and benchmarks).
+    The services are the entries of :data:`~llmgw.cli.service_table.TABLE` this process runs, started
+    in the table's order and stopped in reverse, here and only here. ``handles``, when given, is
+    filled with the running service objects (tests and benchmarks).
     """
     handles = handles if handles is not None else {}
     unknown = set(config.services) - set(ALL_SERVICES) - set(OPTIONAL_SERVICES)
@@ -281,202 +234,39 @@ async def serve(
         await engine_key_secret(store.js)
         await signing_secret(store.js)  # what services sign commands with: the control plane's alone
     backend = await open_backend(config.db_dsn)
+    # The process's supervised readers (followers, subscribers, projections): its /healthz answers 503
+    # naming any that is not live.
+    folds = FollowerRegistry(registry)
     # Every 10,000 events the replayed projections' tables are saved, so `events replay` folds only a tail.
     replay_saver = ReplaySnapshotter(store, backend, every=config.snapshots.replay_every_events)
-    runner = ProjectionRunner(store, backend, projections(), registry=registry, on_batch=replay_saver.folded)
-    # The process's followers: its /healthz answers 503 naming any that is not live.
-    folds = FollowerRegistry(registry)
+    runner = ProjectionRunner(
+        store, backend, projections(), registry=registry, on_batch=replay_saver.folded, folds=folds
+    )
     handles.update(store=store, backend=backend, runner=runner, folds=folds)
-    tasks: list[asyncio.Task] = []
-    sites: list[web.AppRunner] = []
-    processors = []
-    routers: list[Router] = []
-    mirrors: list[MirrorService] = []
-    jobs_services: list[JobsService] = []
-    signin: SignIn | None = None
-    command_services: list[TenancyService | AccessService | PeopleService | CatalogService | FleetService] = []
-
-    def commands(name: str, service: Any) -> Any:
-        """A command service: its folds follow the log from now (in ``/healthz``), its commands are handled."""
-        service.start()
-        command_services.append(service)
-        background(name, service.processor())
-        return service
-
-    def background(name: str, service: Any) -> Any:
-        """Run a service's loop as a task; it is stopped (``stop()``) with the others."""
-        processors.append(service)
-        tasks.append(asyncio.create_task(service.run(), name=name))
-        return service
-
+    shared = Shared(config, tls, store, backend, runner, registry, folds, handles)
+    running: list[Service] = []
     try:
-        if "projections" in config.services:
-            await runner.start()
-        if "tenancy" in config.services:
-            commands("tenancy-commands", TenancyService(store, folds=folds))
-        if "access" in config.services:
-            commands("access-commands", AccessService(store, folds=folds))
-        if "people" in config.services:
-            commands("people-commands", PeopleService(store, folds=folds))
-        if "catalog" in config.services:
-            catalog = CatalogService(store, folds=folds)
-            catalog.start()
-            command_services.append(catalog)
-            try:
-                await catalog.sync_declared(list(config.declared_models))
-            except Rejected as exc:
-                raise SystemExit(f"error: the catalog file is not valid: {exc.reason}") from exc
-            if config.demo_model is not None and config.demo_marker:
-                await catalog.add_once(config.demo_model, Path(config.demo_marker))
-            background("catalog-commands", catalog.processor())
-        if "fleet" in config.services:
-            commands("fleet-commands", FleetService(store, folds=folds))
-        if "scheduler" in config.services:
-            scheduler = SchedulerService(
-                store,
-                config=config.scheduler,
-                registry=registry,
-                folds=folds,
-                snapshot_every_events=config.snapshots.every_events,
-                snapshot_every_s=config.snapshots.every_s,
-            )
-            handles["scheduler"] = background("scheduler", scheduler)
-        if config.bootstrap_dir is not None or config.first_admin_dir is not None:
-            await _bootstrap_admin(store, Path(config.first_admin_dir or config.bootstrap_dir or ""), config.services)
-        if config.bootstrap_dir is not None:
-            await _bootstrap_access(store, Path(config.bootstrap_dir), config.services)
-        if "accountant" in config.services:
-            accountant = AccountantService(
-                backend, retention_days=config.usage_retention_days, prune_every_s=config.usage_prune_every_s
-            )
-            handles["accountant"] = background("accountant", accountant)
-        if "backup" in config.services:
-            backups = backup_service.BackupService(
-                store,
-                Path(config.backup_dir) if config.backup_dir else default_data_dir() / "backups",
-                every_s=config.backup_every_s,
-                keep=config.backup_keep,
-                data_dir=default_data_dir(),
-                registry=registry,
-            )
-            handles["backup"] = background("backup", backups)
-        # Every process serves health and metrics on its admin port; the API itself runs with "api".
-        api = AdminApi(store, backend, runner, registry)
-        api.folds = folds
-        if "api" in config.services:
-            api.signin = signin = SignIn(
-                store, folds=folds, throttle=config.signin.throttle(), session_hours=config.signin.session_hours
-            )
-            handles["signin"] = signin
-            signin.start()
-        admin_app = api.app(full="api" in config.services)
-        sites.append(await _site(admin_app, config.admin_host, config.admin_port, tls.https))
-        if "router" in config.services:
-            router = Router(
-                store,
-                config.router,
-                registry=registry,
-                folds=folds,
-                snapshot_every_events=config.snapshots.every_events,
-                snapshot_every_s=config.snapshots.every_s,
-            )
-            await router.start()
-            routers.append(router)
-            handles["router"] = router
-            api.usage_backlog = router.usage.backlog  # the process's health says what the router holds
-            sites.append(await _site(router.app(), config.host, config.port, tls.https))
-        if "mirror" in config.services:
-            if not config.mirror_dir:
-                raise SystemExit("error: the mirror service needs a directory to keep models in (--mirror-dir)")
-            mirror = MirrorService(
-                store,
-                MirrorConfig(
-                    dir=config.mirror_dir,
-                    hub=config.hub_endpoint,
-                    token=config.hub_token,
-                    hub_allow_private=config.hub_allow_private,
-                    max_bytes=config.mirror_max_bytes,
-                    peer_of=config.mirror_peer_of,
-                    peer_name=config.mirror_peer_name,
-                ),
-                folds=folds,
-            )
-            mirrors.append(mirror)
-            await mirror.start()
-            handles["mirror"] = background("mirror-commands", mirror)
-            sites.append(await _site(mirror.app(), config.host, config.mirror_port))
-        if "jobs" in config.services:
-            jobs = JobsService(
-                store,
-                JobsConfig(
-                    hub=config.hub_endpoint,
-                    token=config.hub_token,
-                    hub_allow_private=config.hub_allow_private,
-                    source=config.jobs_source,
-                    # headers are read from the mirror's directory when it runs here, else over HTTP
-                    mirror_dir=config.mirror_dir if "mirror" in config.services else None,
-                    mirror_url=config.mirror_urls or f"http://{config.host}:{config.mirror_port}",
-                ),
-                folds=folds,
-            )
-            jobs_services.append(jobs)
-            await jobs.start()
-            handles["jobs"] = background("jobs-commands", jobs)
+        for name, wanted, entry in TABLE:
+            if wanted(config):
+                service = entry(name, shared)
+                running.append(service)  # before it starts: one that fails half-way is stopped too
+                await service.start()
         log.info("services started", services=list(config.services), port=config.port, admin_port=config.admin_port)
         if on_ready:
             on_ready()
         stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for t in tasks:
-            if t.done() and t.exception():
-                log.error("service task failed", task=t.get_name(), error=str(t.exception()))
+        loops = [t for s in running for t in s.loops()]
+        await asyncio.wait([stopped, *loops], return_when=asyncio.FIRST_COMPLETED)
+        for s in running:
+            why = s.health()
+            if why is not None:
+                log.error("a service failed; stopping the process", service=s.name, reason=why)
+        stopped.cancel()
     finally:
-        for p in processors:
-            p.stop()
         # Every step is bounded: a process told to stop exits, whatever NATS or the database do meanwhile.
-        for site in sites:
-            await _bounded("close a listener", site.cleanup())
-        for router in routers:
-            try:
-                # The router publishes for up to 10 s, then journals the rest: a little more than that.
-                async with asyncio.timeout(STOP_STEP_S + 10.0):
-                    report = await router.stop()
-            except TimeoutError:
-                log.error("the router did not stop in time; usage records it still held may be lost")
-                continue
-            if report.lost:
-                log.error("router stopped with usage records lost", lost=report.lost, error=report.error)
-            elif report.journaled:
-                log.warning("router stopped with usage records journaled", journaled=report.journaled)
-        for j in jobs_services:
-            await _bounded("stop the jobs", j.close())
-        for m in mirrors:
-            await _bounded("stop the mirror", m.close())
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await _bounded("stop the services", asyncio.gather(*tasks, return_exceptions=True))
-        # After their processors: a command being handled is cut off and comes again, never refused.
-        for c in command_services:
-            await _bounded("stop a command service's folds", c.close())
-        if signin is not None:
-            await _bounded("stop the sign-in fold", signin.close())
-        await _bounded("stop the projections", runner.stop())
-        await _bounded("stop the replay snapshots", replay_saver.close())
-        await _bounded("close the database", backend.close())
-        await _bounded("close the NATS connection", store.close(), timeout_s=STOP_STEP_S + 5.0)
+        for s in reversed(running):
+            await bounded(f"stop {s.name}", s.stop(), timeout_s=s.stop_s)
+        await bounded("stop the replay snapshots", replay_saver.close())
+        await bounded("close the database", backend.close())
+        await bounded("close the NATS connection", store.close(), timeout_s=STOP_STEP_S + 5.0)
         log.info("services stopped")
-
-
-STOP_STEP_S = 10.0
-
-
-async def _bounded(what: str, step: Awaitable[Any], timeout_s: float = STOP_STEP_S) -> None:
-    """Await one shutdown step for at most ``timeout_s``; a step that fails or hangs is logged and left behind."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await step
-    except TimeoutError:
-        log.error("a shutdown step did not finish in time; going on without it", step=what, timeout_s=timeout_s)
-    except Exception as exc:
-        log.warning("a shutdown step failed", step=what, error=str(exc))
