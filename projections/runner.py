@@ -125,8 +125,10 @@ class _Slot:
         # Held for each batch transaction; a rebuild holds it to pause this projection.
         self.lock = asyncio.Lock()
         self.changed = asyncio.Condition()
-        self.running_since: float | None = None  # monotonic: when it last began reading
-        self.retrying_since: float | None = None  # monotonic: the first failure of the run of them it is in
+        # Monotonic: the first failure of the run of them it is in; over once a batch commits or, with
+        # nothing to read, once it is found caught up with the log.
+        self.retrying_since: float | None = None
+        self.last_error: str | None = None  # why it retried last (``error`` is cleared while it tries again)
 
     @property
     def failed(self) -> bool:
@@ -138,13 +140,14 @@ def slot_health(
 ) -> tuple[str, str | None]:
     """A projection's state as a supervised reader (``/healthz``'s words) and why. Pure.
 
-    Running (or paused by a rebuild) is live, and so is one that another release supersedes (it writes
-    the tables now); one stopped on an event is failed; one that has been retrying (the bus or the
-    database away, the disk full) for ``stall_s`` is stalled — before that, a blip is not news."""
+    One stopped on an event is failed; one that has kept failing and retrying (the bus or the
+    database away, the disk full or read-only) for ``stall_s`` is stalled — before that a blip is not
+    news. Otherwise running (or paused by a rebuild) is live, and so is one another release supersedes
+    (it writes the tables now)."""
     if status == "failed":
         return "failed", error
-    if status == "retrying" and retrying_since is not None and now - retrying_since >= stall_s:
-        return "stalled", f"retrying for {now - retrying_since:.0f} s: {error}"
+    if retrying_since is not None and now - retrying_since >= stall_s:
+        return "stalled", f"failing and retrying for {now - retrying_since:.0f} s: {error}"
     if status == "starting":
         return "starting", None
     return "live", error if status in ("retrying", "superseded") else None
@@ -161,7 +164,7 @@ class _SlotHealth:
 
     def health(self) -> FollowerHealth:
         slot, runner = self.slot, self.runner
-        error = None if slot.error is None else str(slot.error)
+        error = str(slot.error) if slot.error is not None else slot.last_error
         state, reason = slot_health(slot.status, error, slot.retrying_since, runner.clock(), runner.stall_s)
         if state != self.since[0]:
             self.since = (state, time.time())
@@ -345,6 +348,8 @@ class ProjectionRunner:
             except Exception as exc:  # metrics must never take the runner down
                 log.warning("could not read the log head for the lag", projection=slot.projection.name, error=str(exc))
                 continue
+            if slot.status == "running" and slot.position >= slot.head:
+                slot.retrying_since = None  # reading again with nothing left to read: the trouble is over
             self._gauge(slot)
 
     # -- pausing (rebuild) -----------------------------------------------------------------------
@@ -419,7 +424,7 @@ class ProjectionRunner:
         retries = 0
         while True:
             try:
-                slot.status, slot.running_since = "running", self.clock()
+                slot.status = "running"
                 batches = read_log(
                     slot.store, p.subject, after=slot.position, follow=True, batch_size=self.batch_size, decode=p.decode
                 )
@@ -456,12 +461,9 @@ class ProjectionRunner:
                 # The bus or the database went away, or the disk is full: read again from the
                 # checkpoint, with backoff; the first retry and every 10th are logged.
                 self.metrics.errors.labels(projection=p.name).inc()
-                now = self.clock()
-                if slot.retrying_since is None or (
-                    slot.running_since is not None and now - slot.running_since >= self.stall_s
-                ):
-                    slot.retrying_since = now  # the first failure after a good while: a new run of them
-                slot.status, slot.error = "retrying", error
+                if slot.retrying_since is None:
+                    slot.retrying_since = self.clock()
+                slot.status, slot.error, slot.last_error = "retrying", error, str(error)
                 retries += 1
                 delay = backoff_delay(retries, RETRY_MIN_S, RETRY_MAX_S)
                 if retries == 1 or retries % 10 == 0:

@@ -20,6 +20,7 @@ import msgspec
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
+from structlog.testing import capture_logs
 
 from llmgw.events.runtime.follower import Follower, FollowerRegistry, Observation, judge
 from llmgw.events.runtime.store import EventStore, NewEvent
@@ -328,3 +329,31 @@ async def test_a_fold_started_before_its_stream_exists_is_stalled_then_reads_onc
 async def _in_state(url: str, state: str) -> tuple[int, dict] | None:
     status, body = await get_health(url)
     return (status, body) if body["folds"]["keys"]["state"] == state else None
+
+
+async def test_a_fold_turning_live_at_start_is_a_debug_line_and_live_again_after_stalling_is_told_to_a_person(
+    store: EventStore,
+):
+    gate = asyncio.Event()
+
+    async def apply(e: RecordedEvent) -> None:
+        await gate.wait()  # stuck until released: the fold stalls
+
+    with capture_logs() as logs:
+        live = Follower(store, SUBJECT, apply, name="keys", stall_s=1.0).start()
+        try:
+            assert await live.wait_caught_up(30)
+            await wait_until(lambda: live.health().state == "live", what="the fold live at start")
+            await revoke(store, "k1")
+            await wait_until(lambda: live.health().state == "stalled", deadline_s=30, what="the fold stalled")
+            gate.set()
+            await wait_until(lambda: live.health().state == "live", deadline_s=30, what="the fold live again")
+        finally:
+            gate.set()
+            await live.close()
+    told = [(e["log_level"], e["event"]) for e in logs if e.get("fold") == "keys"]
+    assert told == [
+        ("debug", "a fold is live"),  # a process starts dozens: nothing a person at a terminal needs
+        ("error", "a fold is not live"),
+        ("info", "a fold is live again"),
+    ]
