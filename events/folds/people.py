@@ -37,7 +37,6 @@ class Person(msgspec.Struct, kw_only=True):
     added_at: datetime
     tokens: dict[str, Token] = {}  # token id -> token (revoked ones are dropped)
     roles: list[tuple[str, str]] = []  # (role, scope on the log), each once, in the order granted
-    seq: int = 0  # the last sequence on the person's subject
 
 
 class People(msgspec.Struct, kw_only=True):
@@ -87,8 +86,6 @@ class People(msgspec.Struct, kw_only=True):
             gone = person.tokens.pop(p.token_id, None)
             if gone is not None:
                 self.by_prefix.pop(gone.prefix, None)
-        if name in self.by_name:
-            self.by_name[name].seq = event.seq
 
     def find_token(self, person: Person, token: str) -> Token | None:
         """One of ``person``'s tokens by id or prefix."""
