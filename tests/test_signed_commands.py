@@ -224,11 +224,14 @@ async def test_services_sharing_one_verifier_fold_the_signers_once_and_it_outliv
 ) -> None:
     folds = FollowerRegistry()
     verifier = CommandVerifier(store, registry=folds)
-    people = PeopleService(store, folds=folds, verifier=verifier).processor()
     tenancy = TenancyService(store, folds=folds, verifier=verifier).processor()
-    people_task, tenancy_task = asyncio.create_task(people.run()), asyncio.create_task(tenancy.run())
+    tenancy_task = asyncio.create_task(tenancy.run())
+    system = CommandClient.for_service(store, "tests")
+    await system.send(T.SERVICE, "create", T.CreateScope(kind="org", path="beta"), actor="system:tests")
+    # Made once the verifier's fold is reading (as a later entry of `llmgw up` is): it decides on that fold.
+    people = PeopleService(store, folds=folds, verifier=verifier).processor()
+    people_task = asyncio.create_task(people.run())
     try:
-        system = CommandClient.for_service(store, "tests")
         token = await person(system, "ann", ("cluster-admin", "cluster"))
         ann = CommandClient(store, TokenSigner(token))
         await ann.send(T.SERVICE, "create", T.CreateScope(kind="org", path="acme"), actor="")

@@ -152,20 +152,16 @@ class CommandVerifier:
         self.clock = clock
         self.folded = PeopleAndTree()
         self.people, self.tree = self.folded.people, self.folded.tree
-        self.fold = Followers(
-            store, PeopleAndTree.subjects(name), self.folded.apply, registry=registry, for_commands=False
-        )
+        self.fold = Followers(store, PeopleAndTree.subjects(name), self.folded.apply, registry=registry)
         self._users = 0  # processors between their start and their close
         self._secret: bytes | None = None
         self._keys: dict[str, Ed25519PublicKey] = {}  # recorded public key (or svc:name) -> loaded key
 
     def fold_to_decide_on(self) -> Followers:
         """The verifier's fold of the people and the tree, for a service of the same process that decides
-        on that very fold (the people service), so the process folds them once: from here it also keeps
-        what deciding needs (each subject's sequence, the commands that caused events). Before it starts."""
-        if self.fold.folds:
-            raise RuntimeError("the verifier's fold has started: share it before the first command")
-        self.fold.for_commands = True
+        on that very fold (the people service), so the process folds them once. It keeps what deciding
+        needs (each subject's sequence, the commands that caused events) from its first event, so it
+        may be shared whenever the service is made, before or after the first command started it."""
         return self.fold
 
     def start(self) -> None:

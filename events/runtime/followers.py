@@ -47,15 +47,12 @@ class Followers:
         *,
         registry: FollowerRegistry | None = None,
         wait_s: float = CATCH_UP_S,
-        for_commands: bool = True,
     ) -> None:
         self.store = store
         self.apply = apply
         self.names = dict(subjects)
         self.registry = registry if registry is not None else FollowerRegistry()
         self.wait_s = wait_s
-        # What deciding commands needs besides the fold; a reader that decides nothing (the verifier) keeps neither.
-        self.for_commands = for_commands
         self.caused: dict[str, int] = {}  # command id -> sequence of the first event it caused
         self.seqs: dict[str, int] = {}  # subject -> the last sequence on it read (under a wildcard filter)
         self.folds: dict[str, Follower] = {}
@@ -86,11 +83,10 @@ class Followers:
             await fold.close()
 
     def _fold(self, event: RecordedEvent) -> Awaitable[None] | None:
-        if self.for_commands:
-            # Before the fold: an event it raises on (quarantined) still moves its aggregate on.
-            self.seqs[event.subject] = event.seq
-            if event.envelope.causation:
-                self.caused.setdefault(event.envelope.causation, event.seq)
+        # Before the fold: an event it raises on (quarantined) still moves its aggregate on.
+        self.seqs[event.subject] = event.seq
+        if event.envelope.causation:
+            self.caused.setdefault(event.envelope.causation, event.seq)
         return self.apply(event)
 
     async def _notify(self) -> None:
