@@ -16,13 +16,14 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
+import msgspec
 
-class Answer:
+
+class Answer(msgspec.Struct, frozen=True):
     """The admin API's answer: its status and its body read as JSON (None when the body is empty)."""
 
-    def __init__(self, status: int, body: Any) -> None:
-        self.status = status
-        self.body = body
+    status: int
+    body: Any
 
 
 def call(

@@ -13,14 +13,14 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 
 import click
+import msgspec
 
 
-class LazyCommand:
+class LazyCommand(msgspec.Struct, frozen=True):
     """Where a subcommand lives (``"module:attribute"``) and what the group's help says of it."""
 
-    def __init__(self, where: str, summary: str) -> None:
-        self.where = where
-        self.summary = summary
+    where: str
+    summary: str
 
     def load(self) -> click.Command:
         module, _, attribute = self.where.partition(":")
