@@ -263,6 +263,8 @@ async def serve(
                 log.error("a service failed; stopping the process", service=s.name, reason=why)
         stopped.cancel()
     finally:
+        for s in running:
+            s.stopping()  # all at once: none takes new work while the others stop
         # Every step is bounded: a process told to stop exits, whatever NATS or the database do meanwhile.
         for s in reversed(running):
             await bounded(f"stop {s.name}", s.stop(), timeout_s=s.stop_s)

@@ -4,8 +4,9 @@
 (:class:`Shared`: the store, the projections' runner, the process's followers, the admin API, one
 :class:`~llmgw.events.commands.auth.CommandVerifier` for every command service), then walks
 :data:`TABLE` in order: each entry whose ``wanted`` says so is made and started, and the ones started
-are stopped in reverse. An entry adapts its service to :class:`~llmgw.services.lifecycle.Service`
-(``start``, ``stop``, ``health``, ``loops``); what each gets, and the order, are as they always were.
+are told at once that the process is stopping, then stopped in reverse. An entry adapts its service
+to :class:`~llmgw.services.lifecycle.Service` (``start``, ``stopping``, ``stop``, ``health``,
+``loops``); what each service gets, and the order they start in, are as they always were.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ class Entry:
 
     async def start(self) -> None:
         raise NotImplementedError
+
+    def stopping(self) -> None:
+        self.running.signal()
 
     async def stop(self) -> None:
         self.running.signal()
@@ -256,7 +260,7 @@ class RouterEntry(Entry):
 
     async def start(self) -> None:
         s, config = self.shared, self.shared.config
-        self.router = Router(
+        router = Router(
             s.store,
             config.router,
             registry=s.registry,
@@ -264,7 +268,8 @@ class RouterEntry(Entry):
             snapshot_every_events=config.snapshots.every_events,
             snapshot_every_s=config.snapshots.every_s,
         )
-        await self.router.start()
+        await router.start()
+        self.router = router  # stopped from here on: one that failed to start has nothing to publish
         s.handles["router"] = self.router
         s.api.usage_backlog = self.router.usage.backlog  # the process's health says what the router holds
         self.site = await listen(self.router.app(), config.host, config.port, s.tls.https)

@@ -23,6 +23,11 @@ class Service(Protocol):
         """Make it run: when this returns it listens, follows and handles what it should."""
         ...
 
+    def stopping(self) -> None:
+        """The process is stopping: take no new work (without waiting). Every service is told at once,
+        before the first is stopped."""
+        ...
+
     async def stop(self) -> None:
         """Stop it and release what it holds; ``serve()`` bounds the time it may take."""
         ...
