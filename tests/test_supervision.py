@@ -1,9 +1,10 @@
 """Everything that follows the bus is supervised and visible, each kind broken on purpose against a real nats-server.
 
-A scheduler's heartbeat, demand, queue-report and explain subscribers, a subscription the server
-refuses, a projection whose handler raises and one whose database cannot be written: each is broken,
-and the process's ``/healthz`` (the admin API's, over the process's registry) must answer 503 naming
-it — and ``llmgw_fold_healthy`` say 0 — then 200 again once the cause is gone.
+A scheduler's heartbeat, demand, queue-report and explain subscribers, a router's heartbeat
+subscriber, a subscription the server refuses, a projection whose handler raises and one whose
+database cannot be written: each is broken, and the process's ``/healthz`` (the admin API's, over
+the process's registry; the gateway's too for the router) must answer 503 naming it — and
+``llmgw_fold_healthy`` say 0 — then 200 again once the cause is gone.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from llmgw.infra.natsd import NatsConfig, NatsProcess, write_authorization
 from llmgw.projections.backends import open_backend
 from llmgw.projections.runner import ProjectionRunner, slot_health
 from llmgw.services.scheduler.service import SchedulerService
-from tests.support import free_port, wait_until
+from tests.fleet import Fleet
+from tests.support import NatsServer, free_port, wait_until
 from tests.test_follower import get_health, health_server
+from tests.test_gateway import FAST_ROUTER
 from tests.test_projections import Counters, count_events, es  # noqa: F401  (es: the fixture)
 
 
@@ -269,3 +272,29 @@ async def test_a_projection_whose_database_cannot_be_written_is_stalled_on_healt
         lock.close()
         await runner.stop()
         await backend.close()
+
+
+async def test_a_router_whose_heartbeat_handler_raises_answers_503_on_both_healthz_naming_it_then_200(
+    store: EventStore, nats: NatsServer, tmp_path: Path
+) -> None:
+    gw = await Fleet(store, nats.url, tmp_path).start(services=("router",), router=FAST_ROUTER)
+    try:
+        router = gw.handles["router"]
+        bug = Breakable(router.heartbeats.handler)
+        router.heartbeats.handler = bug
+        router_health = f"http://127.0.0.1:{gw.port}/healthz"
+        process_health = f"http://127.0.0.1:{gw.admin_port}/healthz"
+        await wait_until(lambda: health_is(router_health, 200), deadline_s=30, what="the router's /healthz 200")
+        subject, data = MESSAGES["heartbeats"]
+        await store.nc.publish(subject, data)
+        for url in (router_health, process_health):
+            _status, body = await wait_until(lambda u=url: health_is(u, 503), deadline_s=30, what=f"{url} 503")
+            assert body["folds"]["router-heartbeats"]["state"] == "failed"
+            assert any(r.startswith("router-heartbeats is failed") for r in body["unhealthy_folds"])
+        bug.broken = False
+        await store.nc.publish(subject, data)
+        for url in (router_health, process_health):
+            await wait_until(lambda u=url: health_is(u, 200), deadline_s=30, what=f"{url} 200 again")
+        assert "n1" in router._engines_by_node  # the heartbeat after the fix was taken
+    finally:
+        await gw.stop()
