@@ -9,9 +9,12 @@ A :class:`Subscriber` is that subscription once, under the same supervision as a
 :class:`~llmgw.events.runtime.follower.Follower`, and in the same :class:`FollowerRegistry` (so it is on
 ``/healthz`` and in ``llmgw_fold_healthy{fold}``):
 
-- it subscribes with backoff (:mod:`.retry`), then checks with a flush that the server took the
-  subscription — a subject its NATS user may not subscribe to is refused asynchronously, and nats-py
-  only tells the connection's error callback, so the subscriber reads the connection's last error;
+- it subscribes with backoff (:mod:`.retry`) and watches for the server's refusal — a subject its
+  NATS user may not subscribe to is refused asynchronously, and nats-py only tells the connection's
+  error callback, so the subscriber reads the connection's last error, after a flush and then at
+  each check of its watchdog; a refused subscription is dropped and tried again with backoff (a
+  reload of the server's permissions is enough), and is not live until a check passes without a
+  refusal (or a message comes);
 - it reads its messages in a loop of its own and gives each to the handler, one at a time (as
   ``nc.subscribe(cb=...)`` does); a handler that raises is logged and makes the subscriber
   ``failed`` until it handles a message again — the subscription goes on;
@@ -103,6 +106,10 @@ class Subscriber:
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._failure: str | None = None
+        self._sub: Subscription | None = None
+        self._error_before: BaseException | None = None  # the connection's last error before it subscribed
+        self._subscribed_at = 0.0
+        self._refused: str | None = None  # the refusal the watchdog saw, for the loop to raise
         self._handler_error: str | None = None
         self._disconnected_since: float | None = None
         self._shown: tuple[str, float] = ("starting", time.time())
@@ -149,22 +156,26 @@ class Subscriber:
         except Exception as exc:
             self._failure = _describe(exc)
             raise
-        self._failure = None
-        self.subscribed.set()
+        self._sub, self._subscribed_at = sub, self.clock()
+        self.subscribed.set()  # after a failure, live once a check passes without a refusal (_check_refusal)
         self.health()
         try:
             async for msg in sub.messages:
                 await self._handle(msg)
         finally:
             self.subscribed.clear()
+            self._sub = None
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        if self._refused is not None:
+            refused, self._refused = self._refused, None
+            raise SubscriptionRefused(refused)
         if not self._stop.is_set() and not self.nc.is_closed:
             self._failure = f"the subscription to {self.subject} ended; subscribing again"
             raise SubscriptionEnded(self._failure)
 
     async def _subscribe(self) -> Subscription:
-        before = self.nc.last_error
+        before = self._error_before = self.nc.last_error
         sub = await self.nc.subscribe(self.subject, queue=self.queue)
         try:
             # Once the server has answered the flush it has read the SUB: a refusal of it came first.
@@ -193,8 +204,8 @@ class Subscriber:
             self.health()
             return
         self.handled += 1
-        if self._handler_error is not None:
-            self._handler_error = None
+        if self._handler_error is not None or self._failure is not None:
+            self._handler_error = self._failure = None  # a message handled: the subscription works
             self.health()
 
     # -- the watchdog ------------------------------------------------------------------------
@@ -206,7 +217,23 @@ class Subscriber:
                 self._disconnected_since = None
             elif self._disconnected_since is None:
                 self._disconnected_since = self.clock()
+            await self._check_refusal()
             self.health()  # logs a change of state, for a process nobody asks (the agent)
+
+    async def _check_refusal(self) -> None:
+        """A refusal that came after the subscribe's flush ends the subscription (the loop tries again);
+        a check without one, a while after subscribing, clears the failure before it."""
+        sub = self._sub
+        if sub is None:
+            return
+        refusal = _refusal(self.nc.last_error, self._error_before, self.subject)
+        if refusal is not None:
+            self._failure = self._refused = f"NATS refused the subscription to {self.subject}: {refusal}"
+            self._error_before = self.nc.last_error  # seen: a new subscription waits for a new refusal
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()  # ends the loop's reading: it raises the refusal, then subscribes again
+        elif self._failure is not None and self.clock() - self._subscribed_at >= self.check_s:
+            self._failure = None
 
     # -- health ------------------------------------------------------------------------------
 
