@@ -21,6 +21,7 @@ import msgspec
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from structlog.testing import capture_logs
 
 from llmgw.events.runtime.follower import FollowerRegistry
 from llmgw.events.runtime.store import EventStore
@@ -298,3 +299,20 @@ async def test_a_router_whose_heartbeat_handler_raises_answers_503_on_both_healt
         assert "n1" in router._engines_by_node  # the heartbeat after the fix was taken
     finally:
         await gw.stop()
+
+
+async def test_a_starting_server_tells_no_person_that_its_folds_turned_live(
+    store: EventStore, nats: NatsServer, tmp_path: Path
+) -> None:
+    services = ("tenancy", "access", "people", "catalog", "fleet", "scheduler", "projections", "api")
+    with capture_logs() as logs:
+        server = await Fleet(store, nats.url, tmp_path).start(services=services)
+        try:
+            url = f"http://127.0.0.1:{server.admin_port}/healthz"
+            _status, body = await wait_until(lambda: health_is(url, 200), deadline_s=60, what="/healthz 200")
+        finally:
+            await server.stop()
+    assert len(body["folds"]) > 20  # the folds, subscribers and projections of a control plane
+    live = [e for e in logs if str(e.get("event", "")).startswith("a fold is live")]
+    assert live  # each said so…
+    assert {e["log_level"] for e in live} == {"debug"}  # …below what a terminal shows by default
