@@ -178,7 +178,8 @@ class Subscriber:
         before = self._error_before = self.nc.last_error
         sub = await self.nc.subscribe(self.subject, queue=self.queue)
         try:
-            # Once the server has answered the flush it has read the SUB: a refusal of it came first.
+            # The server answers a refusal asynchronously, most often before the flush's answer; one
+            # that comes later is caught by the watchdog (_check_refusal).
             await self.nc.flush(timeout=max(self.check_s, 2.0))
             refusal = _refusal(self.nc.last_error, before, self.subject)
         except BaseException:
