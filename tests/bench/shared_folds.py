@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("base", "separate", "shared")
+READY_WITHIN_S = 600.0  # a run whose folds have not all caught up by then fails (NotCaughtUp) instead of hanging
 HASH = "$argon2id$v=19$m=19456,t=2,p=1$c2FsdHNhbHRzYWx0$aGFzaGhhc2hoYXNoaGFzaGhhc2hoYXNoaGFzaGhhc2g"
 
 
@@ -147,7 +148,7 @@ async def start_services(url: str, mode: str, mirror_dir: str) -> dict[str, Any]
         verifier.start()  # what the processor's run does first
         verifiers.append(verifier)
     fold_sets = {id(f): f for f in [s.fold for s in services] + [v.fold for v in verifiers]}
-    await asyncio.gather(*(f.catch_up(float("inf")) for f in fold_sets.values()))
+    await asyncio.gather(*(f.catch_up(READY_WITHIN_S) for f in fold_sets.values()))
     ready_s = time.perf_counter() - started
     gc.collect()
     after = rss_bytes()
@@ -159,10 +160,7 @@ async def start_services(url: str, mode: str, mirror_dir: str) -> dict[str, Any]
         "followers": len(folds.health()),
         "code": str(Path(inspect.getfile(TenancyService)).parents[2]),
     }
-    for f in fold_sets.values():
-        await f.close()
-    await store.close()
-    return out
+    return out  # the process ends next: its folds and connection with it
 
 
 def child(url: str, mode: str, base: str | None) -> None:
@@ -176,7 +174,9 @@ def child(url: str, mode: str, base: str | None) -> None:
         sys.meta_path[:] = [f for f in sys.meta_path if "Editable" not in getattr(f, "__name__", "")]
         sys.path.insert(0, str(links.parent))
     with tempfile.TemporaryDirectory() as mirror_dir:
-        print(json.dumps(asyncio.run(start_services(url, mode, mirror_dir))))
+        loop = asyncio.new_event_loop()
+        print(json.dumps(loop.run_until_complete(start_services(url, mode, mirror_dir))), flush=True)
+    os._exit(0)  # without closing each fold in turn: nothing here outlives the process
 
 
 # -- the parent -----------------------------------------------------------------------------------------
