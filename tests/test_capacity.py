@@ -15,6 +15,7 @@ from llmgw.events.commands.processor import Rejected
 from llmgw.events.folds import models as MF
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.catalog.rules import Catalog, CatalogEntry, decide
 from llmgw.services.scheduler import autoscale as AS
 from llmgw.services.scheduler.headroom import headroom
@@ -198,9 +199,9 @@ def _catalog(declared: bool = False) -> Catalog:
 def test_a_measurement_is_saved_only_when_a_rule_could_use_it(found: M.ModelMeasured, refusal: str | None) -> None:
     for declared in (False, True):  # a measurement is no edit of the definition: declared models take it too
         if refusal is None:
-            name, payloads, message = decide(_catalog(declared), M.SaveMeasurement(name="m", measured=found))
-            assert (name, payloads) == ("m", [found])
-            assert message == (
+            decision = decide(_catalog(declared), M.SaveMeasurement(name="m", measured=found))
+            assert (decision.subject, decision.payloads) == (event_subject(M.AGGREGATE, "m"), [found])
+            assert decision.message == (
                 "model m: measured one replica of profile default on 16 CPUs serves 2 concurrent requests, 100 tokens/s"
             )
         else:
