@@ -29,7 +29,7 @@ import msgspec
 import msgspec.inspect as mi
 import yaml
 
-from llmgw.cli.runtime import ALL_SERVICES, OPTIONAL_SERVICES, ServerConfig, SignInConfig, SnapshotsConfig
+from llmgw.cli.server_config import ALL_SERVICES, OPTIONAL_SERVICES, ServerConfig, SignInConfig, SnapshotsConfig
 from llmgw.services.accountant.service import PRUNE_EVERY_S, RETENTION_DAYS
 from llmgw.services.backup import service as backup_service
 from llmgw.services.mirror.hub import DEFAULT_HUB

@@ -16,7 +16,7 @@ from llmgw.cli import logs
 from llmgw.cli.client import nats_creds_option, nats_tls_options
 from llmgw.cli.context import default_data_dir
 from llmgw.cli.fleet_cmd import load_model_file
-from llmgw.cli.runtime import ALL_SERVICES, serve
+from llmgw.cli.runtime import serve
 from llmgw.cli.serve_options import (
     SHARED_FLAGS,
     admin_options,
@@ -30,6 +30,7 @@ from llmgw.cli.serve_options import (
     refuse_exposed_admin,
     tls_options,
 )
+from llmgw.cli.server_config import ALL_SERVICES
 
 # `llmgw server`'s flags and the settings they set (cli/config_file.py): a flag given wins over
 # the environment and the config file; one not given leaves them be.

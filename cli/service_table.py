@@ -15,13 +15,14 @@ import asyncio
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from llmgw.cli.context import default_data_dir
+from llmgw.cli.server_config import ServerConfig, TlsSetup
 from llmgw.events.commands.auth import CommandVerifier
 from llmgw.events.commands.client import CommandError
 from llmgw.events.commands.processor import Rejected
@@ -46,9 +47,6 @@ from llmgw.services.people.service import PeopleService
 from llmgw.services.router.app import Router
 from llmgw.services.scheduler.service import SchedulerService
 from llmgw.services.tenancy.service import TenancyService
-
-if TYPE_CHECKING:
-    from llmgw.cli.runtime import ServerConfig, TlsSetup
 
 log = structlog.get_logger("llmgw.runtime")
 

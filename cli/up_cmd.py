@@ -23,7 +23,7 @@ from llmgw.cli.agent_cmd import LocalAgent, demo_model
 from llmgw.cli.context import RUN_FILE, RunInfo, data_dir_problem, default_data_dir, write_run_info
 from llmgw.cli.fleet_cmd import load_model_file
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError, pick_port
-from llmgw.cli.runtime import DEMO_KEY_FILE, ServerConfig, serve
+from llmgw.cli.runtime import DEMO_KEY_FILE, serve
 from llmgw.cli.serve_options import (
     SHARED_FLAGS,
     admin_options,
@@ -37,6 +37,7 @@ from llmgw.cli.serve_options import (
     refuse_exposed_admin,
     tls_options,
 )
+from llmgw.cli.server_config import ServerConfig
 from llmgw.infra import nats_permissions as NP
 
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import msgspec
 
-from llmgw.cli.runtime import ServerConfig, serve
+from llmgw.cli.runtime import serve
+from llmgw.cli.server_config import ServerConfig
 from llmgw.events.commands.client import CommandClient
 from llmgw.events.runtime.secrets import engine_key, engine_key_secret
 from llmgw.events.runtime.store import EventStore

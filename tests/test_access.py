@@ -22,7 +22,8 @@ import msgspec
 import pytest
 
 from llmgw.cli.access_cmd import parse_expiry
-from llmgw.cli.runtime import ServerConfig, serve
+from llmgw.cli.runtime import serve
+from llmgw.cli.server_config import ServerConfig
 from llmgw.events.commands.client import CommandClient, CommandRejectedError
 from llmgw.events.runtime.store import AppendConflict, EventStore, NewEvent
 from llmgw.events.schema import access as A

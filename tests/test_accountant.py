@@ -22,7 +22,8 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
-from llmgw.cli.runtime import ServerConfig, serve
+from llmgw.cli.runtime import serve
+from llmgw.cli.server_config import ServerConfig
 from llmgw.events.commands.client import CommandClient
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import subjects as S

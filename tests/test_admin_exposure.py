@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
-from llmgw.cli.runtime import ServerConfig, serve
+from llmgw.cli.runtime import serve
+from llmgw.cli.server_config import ServerConfig
 from llmgw.events.runtime.store import EventStore
 from llmgw.services.api.exposure import exposure_refusal, is_loopback
 from tests.fleet import Fleet

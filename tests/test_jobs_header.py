@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from llmgw.cli.runtime import ServerConfig, serve
+from llmgw.cli.runtime import serve
+from llmgw.cli.server_config import ServerConfig
 from llmgw.events.runtime.store import EventStore
 from llmgw.services.jobs.rules import StepFailed
 from llmgw.services.jobs.service import JobsConfig, JobsService

@@ -22,7 +22,8 @@ from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
 from llmgw.cli.progress import Downloads
-from llmgw.cli.runtime import ServerConfig, serve
+from llmgw.cli.runtime import serve
+from llmgw.cli.server_config import ServerConfig
 from llmgw.events.commands.client import CommandClient, CommandRejectedError
 from llmgw.events.runtime.secrets import engine_key_secret, mirror_token
 from llmgw.events.runtime.store import EventStore

@@ -18,7 +18,8 @@ import openai
 import pytest
 import structlog
 
-from llmgw.cli.runtime import ServerConfig, serve
+from llmgw.cli.runtime import serve
+from llmgw.cli.server_config import ServerConfig
 from llmgw.events.commands.client import CommandClient, CommandError
 from llmgw.events.runtime.connection import StoreError
 from llmgw.events.runtime.retry import backoff_delay, is_transient

@@ -31,7 +31,8 @@ from llmgw.cli.natsd import (
     rotate_credentials,
     users_dir,
 )
-from llmgw.cli.runtime import ALL_SERVICES, ServerConfig, serve
+from llmgw.cli.runtime import serve
+from llmgw.cli.server_config import ALL_SERVICES, ServerConfig
 from llmgw.events.runtime.connection import NatsCredential, StoreError
 from llmgw.events.runtime.secrets import CONTROL_BUCKET, SIGNING_SECRET, engine_key_secret, signing_secret
 from llmgw.events.runtime.store import EventStore, NewEvent

@@ -508,7 +508,8 @@ async def test_an_admin_token_from_before_signed_commands_is_renewed_at_start_an
 async def test_a_cluster_server_makes_its_first_administrator_where_it_is_told(
     store: EventStore, nats: NatsServer, tmp_path: Path
 ) -> None:
-    from llmgw.cli.runtime import ServerConfig, serve
+    from llmgw.cli.runtime import serve
+    from llmgw.cli.server_config import ServerConfig
 
     admin_dir = tmp_path / "etc" / "first-admin"  # not there yet: the server makes it
     config = ServerConfig(

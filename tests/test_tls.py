@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmgw.cli.client import Session, trusted_ca
 from llmgw.cli.context import Target
 from llmgw.cli.main import main
-from llmgw.cli.runtime import ServerConfig, tls_setup
+from llmgw.cli.server_config import ServerConfig, tls_setup
 from llmgw.events.commands.client import Unreachable
 from llmgw.events.runtime.connection import StoreError
 from llmgw.events.runtime.store import EventStore, NewEvent

@@ -131,7 +131,8 @@ class GcWatch:
 def router_process(nats_url: str, db: str, port: int, admin_port: int, gc_file: Path, queue: bool = True) -> None:
     """One router, as `llmgw server --services router` runs it, with a GC pause recorder."""
     from llmgw.cli import logs
-    from llmgw.cli.runtime import ServerConfig, serve
+    from llmgw.cli.runtime import serve
+    from llmgw.cli.server_config import ServerConfig
     from llmgw.services.router.config import RouterConfig
 
     logs.configure("info")

@@ -85,7 +85,8 @@ def server_process(nats_url: str, db: str, port: int, admin_port: int, check_nic
     """The router, the admin API and the people service in one ``serve()``, as `llmgw up` runs them;
     ``check_nice``: the password checks' priority instead of the checker's own (this process only)."""
     from llmgw.cli import logs
-    from llmgw.cli.runtime import ServerConfig, serve
+    from llmgw.cli.runtime import serve
+    from llmgw.cli.server_config import ServerConfig
     from llmgw.services.people import passwords
 
     logs.configure("info")
