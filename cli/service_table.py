@@ -24,10 +24,10 @@ from prometheus_client import CollectorRegistry
 from llmgw.cli.context import default_data_dir
 from llmgw.cli.server_config import ServerConfig, TlsSetup
 from llmgw.events.commands.auth import CommandVerifier
-from llmgw.events.commands.client import CommandError
-from llmgw.events.commands.processor import Rejected
+from llmgw.events.commands.errors import CommandError
 from llmgw.events.runtime.follower import FollowerRegistry
 from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.projections.backends import Backend
 from llmgw.projections.runner import ProjectionRunner
 from llmgw.services.access.bootstrap import ensure_demo_key

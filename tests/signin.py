@@ -11,7 +11,8 @@ import os
 
 import aiohttp
 
-from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.runtime.store import EventStore, NewEvent
 from llmgw.events.schema import people as P
 from llmgw.events.schema.subjects import event_subject

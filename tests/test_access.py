@@ -24,7 +24,8 @@ import pytest
 from llmgw.cli.access_cmd import parse_expiry
 from llmgw.cli.runtime import serve
 from llmgw.cli.server_config import ServerConfig
-from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.runtime.store import AppendConflict, EventStore, NewEvent
 from llmgw.events.schema import access as A
 from llmgw.events.schema import tenancy as T

@@ -8,10 +8,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.schema import access as A
 from llmgw.events.schema import tenancy as T
 from llmgw.events.schema.envelope import Envelope, RecordedEvent
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import event_subject
 from llmgw.services.access.rules import AccessState, decide, new_key_id
 from llmgw.services.tenancy import tree as tenancy

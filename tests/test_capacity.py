@@ -11,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.bench import capacity as C
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.folds import models as MF
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import event_subject
 from llmgw.services.catalog.rules import Catalog, CatalogEntry, decide
 from llmgw.services.scheduler import autoscale as AS

@@ -16,7 +16,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.commands.processor import CommandProcessor
 from llmgw.events.folds.tenancy import TenancyTree
 from llmgw.events.runtime.follower import FollowerRegistry

@@ -14,8 +14,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.commands.client import CommandClient
 from llmgw.events.commands.command import Command, command_subject
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.commands.processor import CommandProcessor
 from llmgw.events.commands.shell import Decision
 from llmgw.events.runtime.store import EventStore, NewEvent

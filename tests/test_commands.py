@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 
-from llmgw.events.commands.client import CommandClient, CommandRejectedError, CommandTimeoutError
+from llmgw.events.commands.client import CommandClient
 from llmgw.events.commands.command import Command, command_subject
+from llmgw.events.commands.errors import CommandRejectedError, CommandTimeoutError
 from llmgw.events.runtime.store import EventStore, NewEvent
 from llmgw.events.schema import subjects as S
 from llmgw.events.schema import tenancy as T

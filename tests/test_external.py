@@ -18,7 +18,7 @@ import nats.js.errors
 import pytest
 from aiohttp import web
 
-from llmgw.events.commands.client import CommandRejectedError
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.folds import models as MF
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import models as M

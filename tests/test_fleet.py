@@ -12,7 +12,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from llmgw.events.commands.client import CommandRejectedError
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N

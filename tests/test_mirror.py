@@ -24,7 +24,8 @@ from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, Revi
 from llmgw.cli.progress import Downloads
 from llmgw.cli.runtime import serve
 from llmgw.cli.server_config import ServerConfig
-from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.runtime.secrets import engine_key_secret, mirror_token
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import mirror as E

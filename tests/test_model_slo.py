@@ -8,10 +8,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import models as M
 from llmgw.events.schema.envelope import Envelope, RecordedEvent, utc_now
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import event_subject
 from llmgw.services.catalog.rules import Catalog, decide
 from tests.fleet import Fleet

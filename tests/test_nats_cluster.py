@@ -20,7 +20,8 @@ import structlog
 
 from llmgw.cli.runtime import serve
 from llmgw.cli.server_config import ServerConfig
-from llmgw.events.commands.client import CommandClient, CommandError
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.commands.errors import CommandError
 from llmgw.events.runtime.connection import StoreError
 from llmgw.events.runtime.retry import backoff_delay, is_transient
 from llmgw.events.runtime.secrets import engine_key_secret

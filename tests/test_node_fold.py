@@ -21,12 +21,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.folds import nodes as NF
 from llmgw.events.runtime.store import NewEvent
 from llmgw.events.schema import nodes as N
 from llmgw.events.schema.catalog import default_registry
 from llmgw.events.schema.envelope import Envelope, RecordedEvent
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import event_subject
 from llmgw.projections.apply import commit_batch, create_tables
 from llmgw.projections.backends import open_backend

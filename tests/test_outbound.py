@@ -21,7 +21,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 
 from llmgw.cli.server_cmd import server
 from llmgw.cli.up_cmd import up
-from llmgw.events.commands.client import CommandRejectedError
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import mirror as E
 from llmgw.events.schema import outcomes as O

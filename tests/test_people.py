@@ -17,12 +17,13 @@ import msgspec
 import pytest
 
 from llmgw.events.commands.auth import TokenSigner
-from llmgw.events.commands.client import CommandClient, CommandRejectedError
-from llmgw.events.commands.processor import Rejected
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.folds.people import People, PeopleAndTree
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import people as P
 from llmgw.events.schema.envelope import Envelope, RecordedEvent
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import event_subject
 from llmgw.services.api.signin import identify
 from llmgw.services.people import rules

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.folds import quotas as QF
 from llmgw.events.schema import models as M
 from llmgw.events.schema import quotas as Q
 from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import event_subject
 from llmgw.services.scheduler import quota as QU
 from llmgw.services.scheduler.headroom import headroom

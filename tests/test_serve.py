@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import jobs as J
 from llmgw.events.schema.subjects import event_subject

@@ -12,8 +12,9 @@ import msgspec
 import pytest
 
 from llmgw.events.commands.auth import CommandVerifier, ServiceSigner, TokenSigner
-from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.commands.client import CommandClient
 from llmgw.events.commands.command import Command, command_subject
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.commands.signing import service_key, sign
 from llmgw.events.runtime.follower import FollowerRegistry
 from llmgw.events.runtime.secrets import signing_secret

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.schema import access as A
 from llmgw.events.schema import tenancy as T
 from llmgw.events.schema.envelope import Envelope, RecordedEvent, utc_now
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.services.tenancy.tree import TenancyTree, decide
 
 

@@ -27,7 +27,7 @@ from llmgw.cli.client import Session, trusted_ca
 from llmgw.cli.context import Target
 from llmgw.cli.main import main
 from llmgw.cli.server_config import ServerConfig, tls_setup
-from llmgw.events.commands.client import Unreachable
+from llmgw.events.commands.errors import Unreachable
 from llmgw.events.runtime.connection import StoreError
 from llmgw.events.runtime.store import EventStore, NewEvent
 from llmgw.events.schema.catalog import default_registry

@@ -17,7 +17,7 @@ import nats.js.errors
 
 from llmgw.events.commands.auth import ServiceSigner, Signer, sign_command
 from llmgw.events.commands.command import Command, command_subject
-from llmgw.events.commands.errors import (  # importers of the client find its errors here too
+from llmgw.events.commands.errors import (
     CommandError,
     CommandRejectedError,
     CommandTimeoutError,

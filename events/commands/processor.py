@@ -29,7 +29,7 @@ from llmgw.events.runtime.connection import StoreError
 from llmgw.events.runtime.retry import is_transient, keep_running
 from llmgw.events.runtime.store import AppendConflict, EventStore, NewEvent
 from llmgw.events.schema import subjects as S
-from llmgw.events.schema.outcomes import (  # Rejected: re-exported, what every service raises
+from llmgw.events.schema.outcomes import (
     REFUSAL_AGGREGATE,
     CommandCompleted,
     CommandRejected,

@@ -30,11 +30,12 @@ import structlog
 
 from llmgw.events.commands.auth import CommandVerifier
 from llmgw.events.commands.command import Command
-from llmgw.events.commands.processor import Accepted, CommandProcessor, Rejected
+from llmgw.events.commands.processor import Accepted, CommandProcessor
 from llmgw.events.commands.roles import Need, cluster_admin
 from llmgw.events.runtime.followers import Followers, NotCaughtUp
 from llmgw.events.runtime.store import AppendConflict, AppendResult, EventStore, NewEvent
 from llmgw.events.schema.envelope import utc_now
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import aggregate_of
 
 log = structlog.get_logger("llmgw.events.commands.shell")

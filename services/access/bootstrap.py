@@ -14,7 +14,8 @@ from pathlib import Path
 
 import structlog
 
-from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import access as A
 from llmgw.events.schema import tenancy as T
@@ -41,7 +42,7 @@ async def ensure_demo_key(store: EventStore, data_dir: Path, *, timeout: float =
     """Create the demo org, team, project and key the first time; the key file's path, or None when it existed.
 
     Needs the tenancy and access services running (their commands are sent through the bus).
-    Raises :class:`~llmgw.events.commands.client.CommandError` when they refuse or do not answer.
+    Raises :class:`~llmgw.events.commands.errors.CommandError` when they refuse or do not answer.
     """
     target = data_dir / DEMO_KEY_FILE
     if target.exists():

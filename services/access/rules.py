@@ -23,13 +23,13 @@ from datetime import datetime
 import msgspec
 
 from llmgw.events.commands import roles as R
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.commands.shell import Decision
 from llmgw.events.folds import keys as K
 from llmgw.events.folds.tenancy import TenancyTree
 from llmgw.events.schema import access as A
 from llmgw.events.schema import tenancy as T
 from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 
 SCOPE_KINDS = ("org", "team", "project", "key")

@@ -21,7 +21,8 @@ from datetime import UTC, datetime, timedelta
 import msgspec
 
 from llmgw.events.commands import roles as R
-from llmgw.events.commands.client import CommandClient, CommandError
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.commands.errors import CommandError
 from llmgw.events.folds.people import People
 from llmgw.events.folds.tenancy import TenancyTree
 from llmgw.events.runtime.follower import Follower, FollowerRegistry

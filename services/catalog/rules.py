@@ -12,11 +12,11 @@ from datetime import datetime
 
 import msgspec
 
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.commands.shell import Decision
 from llmgw.events.folds import models as MF
 from llmgw.events.schema import models as M
 from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.quotas import owner_shape_error
 from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 

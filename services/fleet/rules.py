@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.commands.shell import Decision
 from llmgw.events.folds import nodes as NF
 from llmgw.events.folds import replicas as F
 from llmgw.events.schema import nodes as N
 from llmgw.events.schema import replicas as R
 from llmgw.events.schema.envelope import RecordedEvent
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 
 # The fleet service's commands: the node ones, and restarting a replica.

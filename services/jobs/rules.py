@@ -12,10 +12,10 @@ from typing import Any
 
 import msgspec
 
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.commands.shell import Decision
 from llmgw.events.schema import jobs as J
 from llmgw.events.schema import models as M
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import event_subject
 from llmgw.modelfiles.picking import PickError, RepoFile, pick_gguf, validate_repo_id
 from llmgw.modelfiles.sizing import Estimate

@@ -22,8 +22,9 @@ import msgspec
 import structlog
 
 from llmgw.events.commands.auth import CommandVerifier
-from llmgw.events.commands.client import CommandClient, CommandError, CommandRejectedError
+from llmgw.events.commands.client import CommandClient
 from llmgw.events.commands.command import Command
+from llmgw.events.commands.errors import CommandError, CommandRejectedError
 from llmgw.events.commands.processor import CommandProcessor
 from llmgw.events.commands.shell import CommandShell, Decision
 from llmgw.events.folds.jobs import JobState

@@ -15,10 +15,10 @@ from datetime import datetime
 
 import msgspec
 
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.commands.shell import Decision
 from llmgw.events.folds.mirror import FETCHING, MirrorState, VersionState
 from llmgw.events.schema import mirror as E
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import event_subject
 
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from llmgw.events.commands.auth import CommandVerifier
 from llmgw.events.commands.command import Command
-from llmgw.events.commands.processor import CommandProcessor, Rejected
+from llmgw.events.commands.processor import CommandProcessor
 from llmgw.events.commands.shell import Cause, CommandShell, Decision
 from llmgw.events.folds.mirror import MirrorState, VersionState
 from llmgw.events.runtime.follower import FollowerRegistry
@@ -34,6 +34,7 @@ from llmgw.events.runtime.secrets import engine_key_secret, mirror_token
 from llmgw.events.runtime.store import AppendResult, EventStore, NewEvent
 from llmgw.events.runtime.tasks import cancel_and_wait
 from llmgw.events.schema import mirror as E
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of, event_subject
 from llmgw.modelfiles import outbound
 from llmgw.services.mirror import rules

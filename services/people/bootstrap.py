@@ -15,7 +15,8 @@ from pathlib import Path
 
 import structlog
 
-from llmgw.events.commands.client import CommandClient, CommandRejectedError
+from llmgw.events.commands.client import CommandClient
+from llmgw.events.commands.errors import CommandRejectedError
 from llmgw.events.folds.people import People
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import people as P
@@ -46,7 +47,7 @@ def _pending(path: Path, make: str) -> tuple[str, bool]:
 async def ensure_admin(store: EventStore, data_dir: Path, *, timeout: float = 15.0) -> bool:
     """Make the first administrator if ``DATA_DIR/admin-token`` is not there yet; True when made now.
 
-    Needs the people service running. Raises :class:`~llmgw.events.commands.client.CommandError` when it
+    Needs the people service running. Raises :class:`~llmgw.events.commands.errors.CommandError` when it
     refuses or does not answer.
     """
     token_file, password_file = data_dir / TOKEN_FILE, data_dir / PASSWORD_FILE

@@ -7,12 +7,12 @@ from datetime import datetime
 
 from llmgw.events.commands import roles as R
 from llmgw.events.commands import signing
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.commands.shell import Decision
 from llmgw.events.folds.people import People, PeopleAndTree, Person
 from llmgw.events.folds.tenancy import TenancyTree
 from llmgw.events.schema import people as P
 from llmgw.events.schema.ids import new_id
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import event_subject
 
 MAX_DISPLAY = 100

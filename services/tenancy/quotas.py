@@ -9,11 +9,11 @@ from __future__ import annotations
 import msgspec
 
 from llmgw.events.commands import roles as R
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.commands.shell import Decision
 from llmgw.events.folds import quotas as QF
 from llmgw.events.folds.tenancy import Scope, TenancyTree
 from llmgw.events.schema import quotas as Q
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import event_subject
 
 

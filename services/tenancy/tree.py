@@ -15,11 +15,11 @@ import re
 import msgspec
 
 from llmgw.events.commands import roles as R
-from llmgw.events.commands.processor import Rejected
 from llmgw.events.commands.shell import Decision
 from llmgw.events.folds.tenancy import Scope, TenancyTree
 from llmgw.events.schema import tenancy as T
 from llmgw.events.schema.ids import new_id
+from llmgw.events.schema.outcomes import Rejected
 from llmgw.events.schema.subjects import event_subject
 
 MAX_NAME = 63
