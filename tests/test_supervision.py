@@ -33,6 +33,7 @@ from llmgw.infra.nats_permissions import NatsUser, Permissions, SubjectRules
 from llmgw.infra.natsd import NatsConfig, NatsProcess, write_authorization
 from llmgw.projections.backends import open_backend
 from llmgw.projections.runner import ProjectionRunner, slot_health
+from llmgw.services.router.gossip import SUBJECT as GOSSIP_SUBJECT
 from llmgw.services.scheduler.service import SchedulerService
 from tests.fleet import Fleet
 from tests.support import NatsServer, free_port, wait_until
@@ -297,6 +298,28 @@ async def test_a_router_whose_heartbeat_handler_raises_answers_503_on_both_healt
         for url in (router_health, process_health):
             await wait_until(lambda u=url: health_is(u, 200), deadline_s=30, what=f"{url} 200 again")
         assert "n1" in router._engines_by_node  # the heartbeat after the fix was taken
+    finally:
+        await gw.stop()
+
+
+async def test_a_router_that_cannot_take_the_other_routers_limit_gossip_says_so_on_healthz_then_recovers(
+    store: EventStore, nats: NatsServer, tmp_path: Path
+) -> None:
+    gw = await Fleet(store, nats.url, tmp_path).start(services=("router",), router=FAST_ROUTER)
+    try:
+        router = gw.handles["router"]
+        bug = Breakable(router.gossip_in.handler)
+        router.gossip_in.handler = bug
+        url = f"http://127.0.0.1:{gw.port}/healthz"
+        await wait_until(lambda: health_is(url, 200), deadline_s=30, what="the router's /healthz 200")
+        gossip = msgspec.json.encode({"from": "another-router", "at": 0.0, "deltas": {}})
+        await store.nc.publish(GOSSIP_SUBJECT, gossip)
+        _status, body = await wait_until(lambda: health_is(url, 503), deadline_s=30, what="/healthz 503")
+        assert body["folds"]["router-gossip"]["state"] == "failed"
+        assert any(r.startswith("router-gossip is failed") for r in body["unhealthy_folds"])
+        bug.broken = False
+        await store.nc.publish(GOSSIP_SUBJECT, gossip)
+        await wait_until(lambda: health_is(url, 200), deadline_s=30, what="/healthz 200 again")
     finally:
         await gw.stop()
 

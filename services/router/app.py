@@ -226,6 +226,11 @@ class Router:
             name="router-heartbeats",
             registry=self.fold.registry,
         )
+        # What the other routers admitted (limit gossip, GW-4): a router that stops hearing it lets a
+        # limit overshoot by the others' share, so it is supervised and on /healthz too.
+        self.gossip_in = Subscriber(
+            store.nc, GOSSIP_SUBJECT, self.gossip.on_message, name="router-gossip", registry=self.fold.registry
+        )
         self._rng = random.Random()
         # routing.POLICIES: "llmgw" serves; benchmarks and tests set a baseline here to compare with.
         self.routing_policy = "llmgw"
@@ -289,8 +294,10 @@ class Router:
         self._tasks.append(asyncio.create_task(self.gossip.run(), name="router-gossip"))
         self._tasks.append(asyncio.create_task(self._report_queues(), name="router-queue-report"))
         self.heartbeats.start()
-        await self.gossip.subscribe()
+        self.gossip_in.start()
         await asyncio.wait_for(self._caught_up.wait(), 60)
+        # Subscribed before it serves, as before: what the others admit from the first second counts here.
+        await asyncio.wait_for(self.gossip_in.subscribed.wait(), 60)
         # Start-up objects live as long as the process: keep them out of every collection, so the
         # collector only ever walks per-request garbage (LiteLLM's p99 was full collections).
         gc.collect()
@@ -332,6 +339,7 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         await self.heartbeats.close()
+        await self.gossip_in.close()
         await self.gate.close()
         report = await self.usage.stop()
         await self.responses.close()
@@ -364,7 +372,7 @@ class Router:
         # Refusing billable requests is 503, so a load balancer sends them to a router that can bill;
         # a backlog kept in the journal is not: requests are still billed.
         # A fold not live answers from stale state (a revoked key would keep working): 503, naming it.
-        folds = [self.fold.health(), self.heartbeats.health()]
+        folds = [self.fold.health(), self.heartbeats.health(), self.gossip_in.health()]
         ok = self.store.nc.is_connected and all(h.live for h in folds) and usage.refusing is None
         body = {
             "status": "ok" if ok else "degraded",

@@ -40,9 +40,6 @@ class LimitGossip:
             entry[0] += requests
             entry[1] += tokens
 
-    async def subscribe(self) -> None:
-        await self.nc.subscribe(SUBJECT, cb=self.on_message)
-
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
