@@ -396,8 +396,9 @@ def test_an_external_model_runs_nothing_so_the_catalog_refuses_a_source_or_profi
     spec = M.ModelSpec(name="ext", source="/m.gguf", external=[provider])
     with pytest.raises(Exception, match="runs nothing here"):
         decide(Catalog(), M.AddModel(spec=spec))
-    name, [added], _ = decide(Catalog(), M.AddModel(spec=M.ModelSpec(name="ext", external=[provider])))
-    assert name == "ext" and isinstance(added, M.ModelAdded)
+    decision = decide(Catalog(), M.AddModel(spec=M.ModelSpec(name="ext", external=[provider])))
+    [added] = decision.payloads
+    assert decision.result == {"model": "ext"} and isinstance(added, M.ModelAdded)
 
 
 def test_the_scheduler_holds_no_external_model() -> None:
