@@ -49,19 +49,27 @@ class Session:
             from llmgw.events.runtime.connection import StoreError
             from llmgw.events.runtime.store import EventStore
             from llmgw.events.schema.catalog import default_registry
-            from llmgw.infra import pki
 
+            tls_files = (
+                os.environ.get("LLMGW_NATS_CA"),
+                os.environ.get("LLMGW_NATS_CERT"),
+                os.environ.get("LLMGW_NATS_KEY"),
+            )
+            if any(tls_files):  # the PKI (and cryptography's x509) is loaded only for NATS over TLS
+                from llmgw.infra import pki
+
+                try:
+                    tls = nats_tls(*tls_files)
+                except pki.PkiError as exc:
+                    raise CommandError(str(exc)) from exc
+            else:
+                tls = None
             try:
-                tls = nats_tls(
-                    os.environ.get("LLMGW_NATS_CA"), os.environ.get("LLMGW_NATS_CERT"), os.environ.get("LLMGW_NATS_KEY")
-                )
                 creds = read_credential(self.target.nats_creds) if self.target.nats_creds else None
                 self._store = await EventStore.connect(
                     self.target.nats_url, default_registry(), tls=tls, creds=creds, give_up_s=CONNECT_GIVE_UP_S
                 )
             except CredentialError as exc:
-                raise CommandError(str(exc)) from exc
-            except pki.PkiError as exc:
                 raise CommandError(str(exc)) from exc
             except StoreError as exc:
                 raise Unreachable(str(exc)) from exc
