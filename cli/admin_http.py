@@ -33,7 +33,7 @@ def call(
     params: dict[str, Any] | None,
     body: Any,
     headers: dict[str, str],
-    context: ssl.SSLContext,
+    context: ssl.SSLContext | None,  # used for https only
     timeout: float,
 ) -> Answer:
     """``method url`` with ``params`` in the query and ``body`` as JSON; blocks. Raises what the socket

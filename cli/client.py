@@ -104,9 +104,10 @@ class Session:
         if not self.target.api_url:
             raise Unreachable("no admin API address: pass --api URL (or LLMGW_API_URL), or run `llmgw up`")
         from llmgw.cli.admin_http import call, in_thread
-        from llmgw.infra import pki
 
-        if self._tls is None:
+        if self._tls is None and self.target.api_url.lower().startswith("https:"):
+            from llmgw.infra import pki  # and cryptography's x509: only for an https admin API
+
             try:
                 self._tls = api_tls(self.ca)
             except (pki.PkiError, ssl.SSLError) as exc:
