@@ -33,7 +33,6 @@ from llmgw.projections.replay_snapshots import ReplaySnapshotter
 from llmgw.projections.runner import ProjectionRunner
 from llmgw.projections.tenancy import TenancyProjection
 from llmgw.projections.usage import UsageProjection
-from llmgw.services.access.bootstrap import DEMO_KEY_FILE as DEMO_KEY_FILE  # for `up`'s message
 from llmgw.services.api.exposure import exposure_refusal
 from llmgw.services.lifecycle import Service
 

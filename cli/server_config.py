@@ -14,7 +14,6 @@ from llmgw.events.runtime.snapshots import EVERY_S as SNAPSHOT_EVERY_S
 from llmgw.events.schema.models import ModelSpec
 from llmgw.infra.pki import PkiError, client_context, server_context
 from llmgw.projections.replay_snapshots import EVERY_EVENTS as REPLAY_EVERY_EVENTS
-from llmgw.services.access.bootstrap import DEMO_KEY_FILE as DEMO_KEY_FILE  # for `up`'s message
 from llmgw.services.accountant.service import PRUNE_EVERY_S, RETENTION_DAYS
 from llmgw.services.api.signin import SESSION_HOURS
 from llmgw.services.backup import service as backup_service

@@ -23,7 +23,7 @@ from llmgw.cli.agent_cmd import LocalAgent, demo_model
 from llmgw.cli.context import RUN_FILE, RunInfo, data_dir_problem, default_data_dir, write_run_info
 from llmgw.cli.fleet_cmd import load_model_file
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError, pick_port
-from llmgw.cli.runtime import DEMO_KEY_FILE, serve
+from llmgw.cli.runtime import serve
 from llmgw.cli.serve_options import (
     SHARED_FLAGS,
     admin_options,
@@ -39,6 +39,7 @@ from llmgw.cli.serve_options import (
 )
 from llmgw.cli.server_config import ServerConfig
 from llmgw.infra import nats_permissions as NP
+from llmgw.services.access.bootstrap import DEMO_KEY_FILE
 
 
 def first_start_warnings(demo_wanted: bool, demo: object | None, agent: bool) -> list[str]:

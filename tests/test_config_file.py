@@ -22,8 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.cli import config_file as C
-from llmgw.cli.runtime import DEMO_KEY_FILE, serve
+from llmgw.cli.runtime import serve
 from llmgw.cli.server_config import SignInConfig
+from llmgw.services.access.bootstrap import DEMO_KEY_FILE
 from llmgw.services.people.throttle import LoginThrottle
 from tests.support import NatsServer, free_port, wait_until
 from tests.up import Up, wait_for

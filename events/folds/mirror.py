@@ -59,14 +59,12 @@ class MirrorState:
     def __init__(self) -> None:
         self.models: dict[str, dict[str, VersionState]] = {}
         self.position = 0
-        self.seqs: dict[str, int] = {}  # last sequence on each model's subject
         self.tombstones: dict[str, dict[str | None, int]] = {}  # model -> version (None: all) -> seq
 
     def apply(self, model: str, event: RecordedEvent) -> None:
         if event.seq <= self.position:
             return  # seen already (the follower and a catch-up both read the log)
         self.position = event.seq
-        self.seqs[model] = event.seq
         p = event.payload
         at = event.envelope.at.isoformat()
         versions = self.models.setdefault(model, {})
