@@ -256,7 +256,7 @@ class LocalAgent:
         while not stop.is_set():
             if not self.alive():
                 code = self.proc.returncode if self.proc else None
-                click.echo(f"the local agent exited ({code}); starting it again", err=True)
+                logs.say(f"the local agent exited ({code}); starting it again")
                 self.restarts += 1
                 self.start()
                 delay = min(delay * 2, 30.0)

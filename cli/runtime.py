@@ -16,6 +16,8 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry
 
+from llmgw.cli import logs
+from llmgw.cli.log_sink import DroppedLinesCollector
 from llmgw.cli.natsd import CredentialError, read_credential
 from llmgw.cli.server_config import ALL_SERVICES, OPTIONAL_SERVICES, ServerConfig, tls_setup
 from llmgw.cli.service_table import STOP_STEP_S, TABLE, Shared, bounded
@@ -76,6 +78,7 @@ async def serve(
         raise SystemExit(f"error: {exc}") from exc
     registry = CollectorRegistry()
     expiry = CertificateExpiry(registry)
+    registry.register(DroppedLinesCollector(logs.current_sink))
     for name, path in tls.certificates:
         expiry.observe(name, path, load_cert(path))
     try:
