@@ -169,8 +169,8 @@ def up(
     if no_agent:
         # Engines a local agent of an earlier run left behind: with no agent, nobody would adopt them.
         for rec in stop_recorded_engines(data_dir / "agent"):
-            click.echo(
-                f"stopped engine {rec.replica_id} ({rec.model}, pid {rec.pid}): no local agent adopts it", err=True
+            logs.say(
+                f"stopped engine {rec.replica_id} ({rec.model}, pid {rec.pid}): no local agent adopts it",
             )
     node = socket.gethostname()
     explicit_mirror_port = mirror_port
@@ -203,7 +203,7 @@ def up(
     declared = tuple(load_model_file(catalog_file)) if catalog_file else ()
     demo = None if no_demo else demo_model()
     for line in first_start_warnings(demo_wanted=not no_demo, demo=demo, agent=not no_agent):
-        click.echo(f"warning: {line}", err=True)
+        logs.say(f"warning: {line}")
     config = ServerConfig(
         declared_models=declared,
         demo_model=demo,
@@ -250,14 +250,13 @@ def up(
                 mirror_url=f"http://{host}:{config.mirror_port}",
             ),
         )
-        click.echo(
+        logs.say(
             f"llmgw is up: gateway {scheme}://{host}:{port}, admin {scheme}://{admin_host}:{admin_port}, "
             f"mirror http://{host}:{config.mirror_port}, NATS {natsd.url}, data in {data_dir}",
-            err=True,
         )
         demo_key = data_dir / DEMO_KEY_FILE
         if demo_key.exists():
-            click.echo(f"a demo API key (project default/default/default) is in {demo_key}", err=True)
+            logs.say(f"a demo API key (project default/default/default) is in {demo_key}")
 
     nats_died = False
     handles: dict[str, Any] = {}
@@ -271,7 +270,7 @@ def up(
             while not stop.is_set():
                 if not natsd.alive():
                     nats_died = True
-                    click.echo(f"error: the embedded nats-server exited ({natsd.exit_reason()}); stopping", err=True)
+                    logs.say(f"error: the embedded nats-server exited ({natsd.exit_reason()}); stopping")
                     # Nothing can reach the bus any more: close the connection, so what is waiting on it
                     # fails now instead of after its timeouts and reconnect attempts.
                     if "store" in handles:
@@ -303,7 +302,7 @@ def up(
                 # Stopping: each service gets its turn, but `up` never hangs on one of them.
                 await asyncio.wait({serving}, timeout=SHUTDOWN_S)
                 if not serving.done():
-                    click.echo(f"warning: the services did not stop within {SHUTDOWN_S:.0f}s; leaving them", err=True)
+                    logs.say(f"warning: the services did not stop within {SHUTDOWN_S:.0f}s; leaving them")
                     serving.cancel()
                     await asyncio.wait({serving}, timeout=2.0)
             if serving.done() and not serving.cancelled() and serving.exception() is not None and not nats_died:
@@ -353,7 +352,7 @@ async def announce_when_ready(state: Any, model: str, line: str, stop: asyncio.E
     """Print ``line`` once ``model`` has a ready replica in the router's view ``state``; False if stopped first."""
     while not stop.is_set():
         if state.ready(model):
-            click.echo(line, err=True)
+            logs.say(line)
             return True
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), poll_s)
