@@ -293,7 +293,11 @@ def _bind_error(host: str, port: int) -> str | None:
 
 
 def _say(message: str) -> None:
-    print(f"{_PREFIX} {message}", file=sys.stderr, flush=True)
+    # Its log is a file on the node's disk: a full disk must not stop the engine that serves.
+    try:
+        print(f"{_PREFIX} {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
