@@ -26,6 +26,7 @@ import msgspec
 from aiohttp import web
 
 from llmgw.events.schema.ids import new_id
+from llmgw.services.router.validation import Invalid, check_responses
 
 _enc = msgspec.json.Encoder()
 SOCKET_NAME = "gateway.sock"
@@ -305,9 +306,14 @@ class ResponsesApi:
             body = msgspec.json.decode(await request.read())
             if not isinstance(body, dict):
                 raise ResponsesError("the body must be a JSON object", None, "invalid_json")
+            check_responses(body)
             chat = to_chat(body)
         except msgspec.DecodeError as exc:
             return ResponsesError(f"the body is not JSON: {exc}", None, "invalid_json").response()
+        except RecursionError:  # past the decoder's stack; the chat path counts depth, this decode comes first
+            return ResponsesError("the body nests too deeply to decode", None, "too_deeply_nested").response()
+        except Invalid as exc:
+            return ResponsesError(exc.message, exc.param, exc.code).response()
         except ResponsesError as exc:
             return exc.response()
         assert self._session is not None, "the Responses API is used before the router started"
