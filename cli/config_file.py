@@ -236,6 +236,7 @@ DERIVED: dict[str, str] = {
     "mirror.dir": "DATA_DIR/mirror",
     "mirror.port": "admin.port + 2",
     "router.usage_journal": "DATA_DIR/usage-journal",
+    "router.usage_mode": "strict (`llmgw up`: available)",
     "hub.token": "$HF_TOKEN, else `hf auth login`'s",
     "nats.stream_replicas": "the cluster's size, at most 3",
 }

@@ -137,7 +137,9 @@ def up(
             config_file,
             os.environ,
             given_flags(ctx, UP_FLAGS),
-            base=flag_defaults(ctx, UP_FLAGS),
+            # One person's machine: answers matter more than refusing on a full disk (docs/decisions.md,
+            # "Usage records: strict or available"); below the file, the environment and the flags.
+            base={**flag_defaults(ctx, UP_FLAGS), "router.usage_mode": "available"},
             not_here=UP_DECIDES,
         )
     except config_file_mod.ConfigError as exc:

@@ -162,6 +162,8 @@ class Router:
                 journal_dir=self.cfg.usage_journal,
                 memory_records=self.cfg.usage_memory_records,
                 ack_timeout_s=self.cfg.usage_ack_timeout_s,
+                mode=self.cfg.usage_mode,
+                reserve_bytes=self.cfg.usage_reserve_bytes,
             ),
             UsageMetrics(self.metrics.registry, self._usage_gauges),
         )
@@ -242,9 +244,9 @@ class Router:
             max_output_tokens=self.cfg.max_output_tokens,
         )
 
-    def _usage_gauges(self) -> tuple[int, float | None, bool]:
+    def _usage_gauges(self) -> tuple[int, float | None, bool, int]:
         b = self.usage.backlog()
-        return b.records, b.oldest_s, b.refusing is not None
+        return b.records, b.oldest_s, b.refusing is not None, b.memory_only
 
     def _slot_load(self, model: str) -> tuple[int, int]:
         """(requests in flight to the model's ready replicas, the slots they have): the queue's measure."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
 
 
@@ -35,6 +37,13 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     # usage records the bus has not acknowledged go to this directory (None: memory only, see docs/usage.md)
     usage_journal: str | None = None
     usage_memory_records: int = 10_000  # held in memory before they go to the journal
+    # while the bus does not acknowledge and the disk is full: strict refuses billable requests at once
+    # (no answer whose usage record lives only in memory); available serves on, up to
+    # usage_memory_records held in memory only (docs/usage.md, "A full disk")
+    usage_mode: Literal["strict", "available"] = "strict"
+    # room preallocated on the journal's disk for the usage records of requests in progress when it
+    # fills (up to 1.5 times this; about 450 bytes a record)
+    usage_reserve_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 1 << 20
     usage_ack_timeout_s: float = 5.0  # a usage record not acknowledged within this is retried
     # Traces (GW-9): OTLP/HTTP spans of each request to this collector URL (http://host:4318/v1/traces);
     # None: off. A trace a client did not start is kept at this ratio (1: every one, 0: off).

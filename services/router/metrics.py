@@ -140,7 +140,7 @@ class QueueDepth:
 class UsageMetrics:
     """The usage publisher's series: counters it adds to, and the backlog read at scrape time."""
 
-    def __init__(self, registry: CollectorRegistry, backlog: Callable[[], tuple[int, float | None, bool]]) -> None:
+    def __init__(self, registry: CollectorRegistry, backlog: Callable[[], tuple[int, float | None, bool, int]]) -> None:
         r = registry
         self.journaled = Counter("llmgw_usage_journaled_records", "Usage records written to the journal", registry=r)
         self.replayed = Counter(
@@ -161,17 +161,18 @@ class UsageMetrics:
 
 
 class UsageBacklogCollector:
-    """``llmgw_usage_backlog_records``, ``llmgw_usage_backlog_oldest_seconds`` and
-    ``llmgw_usage_refusing``, computed when scraped: ``backlog()`` gives (records, oldest age, refusing)."""
+    """``llmgw_usage_backlog_records``, ``llmgw_usage_backlog_oldest_seconds``, ``llmgw_usage_refusing``
+    and ``llmgw_usage_memory_only_records``, computed when scraped: ``backlog()`` gives (records, oldest
+    age, refusing, memory only)."""
 
-    def __init__(self, backlog: Callable[[], tuple[int, float | None, bool]]) -> None:
+    def __init__(self, backlog: Callable[[], tuple[int, float | None, bool, int]]) -> None:
         self.backlog = backlog
 
     def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        records, oldest, refusing = self.backlog()
+        records, oldest, refusing, memory_only = self.backlog()
         yield GaugeMetricFamily(
             "llmgw_usage_backlog_records",
             "Usage records not yet acknowledged by the bus (in memory and in the journal)",
@@ -184,4 +185,9 @@ class UsageBacklogCollector:
         )
         yield GaugeMetricFamily(
             "llmgw_usage_refusing", "1 while billable requests are refused because usage cannot be kept", value=refusing
+        )
+        yield GaugeMetricFamily(
+            "llmgw_usage_memory_only_records",
+            "Usage records held in memory and on no disk (a crash now loses them): the disk cannot take them",
+            value=memory_only,
         )

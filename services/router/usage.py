@@ -13,10 +13,18 @@ appends it to the in-flight log (:mod:`.inflight`, one write, no fsync) and it l
 once acknowledged or journaled, so a router killed while a record waits for the bus loses nothing;
 the next start moves what it finds there into the journal.
 
-When a record can be kept neither way — the bus does not acknowledge and the journal cannot be
-written (disk full, read-only) — :meth:`UsagePublisher.refusal` says why, and the router refuses
-billable requests with it rather than serve them unbilled. It admits again by itself as soon as
-the journal can be written or the bus acknowledges.
+What happens when the bus does not acknowledge and the router's disk cannot take more records
+(full, read-only) depends on ``mode`` (docs/usage.md, "A full disk"):
+
+- ``strict`` (``llmgw server``): :meth:`UsagePublisher.refusal` refuses billable requests at once —
+  when the in-flight log cannot keep its reserve (:mod:`.inflight`: preallocated room for the
+  records of requests already in progress), a write to it failed, or the journal cannot be written;
+  without a journal, as soon as the bus does not acknowledge. No 200 is answered whose record could
+  live only in memory. While refusing, the loop probes about once a second whether the reserve can
+  be made again (no new record would ever try), and admits again by itself.
+- ``available`` (``llmgw up``): keeps serving; records the disk cannot take wait in memory, counted
+  as ``memory_only`` in ``/healthz`` and ``llmgw_usage_memory_only_records``, and billable requests
+  are refused only once ``memory_records`` wait.
 
 Why a bus failure used to go unnoticed: when the stream's store fails, nats-server answers a
 publish with an error (503 "insufficient resources") or not at all (a store write error, e.g.
@@ -31,12 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
+import os
 import time
 from collections import deque
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import structlog
@@ -46,7 +55,7 @@ from nats.js import JetStreamContext
 from llmgw.events.runtime.retry import backoff_delay
 from llmgw.events.schema import subjects as S
 from llmgw.events.schema.usage import UsageRecord, usage_subject
-from llmgw.services.router.inflight import InflightLog
+from llmgw.services.router.inflight import InflightLog, disk_problem
 from llmgw.services.router.journal import Journal
 from llmgw.services.router.metrics import UsageMetrics
 
@@ -59,8 +68,16 @@ INFLIGHT_DIR = "inflight"  # the in-flight log's folder, in the journal's
 LOG_EVERY_S = 10.0
 
 
+UsageMode = Literal["strict", "available"]
+
+
 class UsageConfig(msgspec.Struct, frozen=True, kw_only=True):
     journal_dir: str | None = None  # None: records wait in memory only
+    # strict: refuse billable requests as soon as a record could live only in memory; available: keep
+    # serving, up to memory_records held in memory (module docstring).
+    mode: UsageMode = "strict"
+    reserve_bytes: int = 1 << 20  # each in-flight file, preallocated: the reserve is up to 1.5 of it
+    probe_s: float = 1.0  # while refusing, how often the disk is tried again
     memory_records: int = 10_000  # records held in memory before they go to the journal
     batch: int = 256  # records published per round of acknowledgements
     ack_timeout_s: float = 5.0  # a record not acknowledged within this is retried
@@ -72,7 +89,7 @@ class UsageConfig(msgspec.Struct, frozen=True, kw_only=True):
 class UsageBacklog(msgspec.Struct, frozen=True, kw_only=True):
     """What the router holds that the bus has not acknowledged (``/healthz``'s ``usage``)."""
 
-    state: str  # ok | journaling | refusing
+    state: str  # ok | waiting | journaling | memory_only | refusing
     records: int  # in memory and in the journal
     in_memory: int
     journaled: int
@@ -80,6 +97,9 @@ class UsageBacklog(msgspec.Struct, frozen=True, kw_only=True):
     journal: str | None
     error: str | None = None  # the last publish or journal error, while records are held
     refusing: str | None = None  # why billable requests are refused
+    mode: str = "strict"  # strict | available
+    memory_only: int = 0  # records held in memory and on no disk: a crash now loses them
+    reserve: str | None = None  # why the in-flight log has no reserve (a full disk), while it has none
 
 
 class StopReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,19 +136,33 @@ class _Held(msgspec.Struct):
 
 _head = msgspec.json.Decoder(_Head)
 
+PROBE_BYTES = 64 << 10  # what a disk without fallocate must take for the in-flight log to be written again
+
+
+def _has_room(directory: Path) -> bool:
+    """Whether ``directory`` takes a write of ``PROBE_BYTES`` now (written and removed)."""
+    probe = directory / ".probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError:
+        return False
+    try:
+        return os.write(fd, b"\0" * PROBE_BYTES) == PROBE_BYTES
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
 
 def journal_problem(directory: str, exc: OSError) -> str:
     """A sentence saying why the journal cannot be written. Pure."""
-    reason = exc.strerror or str(exc)
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        what = "is full"
-    elif exc.errno == errno.EROFS:
-        what = "is on a read-only file system"
-    elif exc.errno in (errno.EACCES, errno.EPERM):
-        what = "is not writable"
-    else:
-        what = "cannot be written"
-    return f"the usage journal at {directory} {what} ({reason})"
+    return disk_problem("the usage journal", directory, exc)
+
+
+def inflight_problem(directory: str, exc: OSError) -> str:
+    """A sentence saying why the in-flight log cannot take records (or keep its reserve). Pure."""
+    return disk_problem("the in-flight usage log", directory, exc)
 
 
 class _FailureLog:
@@ -170,6 +204,7 @@ class UsagePublisher:
         self.metrics = metrics
         self.published = 0
         self._memory: deque[_Held] = deque()
+        self._memory_only = 0  # held records (memory and sending) written to no disk
         self._sending = 0  # taken from memory, awaiting acknowledgement
         self._journal: Journal | None = None
         self._inflight: InflightLog | None = None
@@ -206,7 +241,10 @@ class UsagePublisher:
 
     def put(self, record: UsageRecord) -> None:
         data = _enc.encode(record)
-        self._memory.append(_Held(record, data, self._write_inflight(data)))
+        held = _Held(record, data, self._write_inflight(data))
+        if held.inflight is None:
+            self._memory_only += 1
+        self._memory.append(held)
         if not self._wake.is_set():
             self._wake.set()
 
@@ -218,7 +256,7 @@ class UsagePublisher:
         try:
             file = self._inflight.write(data)
         except OSError as exc:
-            problem = journal_problem(str(self._inflight.directory), exc)
+            problem = inflight_problem(str(self._inflight.directory), exc)
             if problem != self._inflight_error:
                 log.error("usage records cannot be written to the in-flight log; a crash now loses them", error=problem)
             self._inflight_error = problem
@@ -230,10 +268,10 @@ class UsagePublisher:
 
     def _kept(self, held: list[_Held]) -> None:
         """``held`` are kept elsewhere now (acknowledged, or in the spill journal): out of the in-flight log."""
-        if self._inflight is None:
-            return
         for h in held:
-            if h.inflight is not None:
+            if h.inflight is None:
+                self._memory_only -= 1
+            elif self._inflight is not None:
                 self._inflight.done(h.inflight)
 
     def _recover_inflight(self) -> None:
@@ -241,9 +279,9 @@ class UsagePublisher:
         where it is published; then start a log of this run's own."""
         assert self._journal is not None and self.cfg.journal_dir
         try:
-            inflight = InflightLog(Path(self.cfg.journal_dir) / INFLIGHT_DIR)
+            inflight = InflightLog(Path(self.cfg.journal_dir) / INFLIGHT_DIR, self.cfg.reserve_bytes)
         except OSError as exc:
-            problem = journal_problem(str(Path(self.cfg.journal_dir) / INFLIGHT_DIR), exc)
+            problem = inflight_problem(str(Path(self.cfg.journal_dir) / INFLIGHT_DIR), exc)
             log.error("no in-flight log: a crash loses the records waiting for the bus", error=problem)
             return
         self._inflight = inflight
@@ -264,6 +302,14 @@ class UsagePublisher:
                 records=len(left),
             )
         inflight.forget_left()  # files with nothing whole in them go too
+        inflight.ensure_reserve()  # the first file, preallocated; says now if this file system cannot
+        if inflight.unsupported:
+            log.warning(
+                "the in-flight usage log keeps no reserve on this system: with a full disk, records of requests "
+                "in progress wait in memory only",
+                directory=str(inflight.directory),
+                reason=inflight.unsupported,
+            )
 
     async def stop(self, timeout_s: float | None = None) -> StopReport:
         """Publish what is held within ``timeout_s``; journal the rest; log and report what neither took."""
@@ -317,19 +363,56 @@ class UsagePublisher:
     # -- state -------------------------------------------------------------------------------
 
     def refusal(self) -> str | None:
-        """Why billable requests must be refused now (records cannot be kept), or None."""
+        """Why billable requests must be refused now (records cannot be kept), or None. Called for each
+        billable request: O(1)."""
         if self._bus_ok:
             return None
-        if self._journal is not None:
-            if self._journal_error is None:
-                return None
-            return f"usage records cannot be kept: {self._journal_error}; requests are refused until it can be written"
+        if self.cfg.mode == "strict":
+            return self._strict_refusal()
+        if self._journal is not None and self._journal_error is None:
+            return None
         if len(self._memory) < self.cfg.memory_records:
             return None
+        if self._journal is not None:
+            return (
+                f"usage records cannot be kept: {len(self._memory)} wait in memory for the bus ({self._bus_error}) "
+                f"and {self._journal_error}; requests are refused until the bus acknowledges them or the journal "
+                "can be written"
+            )
         return (
             f"usage records cannot be kept: {len(self._memory)} wait in memory for the bus ({self._bus_error}) and "
             "no usage journal is configured; requests are refused until the bus acknowledges them"
         )
+
+    def _strict_refusal(self) -> str | None:
+        """The bus does not acknowledge: refused as soon as the disk cannot take more records."""
+        if self._journal is None:
+            return (
+                f"usage records cannot be kept: the bus does not acknowledge them ({self._bus_error}) and no usage "
+                "journal is configured; requests are refused until the bus acknowledges them"
+            )
+        if self._journal_error is not None:
+            return f"usage records cannot be kept: {self._journal_error}; requests are refused until it can be written"
+        problem = self._disk_problem()
+        if problem is None:
+            return None
+        return (
+            f"usage records cannot be kept: the bus does not acknowledge them ({self._bus_error}) and {problem}; "
+            "requests are refused until the disk has room again or the bus acknowledges them"
+        )
+
+    def _disk_problem(self) -> str | None:
+        """Why the in-flight log cannot take the records of more requests, or None."""
+        if self._inflight_error is not None:
+            return self._inflight_error
+        reserve = self._reserve_problem()
+        return f"{reserve}: no room for the records of more requests" if reserve else None
+
+    def _reserve_problem(self) -> str | None:
+        inflight = self._inflight
+        if inflight is None or inflight.reserve_error is None:
+            return None
+        return inflight_problem(str(inflight.directory), inflight.reserve_error)
 
     def backlog(self) -> UsageBacklog:
         in_memory = len(self._memory) + self._sending
@@ -342,6 +425,8 @@ class UsagePublisher:
         held = in_memory + self._journaled
         if refusing:
             state = "refusing"
+        elif self._memory_only:
+            state = "memory_only"
         elif self._journaled or not self._bus_ok:
             state = "journaling" if self._journal is not None else "waiting"
         else:
@@ -353,8 +438,11 @@ class UsagePublisher:
             journaled=self._journaled,
             oldest_s=round(max(0.0, time.time() - min(oldest)), 3) if oldest else None,
             journal=self.cfg.journal_dir,
-            error=(self._journal_error or self._bus_error) if state != "ok" else None,
+            error=(self._journal_error or self._inflight_error or self._bus_error) if state != "ok" else None,
             refusing=refusing,
+            mode=self.cfg.mode,
+            memory_only=self._memory_only,
+            reserve=self._reserve_problem(),
         )
 
     # -- the loop ----------------------------------------------------------------------------
@@ -365,9 +453,16 @@ class UsagePublisher:
     async def _run(self) -> None:
         refused = 0  # rounds in a row the bus refused: the pause before the next doubles with each
         while not self._stopping.is_set():
+            if self.refusal() is not None:
+                # Every request is refused, so no record would try the disk again: this loop does.
+                self._probe()
             if not self._has_work():
                 self._wake.clear()
-                await self._wake.wait()
+                if self.refusal() is None:
+                    await self._wake.wait()
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.cfg.probe_s)
                 continue
             try:
                 ok = await self._step(self.cfg.ack_timeout_s)
@@ -378,8 +473,25 @@ class UsagePublisher:
                 refused = 0
                 continue
             refused += 1
+            pause = backoff_delay(refused, RETRY_MIN_S, self.cfg.retry_max_s)
+            if self.refusal() is not None:
+                pause = min(pause, self.cfg.probe_s)  # admitting again must not wait for the backoff
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), backoff_delay(refused, RETRY_MIN_S, self.cfg.retry_max_s))
+                await asyncio.wait_for(self._stopping.wait(), pause)
+
+    def _probe(self) -> None:
+        """Whether the in-flight log has room again: its reserve made anew (a few syscalls, on the loop)."""
+        inflight = self._inflight
+        if inflight is None or (inflight.reserve_error is None and self._inflight_error is None):
+            return
+        if inflight.reserving:
+            if inflight.ensure_reserve() and self._inflight_error is not None:
+                log.info("the in-flight usage log has room again", directory=str(inflight.directory))
+                self._inflight_error = None  # the next record goes into the reserve just made
+            return
+        if self._inflight_error is not None and _has_room(inflight.directory):
+            log.info("the in-flight usage log has room again", directory=str(inflight.directory))
+            self._inflight_error = None
 
     async def _step(self, ack_timeout_s: float) -> bool:
         """One round: spill to the journal if records must be kept there, then publish a batch
