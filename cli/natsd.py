@@ -307,6 +307,8 @@ class EmbeddedNats:
         self.port = 0
         self.durable = durable
         self.server: NatsProcess | None = None
+        self.restarts = 0  # in-place restarts by `up` (a store that could not be written)
+        self.restart_error: str | None = None
 
     @property
     def proc(self) -> subprocess.Popen[bytes] | None:
@@ -328,14 +330,25 @@ class EmbeddedNats:
     def record_path(self) -> Path:
         return self.dir / RECORD_FILE
 
-    def start(self, deadline_s: float = 20.0, takeover_grace_s: float = 15.0) -> None:
+    def start(self, deadline_s: float = 20.0, takeover_grace_s: float = 15.0, *, port: int | None = None) -> None:
+        """Start the server on the store; ``port``: exactly this one (a restart), else :func:`pick_port`'s."""
         self.dir.mkdir(parents=True, exist_ok=True)
         with open(self.dir / LOCK_FILE, "a+") as lock:
             self._take_store(lock, takeover_grace_s)
-            recorded = read_record(self.record_path)
-            self.port = pick_port(self.requested_port, recorded.port if recorded else None, self.host, self.avoid_ports)
-            if self.requested_port and self.port != self.requested_port:
-                log.info("nats port taken, using another", wanted=self.requested_port, port=self.port)
+            if port is not None:
+                if not port_free(port, self.host):
+                    raise NatsStartError(
+                        f"cannot restart the embedded nats-server on {self.host}:{port}: another program took the "
+                        "port while it restarted; stop that program and start `llmgw up` again"
+                    )
+                self.port = port
+            else:
+                recorded = read_record(self.record_path)
+                self.port = pick_port(
+                    self.requested_port, recorded.port if recorded else None, self.host, self.avoid_ports
+                )
+                if self.requested_port and self.port != self.requested_port:
+                    log.info("nats port taken, using another", wanted=self.requested_port, port=self.port)
             credentials = ensure_credentials(self.users_dir, default_users(self.local_node))
             config = embedded_config(
                 host=self.host,
@@ -382,11 +395,27 @@ class EmbeddedNats:
         tmp.write_bytes(msgspec.json.encode(record))
         tmp.replace(self.record_path)
 
+    def restart(self, grace_s: float = 15.0) -> None:
+        """Stop the server cleanly (SIGTERM: it flushes and closes its store) and start it again on the same
+        port, configuration and credentials; clients reconnect by themselves. Called from the thread that
+        started it: the parent-death signal is tied to that thread. Raises :class:`NatsStartError` when the
+        new server cannot start (:meth:`exit_reason` then says so)."""
+        self.restart_error = None
+        self.stop(grace_s)
+        try:
+            self.start(port=self.port)
+        except NatsStartError as exc:
+            self.restart_error = str(exc)
+            raise
+        self.restarts += 1
+
     def alive(self) -> bool:
         return self.server is not None and self.server.alive()
 
     def exit_reason(self) -> str:
-        """Why the server is gone, in words: its exit status and its last log line."""
+        """Why the server is gone, in words: its exit status and its last log line (or why a restart failed)."""
+        if self.restart_error is not None:
+            return f"restarting it failed: {self.restart_error}"
         return self.server.exit_reason() if self.server is not None else "never started"
 
     def stop(self, grace_s: float = 15.0) -> None:

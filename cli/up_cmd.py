@@ -22,6 +22,7 @@ from llmgw.cli import logs
 from llmgw.cli.agent_cmd import LocalAgent, demo_model
 from llmgw.cli.context import RUN_FILE, RunInfo, data_dir_problem, default_data_dir, write_run_info
 from llmgw.cli.fleet_cmd import load_model_file
+from llmgw.cli.nats_healer import NatsHealer
 from llmgw.cli.natsd import EmbeddedNats, NatsStartError, pick_port
 from llmgw.cli.runtime import serve
 from llmgw.cli.serve_options import (
@@ -283,6 +284,8 @@ def up(
                 await asyncio.sleep(0.2)
 
         watcher = asyncio.create_task(watch_nats())
+        # A store that could not be written (a full disk) fails until nats-server restarts: `up` restarts its own.
+        healer = asyncio.create_task(NatsHealer(natsd, say=lambda line: click.echo(line, err=True)).run(stop))
         keeper: asyncio.Task | None = None
         announcer: asyncio.Task | None = None
 
@@ -312,6 +315,7 @@ def up(
         finally:
             stopping.cancel()
             watcher.cancel()
+            healer.cancel()
             for task in (keeper, announcer):
                 if task is not None:
                     task.cancel()
