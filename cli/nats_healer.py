@@ -133,9 +133,12 @@ def _size(n: int) -> str:
 
 def healed_line(disk_was_full: bool, why: str | None) -> str:
     """The one line `up` prints once it has restarted its nats-server; pure."""
-    cause = "could not write its store (disk full)" if disk_was_full else f"stopped storing writes ({why})"
+    if disk_was_full:
+        what = "could not write its store (disk full); space is back"
+    else:
+        what = f"stopped storing writes ({why}) though its disk has room"
     return (
-        f"the embedded nats-server {cause}; space is back, so it was restarted on the same port; "
+        f"the embedded nats-server {what}, so it was restarted on the same port; "
         "routers now publish the usage records they kept"
     )
 
@@ -160,7 +163,8 @@ class NatsHealer:
         say: Callable[[str], None],
         policy: HealPolicy = HealPolicy(),
         probe_every_s: float = 2.0,
-        ack_timeout_s: float = 2.0,
+        # Generous: a busy disk's fsync can be slow, and three slow probes must not pass for a failing store.
+        ack_timeout_s: float = 5.0,
     ) -> None:
         self.natsd = natsd
         self.say = say
@@ -283,6 +287,7 @@ class NatsHealer:
             subjects=[PROBE_SUBJECT],
             storage=StorageType.FILE,
             max_msgs=1,
+            max_bytes=64 * 1024,  # small blocks too: nats-server sizes a stream's blocks from its byte limit
             discard=DiscardPolicy.OLD,
             num_replicas=1,
         )
