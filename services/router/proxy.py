@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -292,6 +293,13 @@ _ENDPOINT_WORDS = {
 }
 
 
+# llama.cpp answers 500, not 400, for messages or tools it cannot parse (an assistant's `custom` tool
+# call) and for images, audio or video sent to a model without a projector (`--mmproj`).
+_REQUEST_FAULT = re.compile(
+    r"Failed to parse (messages|tools|tool call arguments)|(image|audio|video) input is not supported"
+)
+
+
 def engine_refusal(status: int, text: str, model: str, endpoint: str) -> ApiError | None:
     """What the client is told when an engine refuses a request, or None when the engine failed.
 
@@ -307,6 +315,8 @@ def engine_refusal(status: int, text: str, model: str, endpoint: str) -> ApiErro
             f"the model {model} does not serve {what}; use a model {enabled}",
             "model_not_supported",
         )
+    if status == 500 and _REQUEST_FAULT.search(text):
+        status = 400  # llama.cpp's 500 for a request it cannot take: the same on every replica
     if status >= 500 or status in (401, 403):
         return None
     message = text
