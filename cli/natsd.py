@@ -16,7 +16,9 @@ lose each other's, so:
   stops a recorded server still running (after checking the pid is that very nats-server: start
   time and command line) and waits for the lock before starting its own;
 - the port is kept across restarts: the recorded one is tried first, probed with SO_REUSEADDR
-  as nats-server binds, so connections of the dead server in TIME_WAIT do not count as taken.
+  as nats-server binds, so connections of the dead server in TIME_WAIT do not count as taken;
+- `up` may restart its server in place (:meth:`EmbeddedNats.restart`, after a full disk:
+  ``cli/nats_healer.py``): a clean stop, then the same port, configuration and credentials.
 
 Nobody connects without a user (issue "Trust", item 4): at the first start one credential per role
 (``infra/nats_permissions.py``) is made in ``nats/users/<user>.json`` (0600, the folder 0700) with a
