@@ -285,7 +285,7 @@ def up(
 
         watcher = asyncio.create_task(watch_nats())
         # A store that could not be written (a full disk) fails until nats-server restarts: `up` restarts its own.
-        healer = asyncio.create_task(NatsHealer(natsd, say=lambda line: click.echo(line, err=True)).run(stop))
+        healer = asyncio.create_task(NatsHealer(natsd, say=logs.say).run(stop))
         keeper: asyncio.Task | None = None
         announcer: asyncio.Task | None = None
 
