@@ -21,6 +21,7 @@ from schemathesis.checks import not_a_server_error, response_schema_conformance
 from schemathesis.core.failures import FailureGroup
 
 from llmgw.services.router.openai_types import REQUEST_TYPES
+from llmgw.services.router.proxy import engine_refusal
 from llmgw.services.router.validation import Invalid, RequestLimits, check_body, typed
 from tests.fleet import Fleet
 from tests.test_gateway import gw, make_key, make_tenant, ready_model, tiny  # noqa: F401
@@ -220,3 +221,15 @@ def test_any_json_in_any_field_is_accepted_or_refused_naming_it_and_never_raises
             assert refused.param == field or refused.param.startswith((f"{field}[", f"{field}.")), refused.param
     else:
         assert well_typed, f"{field}={value!r} is not of its type, yet the body was taken"
+
+
+def test_llama_cpp_s_500_for_a_message_it_cannot_parse_or_media_it_cannot_see_is_a_400_not_retried() -> None:
+    for said in (
+        "audio input is not supported - hint: if this is unexpected, you may need to provide the mmproj",
+        'Failed to parse messages: Unsupported tool call type: {"type":"custom"}',
+    ):
+        text = json.dumps({"error": {"code": 500, "message": said, "type": "server_error"}})
+        refusal = engine_refusal(500, text, "tiny", CHAT)
+        assert refusal is not None and (refusal.status, refusal.code) == (400, "engine_refused")
+        assert refusal.message == f"the model tiny refused the request: {said}"
+    assert engine_refusal(500, '{"error": {"message": "out of memory"}}', "tiny", CHAT) is None, "retried"

@@ -93,8 +93,8 @@ def check_body(body: Any, endpoint: str, limits: RequestLimits) -> tuple[dict[st
     request = typed(body, endpoint)
     if not request.model:  # type: ignore[attr-defined]
         raise Invalid(400, "`model` is required and must be a string", "invalid_model", "model")
-    if not value:
-        raise Invalid(400, f"`{need}` must not be empty", f"invalid_{need}", need)
+    if isinstance(value, list) and not value:
+        raise Invalid(400, f"`{need}` must not be an empty list", f"invalid_{need}", need)
     if endpoint != "/v1/chat/completions" and isinstance(value, list):
         ids = _prompt_list(value, need)
         if len(value) > limits.max_messages and not ids:
