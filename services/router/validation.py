@@ -10,6 +10,7 @@ over its bytes before it is decoded, so a body nested 5,000 deep costs one pass,
 
 from __future__ import annotations
 
+import functools
 import re
 from itertools import accumulate
 from typing import Any
@@ -162,7 +163,7 @@ def _invalid(error: str, body: dict[str, Any], kind: type[msgspec.Struct]) -> In
     if missing:
         return Invalid(400, f"`{param}` is required", code, param)
     if what.startswith(("Invalid value", "Invalid enum value")):
-        allowed = _allowed(msgspec.inspect.type_info(kind), segments, body)
+        allowed = _allowed(_type_info(kind), segments, body)
         one_of = f"; it must be one of {', '.join(allowed)}" if allowed else ""
         return Invalid(400, f"`{param}` is {value!r}{one_of}", code, param)
     expected = _EXPECTED.match(what)
@@ -210,6 +211,12 @@ def _json_kind(value: Any) -> str:
 
 
 _KINDS = {dict: "object", list: "array", str: "str", int: "int", float: "float", bool: "bool", type(None): "null"}
+
+
+@functools.cache
+def _type_info(kind: type[msgspec.Struct]) -> msgspec.inspect.Type:
+    # Built on the first refusal that lists allowed values, once per type: most requests never need it.
+    return msgspec.inspect.type_info(kind)
 
 
 def _flat(types: list[Any]) -> list[Any]:
