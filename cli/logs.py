@@ -90,7 +90,7 @@ def current_sink() -> LineSink | None:
 
 
 def say(text: str) -> None:
-    """A status line for the person running a command (`llmgw is up: …`) on stderr, through the sink:
+    """A status line for the person running a command ("llmgw is up: …") on stderr, through the sink:
     a closed or full stderr never fails the command. Before :func:`configure`, written directly, its
     failure ignored."""
     sink = current_sink()
