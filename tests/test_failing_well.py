@@ -1,12 +1,15 @@
-"""`llmgw up` as an operator runs it when its own output cannot be written: a pipe whose reader has
-gone. Real processes, the real CLI, a real llama.cpp engine on the tiny GGUF."""
+"""`llmgw up` as an operator runs it when what it writes cannot be written: its output on a pipe whose
+reader has gone, its data directory and its output on a disk that fills under load. Real processes,
+the real CLI, a real nats-server, a real llama.cpp engine on the tiny GGUF, a real full tmpfs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,7 +19,10 @@ from typing import IO
 
 import pytest
 
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.catalog import default_registry
 from tests.gguf_tiny import write_tiny_gguf
+from tests.test_usage_journal import fill, tmpfs, usage_in_stream
 from tests.up import Up, nats_servers, wait_for
 
 
@@ -105,3 +111,106 @@ def test_up_whose_output_pipe_was_closed_answers_every_request_and_command_and_c
     assert "piped" in up.cli("ctl", "tree").stdout
     assert up.proc is not None and up.proc.poll() is None, "up goes on"
     assert metric(up, "llmgw_log_lines_dropped_total") >= 200, "each request's access line was counted as lost"
+
+
+def recorded(up: Up) -> set[str]:
+    """The request ids whose usage records the bus holds."""
+
+    async def go() -> set[str]:
+        store = await EventStore.connect(up.nats_url(), default_registry(), creds=up.nats_creds())
+        try:
+            return set(await usage_in_stream(store.js))
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def usage_health(up: Up) -> dict:
+    """The router's /healthz ``usage`` (what it holds that the bus has not acknowledged); {} if it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{up.port}/healthz", timeout=5) as r:
+            return json.loads(r.read())["usage"]
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())["usage"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+class Load:
+    """Clients asking ``up`` one request after another until stopped; every answer kept."""
+
+    def __init__(self, up: Up, key: str, clients: int = 4) -> None:
+        self.answers: list[tuple[str, int, str]] = []  # request id, status, body
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._ask, args=(up, key, n), daemon=True) for n in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def _ask(self, up: Up, key: str, n: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            rid = f"load-{n}-{i}"
+            i += 1
+            status, body = chat(up, key, rid)
+            self.answers.append((rid, status, body))
+
+    def since(self, start: int) -> list[tuple[str, int, str]]:
+        return self.answers[start:]
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(90)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["strict", "available"])
+def test_a_full_disk_under_load_answers_200_or_503_never_a_500_and_every_200_keeps_its_usage_record(
+    tmp_path: Path, ups: list[Up], monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    monkeypatch.setenv("LLMGW_ROUTER_USAGE_MODE", mode)
+    monkeypatch.setenv("LLMGW_ROUTER_USAGE_ACK_TIMEOUT_S", "1")
+    # Large enough for `up` to restart its nats-server once the filler goes (it waits for 64 MiB free).
+    with tmpfs(tmp_path / "disk", "160m") as disk:
+        up = Up(disk / "data")  # its output is appended to a file beside the data directory: on this disk too
+        ups.append(up.start())
+        key = serve_tiny(up, tmp_path)  # the model's file is elsewhere; everything `up` writes is here
+        load = Load(up, key)
+        try:
+            wait_for(lambda: len(load.answers) >= 40, "requests under load", 60.0)
+            full_from = len(load.answers)
+            filler = fill(disk)
+            if mode == "strict":
+                wait_for(
+                    lambda: any(status == 503 for _, status, _ in load.since(full_from)),
+                    "strict refusals once neither the bus nor the disk can keep a record",
+                    90.0,
+                )
+            else:
+                wait_for(
+                    lambda: usage_health(up).get("memory_only", 0) > 0,
+                    "records held in memory only, said in /healthz",
+                    90.0,
+                )
+            more_from = len(load.answers)
+            wait_for(lambda: len(load.answers) >= more_from + 40, "load going on while the disk is full", 90.0)
+            filler.unlink()  # space returns; nobody restarts `up`
+            wait_for(lambda: usage_health(up).get("records") == 0, "the usage records held to reach the bus", 120.0)
+            back_from = len(load.answers)
+            wait_for(
+                lambda: any(status == 200 for _, status, _ in load.since(back_from)), "answers once space is back", 60.0
+            )
+        finally:
+            load.stop()
+        statuses = sorted({status for _, status, _ in load.answers})
+        assert set(statuses) <= {200, 503}, (
+            f"answered {statuses}: {[b for _, s, b in load.answers if s not in (200, 503)][:3]}"
+        )
+        for _, status, body in load.answers:
+            if status == 503:
+                error = json.loads(body)["error"]  # OpenAI's error shape, never aiohttp's plain text
+                assert error["code"] == "usage_unavailable", error
+        served = {rid for rid, status, _ in load.answers if status == 200}
+        wait_for(lambda: served <= recorded(up), "every answered request's usage record on the bus", 60.0)
+        assert "Server got itself in trouble" not in up.output()
