@@ -1,0 +1,365 @@
+"""`usage_mode`: what a full disk does while the bus does not acknowledge usage records.
+
+``strict`` refuses billable requests at once (no answer whose record lives only in memory), keeps
+the records of requests in progress in the in-flight log's preallocated reserve, and admits again
+by itself when space returns; ``available`` serves on and says how many records live only in
+memory. The full disks are small tmpfs mounts (we run as root; skipped where mounting is not
+permitted); the bus is a real nats-server, the router a real one, in this process or as `llmgw up`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client import generate_latest
+
+from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema.catalog import default_registry
+from llmgw.events.schema.usage import UsageRecord
+from llmgw.services.router.app import RouterConfig
+from llmgw.services.router.inflight import InflightLog
+from llmgw.services.router.usage import UsageConfig, UsagePublisher
+from tests.fleet import Fleet
+from tests.gguf_tiny import write_tiny_gguf
+from tests.support import NatsServer, wait_until
+from tests.test_gateway import GATEWAY, make_key, make_tenant
+from tests.test_up_crash import _engine
+from tests.test_usage_journal import ask, fill, health, tmpfs, usage_in_stream
+from tests.up import Up, nats_servers, wait_for
+
+pytestmark = [pytest.mark.timeout(300)]
+
+RECORD = b"r" * 450  # about a usage record's size
+
+
+def router_on(journal: Path, mode: str, **more: object) -> RouterConfig:
+    return RouterConfig(
+        activation_s=30.0,
+        first_token_s=20.0,
+        idle_s=20.0,
+        total_s=60.0,
+        usage_journal=str(journal),
+        usage_ack_timeout_s=1.0,
+        usage_mode=mode,  # type: ignore[arg-type]
+        **more,  # type: ignore[arg-type]
+    )
+
+
+def gauge(fleet: Fleet, name: str) -> float:
+    """A series of the router's metrics, as /metrics shows them (read from its registry: the admin
+    /metrics also asks NATS for the projections' lag, which takes its timeouts while NATS is away)."""
+    text = generate_latest(fleet.handles["router"].metrics.registry).decode()
+    return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[1])
+
+
+@pytest.fixture
+async def http() -> aiohttp.ClientSession:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+# -- the in-flight log's reserve ----------------------------------------------------------------
+
+
+def test_the_in_flight_log_writes_into_its_reserve_on_a_full_disk_and_makes_it_again_when_space_returns(
+    tmp_path: Path,
+) -> None:
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        file_bytes = 64 << 10
+        log = InflightLog(disk / "inflight", file_bytes)
+        if not log.ensure_reserve() or log.unsupported:
+            pytest.skip(f"no fallocate here: {log.unsupported}")
+        written = [f"before-{i}".encode() + RECORD for i in range(80)]  # past half the file: the spare is made
+        for r in written:
+            log.write(r)
+        assert log.reserve_error is None
+
+        filler = fill(disk)
+        # The rest of the current file and all of the spare take records; the spare after it cannot be made.
+        during = []
+        while log.reserve_error is None:
+            record = f"during-{len(during)}".encode() + RECORD
+            log.write(record)
+            during.append(record)
+        assert len(during) > file_bytes // (2 * len(RECORD)), "the current file's rest and the spare took records"
+        assert log.reserve_error.errno == 28  # ENOSPC
+        while True:  # what the spare has left is taken too, then a write fails: never a torn record
+            record = f"last-{len(during)}".encode() + RECORD
+            try:
+                log.write(record)
+            except OSError as exc:
+                assert exc.errno == 28
+                break
+            during.append(record)
+
+        # Every record written is read back whole: preallocated room is never taken for records.
+        assert InflightLog(disk / "inflight").left_behind() == written + during
+
+        filler.unlink()
+        assert log.ensure_reserve() and log.reserve_error is None, "space returned: the reserve is made again"
+        log.write(b"after")
+        log.close()
+
+
+# -- strict --------------------------------------------------------------------------------------
+
+
+async def test_a_strict_publisher_without_a_journal_refuses_as_soon_as_the_bus_does_not_acknowledge(
+    nats: NatsServer, store: EventStore
+) -> None:
+    publisher = UsagePublisher(store.js, store.nc, UsageConfig(ack_timeout_s=0.5, retry_max_s=0.2))
+    await publisher.start()
+    try:
+        nats.stop()
+        publisher.put(UsageRecord(request_id="only-one", at=datetime.now(UTC), status=200, project_id="p1"))
+        await wait_until(lambda: publisher.refusal() is not None, what="the publisher to find the bus away")
+        reason = publisher.refusal()
+        assert reason is not None and reason.startswith("usage records cannot be kept: the bus does not acknowledge")
+        assert reason.endswith("no usage journal is configured; requests are refused until the bus acknowledges them")
+        backlog = publisher.backlog()
+        assert (backlog.state, backlog.mode, backlog.memory_only) == ("refusing", "strict", 1)
+
+        nats.start()
+        await wait_until(lambda: publisher.refusal() is None, deadline_s=30, what="the bus to acknowledge again")
+        assert publisher.backlog().memory_only == 0
+    finally:
+        if nats.proc is None or nats.proc.poll() is not None:
+            nats.start()
+        await publisher.stop()
+
+
+async def test_strict_refuses_at_once_while_the_bus_is_away_and_the_disk_is_full_and_admits_again_by_itself(
+    tmp_path: Path, http: aiohttp.ClientSession, nats: NatsServer, store: EventStore
+) -> None:
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        journal = disk / "usage-journal"
+        fleet = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=router_on(journal, "strict"))
+        try:
+            fleet.agent("n1")
+            tenant = await make_tenant(store)
+            key, _ = await make_key(store, tenant)
+            await fleet.add_model("tiny", write_tiny_gguf(tmp_path / "tiny.gguf"))
+            await fleet.wait_ready("tiny", 1)
+            await fleet.router_caught_up()
+            served = []
+            assert (await ask(http, fleet.port, key, "before"))[0] == 200
+            served.append("before")
+
+            filler = fill(disk)
+            nats.stop()
+            refused: list[tuple[int, dict]] = []
+
+            async def refusing() -> bool:
+                rid = f"down-{uuid.uuid4().hex[:8]}"
+                status, body = await ask(http, fleet.port, key, rid)
+                if status == 200:
+                    served.append(rid)
+                else:
+                    refused.append((status, body))
+                # Each 200 until then has its record on disk: in the in-flight log's reserve.
+                _, h = await health(http, fleet.port)
+                assert h["usage"]["memory_only"] == 0, h
+                return status != 200
+
+            await wait_until(refusing, deadline_s=30, what="billable requests to be refused")
+            status, body = refused[0]
+            assert status == 503 and body["error"]["code"] == "usage_unavailable"
+            assert body["error"]["message"].startswith("usage records cannot be kept: ")
+            assert str(journal) in body["error"]["message"], "the message names the full disk's directory"
+            h_status, h = await health(http, fleet.port)
+            assert h_status == 503 and h["usage"]["state"] == "refusing" and h["usage"]["mode"] == "strict"
+            assert gauge(fleet, "llmgw_usage_refusing") == 1
+
+            # Space returns: admitted again with no request trying, the bus still away (so /healthz stays
+            # 503 for NATS; its usage part says it).
+            filler.unlink()
+
+            async def admitting() -> bool:
+                return (await health(http, fleet.port))[1]["usage"]["refusing"] is None
+
+            await wait_until(admitting, deadline_s=30, what="the router to admit again by itself")
+            assert gauge(fleet, "llmgw_usage_refusing") == 0
+            rid = f"again-{uuid.uuid4().hex[:8]}"
+            assert (await ask(http, fleet.port, key, rid))[0] == 200
+            served.append(rid)
+
+            nats.start()
+
+            async def stored() -> bool:
+                return set(served) <= set(await usage_in_stream(store.js))
+
+            await wait_until(stored, deadline_s=60, what="every served request's usage record in the stream")
+            in_stream = await usage_in_stream(store.js)
+            assert {r: in_stream[r] for r in served} == dict.fromkeys(served, 1)
+        finally:
+            if nats.proc is None or nats.proc.poll() is not None:
+                nats.start()
+            await fleet.stop()
+
+
+# -- available -----------------------------------------------------------------------------------
+
+
+async def test_available_serves_on_a_full_disk_saying_how_many_records_live_only_in_memory_and_refuses_at_the_bound(
+    tmp_path: Path, http: aiohttp.ClientSession, nats: NatsServer, store: EventStore
+) -> None:
+    bound = 30
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        journal = disk / "usage-journal"
+        # The smallest reserve (some dozen records), so that records reach memory only after a few requests.
+        config = router_on(journal, "available", usage_memory_records=bound, usage_reserve_bytes=4096)
+        fleet = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=config)
+        try:
+            fleet.agent("n1")
+            tenant = await make_tenant(store)
+            key, _ = await make_key(store, tenant)
+            await fleet.add_model("tiny", write_tiny_gguf(tmp_path / "tiny.gguf"))
+            await fleet.wait_ready("tiny", 1)
+            await fleet.router_caught_up()
+
+            filler = fill(disk)
+            nats.stop()
+            served: list[str] = []
+            said_memory_only = []
+            refused: list[dict] = []
+            while len(served) < 10 * bound:
+                rid = f"down-{len(served)}"
+                status, body = await ask(http, fleet.port, key, rid)
+                if status != 200:
+                    refused.append(body)
+                    break
+                served.append(rid)
+                _, h = await health(http, fleet.port)  # 503 for NATS away; its usage part says what is held
+                if h["usage"]["memory_only"]:
+                    # memory_only while serving; refusing once the bound is held (the state says the worse)
+                    assert h["usage"]["state"] == ("refusing" if h["usage"]["refusing"] else "memory_only"), h
+                    assert h["usage"]["mode"] == "available"
+                    metric = gauge(fleet, "llmgw_usage_memory_only_records")
+                    said_memory_only.append((h["usage"]["memory_only"], metric))
+            assert said_memory_only, "records beyond the reserve were held in memory only, and said so"
+            assert all(n > 0 and metric == n for n, metric in said_memory_only), said_memory_only
+            assert refused and refused[0]["error"]["code"] == "usage_unavailable", "refused once the bound is held"
+            message = refused[0]["error"]["message"]
+            assert message.startswith("usage records cannot be kept: ") and " wait in memory for the bus (" in message
+            assert str(journal) in message, "the message names the journal that cannot be written"
+            assert len(served) >= bound, "served until the bound, not refused at once"
+
+            filler.unlink()
+            nats.start()
+
+            async def stored() -> bool:
+                return set(served) <= set(await usage_in_stream(store.js))
+
+            await wait_until(stored, deadline_s=60, what="every served request's usage record in the stream")
+            _, h = await health(http, fleet.port)
+            assert h["usage"]["memory_only"] == 0 and gauge(fleet, "llmgw_usage_memory_only_records") == 0
+        finally:
+            if nats.proc is None or nats.proc.poll() is not None:
+                nats.start()
+            await fleet.stop()
+
+
+# -- strict, killed -9 on a full disk: `llmgw up` with its data directory on the full disk -----------
+
+
+def _up_key(up: Up) -> str:
+    for args in (["org", "create", "acme"], ["team", "create", "acme/ml"], ["project", "create", "acme/ml/chat"]):
+        done = up.cli("ctl", *args)
+        assert done.returncode == 0, done.stderr
+    done = up.cli("ctl", "key", "create", "--project", "acme/ml/chat", "--name", "load")
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.timeout(600)
+async def test_strict_up_killed_on_a_full_disk_loses_no_usage_record_of_a_request_it_answered(
+    tmp_path: Path, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLMGW_ROUTER_USAGE_MODE", "strict")  # `up` defaults to available
+    monkeypatch.setenv("LLMGW_ROUTER_USAGE_ACK_TIMEOUT_S", "1")
+    with tmpfs(tmp_path / "disk", "96m") as disk:
+        data = disk / "data"
+        tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+        first = Up(data)
+        try:
+            await asyncio.to_thread(first.start)
+            added = await asyncio.to_thread(
+                first.cli,
+                "ctl",
+                "model",
+                "add",
+                "tiny",
+                "--source",
+                str(tiny),
+                "--cpu-cores",
+                "1",
+                "--memory-gb",
+                "0.1",
+            )
+            assert added.returncode == 0, added.stderr
+            await asyncio.to_thread(wait_for, lambda: _engine(data), "the tiny model's engine to be ready", 120.0)
+            key = await asyncio.to_thread(_up_key, first)
+
+            async def answered() -> bool:
+                return (await ask(http, first.port, key, f"warm-{uuid.uuid4().hex[:6]}"))[0] == 200
+
+            await wait_until(answered, deadline_s=60, what="the gateway to serve the tiny model")
+
+            served: list[str] = []
+            refusals: list[dict] = []
+            stop = asyncio.Event()
+
+            async def client(n: int) -> None:
+                i = 0
+                while not stop.is_set():
+                    rid = f"load-{n}-{i}"
+                    i += 1
+                    status, body = await ask(http, first.port, key, rid)
+                    if status == 200:
+                        served.append(rid)
+                    elif body.get("error", {}).get("code") == "usage_unavailable":
+                        refusals.append(body)
+
+            clients = [asyncio.create_task(client(n)) for n in range(4)]
+            await wait_until(lambda: len(served) >= 20, deadline_s=60, what="requests under load")
+            filler = await asyncio.to_thread(fill, disk)  # the router's disk, and its nats-server's, fills
+            await wait_until(lambda: refusals, deadline_s=60, what="strict refusals once the bus cannot store")
+            await wait_until(lambda: len(refusals) >= 20, deadline_s=30, what="refusals under load")
+            first.kill9()  # with records of answered requests not on the bus
+            stop.set()
+            await asyncio.gather(*clients, return_exceptions=True)
+            assert any((data / "usage-journal" / "inflight").glob("*.inflight")), (
+                "records of answered requests are in the in-flight log"
+            )
+        finally:
+            if first.proc is not None and first.proc.poll() is None:
+                first.kill9()
+        for pid in nats_servers(data):
+            os.kill(pid, 9)
+        filler.unlink()
+
+        second = Up(data)
+        try:
+            await asyncio.to_thread(second.start)
+            store = await EventStore.connect(second.nats_url(), default_registry(), creds=second.nats_creds())
+            try:
+
+                async def stored() -> bool:
+                    return set(served) <= set(await usage_in_stream(store.js))
+
+                await wait_until(stored, deadline_s=120, what="every answered request's usage record on the bus")
+                in_stream = await usage_in_stream(store.js)
+                assert {r: in_stream[r] for r in served} == dict.fromkeys(served, 1)
+            finally:
+                await store.close()
+        finally:
+            if second.proc is not None and second.proc.poll() is None:
+                second.stop()
+            for pid in nats_servers(data):
+                os.kill(pid, 9)
