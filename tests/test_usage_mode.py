@@ -277,6 +277,14 @@ def _up_key(up: Up) -> str:
     return done.stdout.strip()
 
 
+async def _stored_by(up: Up) -> set[str]:
+    store = await EventStore.connect(up.nats_url(), default_registry(), creds=up.nats_creds())
+    try:
+        return set(await usage_in_stream(store.js))
+    finally:
+        await store.close()
+
+
 @pytest.mark.timeout(600)
 async def test_strict_up_killed_on_a_full_disk_loses_no_usage_record_of_a_request_it_answered(
     tmp_path: Path, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
@@ -287,21 +295,11 @@ async def test_strict_up_killed_on_a_full_disk_loses_no_usage_record_of_a_reques
         data = disk / "data"
         tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
         first = Up(data)
+        filler: Path | None = None
         try:
             await asyncio.to_thread(first.start)
-            added = await asyncio.to_thread(
-                first.cli,
-                "ctl",
-                "model",
-                "add",
-                "tiny",
-                "--source",
-                str(tiny),
-                "--cpu-cores",
-                "1",
-                "--memory-gb",
-                "0.1",
-            )
+            add = ["model", "add", "tiny", "--source", str(tiny), "--cpu-cores", "1", "--memory-gb", "0.1"]
+            added = await asyncio.to_thread(first.cli, "ctl", *add)
             assert added.returncode == 0, added.stderr
             await asyncio.to_thread(wait_for, lambda: _engine(data), "the tiny model's engine to be ready", 120.0)
             key = await asyncio.to_thread(_up_key, first)
@@ -331,7 +329,10 @@ async def test_strict_up_killed_on_a_full_disk_loses_no_usage_record_of_a_reques
             filler = await asyncio.to_thread(fill, disk)  # the router's disk, and its nats-server's, fills
             await wait_until(lambda: refusals, deadline_s=60, what="strict refusals once the bus cannot store")
             await wait_until(lambda: len(refusals) >= 20, deadline_s=30, what="refusals under load")
-            first.kill9()  # with records of answered requests not on the bus
+            # Answered, and not on the bus: the stream could not store them, nor the journal keep them.
+            on_bus = await asyncio.wait_for(_stored_by(first), 60)
+            assert set(served) - on_bus, "some answered requests' records are not on the bus when up is killed"
+            first.kill9()
             stop.set()
             await asyncio.gather(*clients, return_exceptions=True)
             assert any((data / "usage-journal" / "inflight").glob("*.inflight")), (
@@ -340,13 +341,18 @@ async def test_strict_up_killed_on_a_full_disk_loses_no_usage_record_of_a_reques
         finally:
             if first.proc is not None and first.proc.poll() is None:
                 first.kill9()
-        for pid in nats_servers(data):
-            os.kill(pid, 9)
-        filler.unlink()
+            for pid in nats_servers(data):
+                os.kill(pid, 9)
+        assert filler is not None
+        filler.unlink()  # space returns
 
         second = Up(data)
         try:
             await asyncio.to_thread(second.start)
+            moved = [
+                line for line in second.output().splitlines() if "an earlier run had not seen acknowledged" in line
+            ]
+            assert moved, "the next start moves the in-flight log's records into the journal"
             store = await EventStore.connect(second.nats_url(), default_registry(), creds=second.nats_creds())
             try:
 
