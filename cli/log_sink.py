@@ -13,8 +13,8 @@ the first write that works again begins with one line saying how many were lost 
 from __future__ import annotations
 
 import os
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 CAPACITY = 10_000  # lines waiting for the writer; past it a line is dropped, never waited for
 BATCH = 512  # lines joined into one write
+TICK_S = 0.02  # how often the writer looks for lines: a wake-up per line would cost the caller a thread switch
 FLUSH_S = 2.0  # the longest a stopping process waits for its last lines
 
 
@@ -47,7 +48,10 @@ class LineSink:
         self._error: str | None = None  # why the last ones were lost
         self._torn = False  # the last write stopped inside a line
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # A deque's append and popleft are atomic: the caller appends and goes on, waking nobody; the
+        # writer looks every TICK_S (or at once when :meth:`flush` or :meth:`close` ask it to).
+        self._queue: deque = deque()
+        self._wake = threading.Event()
         self._fd = _descriptor(stream)
         self._thread = threading.Thread(target=self._run, name="log-writer", daemon=True)
         if self._fd is not None:
@@ -59,45 +63,46 @@ class LineSink:
             # A stream in memory (a test's capture, click's runner) neither fills nor blocks: written here.
             self._emit([line])
             return
-        if self._queue.qsize() >= self.capacity:
+        if len(self._queue) >= self.capacity:
             self._lose(1, "the stream did not take lines as fast as they came")
             return
-        self._queue.put(line)
+        self._queue.append(line)
 
     def flush(self, timeout_s: float = FLUSH_S) -> bool:
         """Wait up to ``timeout_s`` for the lines queued so far to be written (or dropped)."""
         if not self._thread.is_alive():
             return True
         marker = _Flushed()
-        self._queue.put(marker)
+        self._queue.append(marker)
+        self._wake.set()
         return marker.done.wait(timeout_s)
 
     def close(self, timeout_s: float = FLUSH_S) -> None:
         """Write what is queued (within ``timeout_s``) and stop the thread."""
         self.flush(timeout_s)
-        self._queue.put(_STOP)
+        self._queue.append(_STOP)
+        self._wake.set()
 
     # -- the writer thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            if not self._queue:
+                self._wake.wait(TICK_S)
+                self._wake.clear()
+                continue
             lines: list[str] = []
             markers: list[_Flushed] = []
             stop = False
-            while True:
+            while self._queue and len(lines) < BATCH:
+                item = self._queue.popleft()
                 if item is _STOP:
                     stop = True
-                elif isinstance(item, _Flushed):
+                    break
+                if isinstance(item, _Flushed):
                     markers.append(item)
                 else:
                     lines.append(item)
-                if stop or len(lines) >= BATCH:
-                    break
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
             if lines:
                 self._emit(lines)
             for m in markers:
