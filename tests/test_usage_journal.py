@@ -294,7 +294,9 @@ async def test_billable_requests_are_refused_with_the_reason_while_usage_cannot_
 ) -> None:
     with tmpfs(tmp_path / "journal-disk", "256k") as disk:
         journal = disk / "usage-journal"
-        fleet = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=journaled_router(journal))
+        # A reserve that fits this small disk once it has room again (the default, 1 MiB, never would).
+        router = msgspec.structs.replace(journaled_router(journal), usage_reserve_bytes=16 << 10)
+        fleet = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=router)
         try:
             fleet.agent("n1")
             tenant = await make_tenant(store)
@@ -324,9 +326,14 @@ async def test_billable_requests_are_refused_with_the_reason_while_usage_cannot_
             status, body = refused[0]
             assert status == 503
             assert body["error"]["code"] == "usage_unavailable" and body["error"]["type"] == "api_error"
-            assert body["error"]["message"] == (
+            # Strict (the default): whichever the router found first, the journal or the in-flight log's reserve.
+            assert body["error"]["message"] in (
                 f"usage records cannot be kept: the usage journal at {journal} is full (No space left on device); "
-                "requests are refused until it can be written"
+                "requests are refused until it can be written",
+                "usage records cannot be kept: the bus does not acknowledge them (NATS is not connected) and the "
+                f"in-flight usage log at {journal / 'inflight'} is full (No space left on device): no room for the "
+                "records of more requests; requests are refused until the disk has room again or the bus "
+                "acknowledges them",
             )
             h_status, h = await health(http, fleet.port)
             assert h_status == 503 and h["usage"]["state"] == "refusing" and h["usage"]["refusing"]
