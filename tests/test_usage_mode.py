@@ -10,13 +10,17 @@ permitted); the bus is a real nats-server, the router a real one, in this proces
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import urllib.request
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 from prometheus_client import generate_latest
 
 from llmgw.events.runtime.store import EventStore
@@ -31,7 +35,7 @@ from tests.support import NatsServer, wait_until
 from tests.test_gateway import GATEWAY, make_key, make_tenant
 from tests.test_up_crash import _engine
 from tests.test_usage_journal import ask, fill, health, tmpfs, usage_in_stream
-from tests.up import Up, nats_servers, wait_for
+from tests.up import LLMGW, Up, nats_servers, wait_for
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -369,3 +373,40 @@ async def test_strict_up_killed_on_a_full_disk_loses_no_usage_record_of_a_reques
                 second.stop()
             for pid in nats_servers(data):
                 os.kill(pid, 9)
+
+
+# -- the defaults ----------------------------------------------------------------------------------
+
+
+def _usage_mode_of(up: Up) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{up.admin_port}/healthz", timeout=5) as r:
+        return json.load(r)["usage"]["mode"]
+
+
+@pytest.mark.timeout(240)
+def test_llmgw_server_defaults_to_strict_and_llmgw_up_to_available_unless_the_environment_chooses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    shown = subprocess.run(
+        [LLMGW, "server", "--print-config"],
+        env={**clean, "LLMGW_DATA_DIR": str(tmp_path / "server")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert yaml.safe_load(shown.stdout)["router"]["usage_mode"] == "strict"
+
+    monkeypatch.delenv("LLMGW_ROUTER_USAGE_MODE", raising=False)
+    up = Up(tmp_path / "data").start()
+    try:
+        assert _usage_mode_of(up) == "available"
+    finally:
+        up.stop()
+    monkeypatch.setenv("LLMGW_ROUTER_USAGE_MODE", "strict")
+    up = Up(tmp_path / "data").start()
+    try:
+        assert _usage_mode_of(up) == "strict"
+    finally:
+        up.stop()
