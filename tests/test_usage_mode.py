@@ -10,16 +10,19 @@ permitted); the bus is a real nats-server, the router a real one, in this proces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
 import pytest
+import structlog
 import yaml
 from prometheus_client import generate_latest
 
@@ -32,6 +35,7 @@ from llmgw.services.router.usage import UsageConfig, UsagePublisher
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import NatsServer, wait_until
+from tests.test_accountant import START, make_records
 from tests.test_gateway import GATEWAY, make_key, make_tenant
 from tests.test_up_crash import _engine
 from tests.test_usage_journal import ask, fill, health, tmpfs, usage_in_stream
@@ -109,6 +113,40 @@ def test_the_in_flight_log_writes_into_its_reserve_on_a_full_disk_and_makes_it_a
         assert log.ensure_reserve() and log.reserve_error is None, "space returned: the reserve is made again"
         log.write(b"after")
         log.close()
+
+
+@contextlib.contextmanager
+def ramfs(where: Path) -> Iterator[Path]:
+    """A ramfs (a file system without fallocate) at ``where``; skipped where mounting is not permitted."""
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs here ({done.stderr.decode().strip() or done.returncode}): a root-only test")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+async def test_without_fallocate_the_in_flight_log_keeps_no_reserve_says_so_once_at_start_and_still_writes(
+    tmp_path: Path, store: EventStore
+) -> None:
+    with ramfs(tmp_path / "ram") as disk:
+        journal = disk / "usage-journal"
+        records = make_records(30, START, prefix="ramfs")
+        with structlog.testing.capture_logs() as logs:
+            publisher = UsagePublisher(store.js, store.nc, UsageConfig(journal_dir=str(journal), reserve_bytes=4096))
+            await publisher.start()
+            for r in records:
+                publisher.put(r)
+            await wait_until(lambda: publisher.published == len(records), deadline_s=30, what="every record published")
+            await publisher.stop()
+        said = [e for e in logs if e["event"].startswith("the in-flight usage log keeps no reserve on this system")]
+        assert len(said) == 1 and said[0]["reason"] == (
+            "fallocate is not supported on this file system (Operation not supported)"
+        )
+        assert not [e for e in logs if e["log_level"] == "error"], "no write failed: records went to the log as before"
+        assert publisher.backlog().memory_only == 0 and publisher.backlog().reserve is None
 
 
 # -- strict --------------------------------------------------------------------------------------

@@ -83,7 +83,6 @@ class InflightLog:
         directory: str | Path,
         file_bytes: int = 1 << 20,
         *,
-        reserve: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.directory = Path(directory)
@@ -96,15 +95,13 @@ class InflightLog:
         self._current: int | None = None
         self._fd: int | None = None
         self._size = 0
-        self._allocate = _fallocate() if reserve else None
+        self._allocate = _fallocate()
         self._spare: tuple[int, int] | None = None  # (file, fd): preallocated, next after the current one
-        self._tried = float("-inf")  # when a spare was last tried
-        # Why the reserve could not be made (a full disk), or None while it is there (or not wanted).
+        self._tried = float("-inf")  # when a spare last could not be made
+        # Why the reserve could not be made (a full disk), or None while it is there.
         self.reserve_error: OSError | None = None
-        # Why there is no reserve at all (fallocate not supported here), or None.
-        self.unsupported: str | None = None if reserve else "not wanted"
-        if self._allocate is None and reserve:
-            self.unsupported = "this system's C library has no fallocate"
+        # Why there is no reserve at all (fallocate not supported here; the publisher says so at start), or None.
+        self.unsupported: str | None = None if self._allocate else "this system's C library has no fallocate"
 
     @property
     def reserving(self) -> bool:
@@ -158,11 +155,11 @@ class InflightLog:
         none); False, with :attr:`reserve_error` set, when the disk has no room for it."""
         if self._allocate is None or self._spare is not None:
             return True
-        self._tried = self.clock()
         number = self._next
         try:
             fd = self._open_allocated(number)
         except OSError as exc:
+            self._tried = self.clock()
             if self.reserve_error is None or exc.errno != self.reserve_error.errno:
                 log.error(
                     "the in-flight usage log cannot keep its reserve; records of requests in progress use what is "
@@ -214,22 +211,16 @@ class InflightLog:
 
     def _open_allocated(self, number: int) -> int:
         """File ``number`` opened for appending with ``file_bytes`` preallocated; OSError (ENOSPC) with
-        nothing left behind. Where fallocate is not supported, this log stops reserving (said once)."""
+        nothing left behind. Where fallocate is not supported, this log stops reserving (:attr:`unsupported`)."""
         assert self._allocate is not None
         path = self._path(number)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             self._allocate(fd, self.file_bytes)
         except OSError as exc:
-            if exc.errno in UNSUPPORTED:
+            if exc.errno in UNSUPPORTED:  # this file system: no reserve, the file is used as it is
                 self._allocate = None
-                self.unsupported = f"fallocate is not supported here ({exc.strerror})"
-                log.warning(
-                    "the in-flight usage log cannot keep a reserve on this file system; a full disk fails the "
-                    "next record",
-                    directory=str(self.directory),
-                    reason=self.unsupported,
-                )
+                self.unsupported = f"fallocate is not supported on this file system ({exc.strerror})"
                 return fd
             os.close(fd)
             path.unlink(missing_ok=True)
