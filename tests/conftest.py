@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema.catalog import default_registry
 from tests.fleet import Fleet
 from tests.support import NatsServer, Postgres, nats_server
+from tests.up import Up, nats_servers
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
@@ -62,3 +64,16 @@ async def db_dsn(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'projections.db'}"
     pg: Postgres = request.getfixturevalue("postgres")
     return await pg.new_database()
+
+
+@pytest.fixture
+def ups() -> Iterator[list[Up]]:
+    """The `llmgw up` processes a test starts; whatever still runs at the end is stopped, with its nats-server."""
+    started: list[Up] = []
+    yield started
+    for u in started:
+        if u.proc is not None and u.proc.poll() is None:
+            u.stop()
+    for u in started:
+        for pid in nats_servers(u.data_dir):
+            os.kill(pid, signal.SIGKILL)

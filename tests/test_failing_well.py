@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
@@ -23,7 +20,7 @@ from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema.catalog import default_registry
 from tests.gguf_tiny import write_tiny_gguf
 from tests.test_usage_journal import fill, tmpfs, usage_in_stream
-from tests.up import Up, nats_servers, wait_for
+from tests.up import Up, wait_for
 
 
 class PipedUp(Up):
@@ -41,21 +38,6 @@ class PipedUp(Up):
         assert self.proc is not None and self.proc.poll() is None, "llmgw up exited early"
         info = self.run_info()
         return info is not None and info["pid"] == self.proc.pid and self.healthy()
-
-
-@pytest.fixture
-def ups() -> Iterator[list[Up]]:
-    started: list[Up] = []
-    yield started
-    for u in started:
-        if u.proc is not None and u.proc.poll() is None:
-            u.proc.send_signal(signal.SIGTERM)
-            try:
-                u.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                u.proc.kill()
-        for pid in nats_servers(u.data_dir):
-            os.kill(pid, signal.SIGKILL)
 
 
 def serve_tiny(up: Up, tmp_path: Path) -> str:

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +28,6 @@ from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.support import free_port, wait_until
 from tests.up import DEADLINE_S, LLMGW, Up, nats_servers, wait_for
-
-
-@pytest.fixture
-def ups(tmp_path: Path) -> Iterator[list[Up]]:
-    """The `up` processes a test starts; whatever still runs at the end is stopped, with its nats-server."""
-    started: list[Up] = []
-    yield started
-    for u in started:
-        if u.proc is not None and u.proc.poll() is None:
-            u.stop()
-    for u in started:
-        for pid in nats_servers(u.data_dir):
-            os.kill(pid, signal.SIGKILL)
 
 
 def append_orgs(nats_url: str, creds: NatsCredential, n: int) -> list[str]:

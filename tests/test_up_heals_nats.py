@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +34,7 @@ from llmgw.events.runtime.connection import NatsCredential
 from llmgw.events.schema.subjects import STREAM_EVENTS, STREAM_USAGE
 from tests.gguf_tiny import write_tiny_gguf
 from tests.test_usage_journal import fill, tmpfs
-from tests.up import Up, nats_servers, wait_for
+from tests.up import Up, wait_for
 
 POLICY = HealPolicy(failures_needed=3, free_margin=64 << 20, cooldown_s=20.0, max_cooldown_s=600.0)
 
@@ -121,17 +118,6 @@ def test_the_healed_line_says_what_happened_and_what_follows() -> None:
 
 
 # -- end to end --------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def ups() -> Iterator[list[Up]]:
-    started: list[Up] = []
-    yield started
-    for u in started:
-        if u.proc is not None and u.proc.poll() is None:
-            u.stop()
-        for pid in nats_servers(u.data_dir):
-            os.kill(pid, signal.SIGKILL)
 
 
 def get_json(url: str, body: dict | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict]:

@@ -105,6 +105,19 @@ async def usage_in_stream(js: Any) -> Counter[str]:
     return ids
 
 
+async def each_recorded_once(js: Any, served: list[str], deadline_s: float = 60.0) -> Counter[str]:
+    """Wait until every request id in ``served`` has its usage record in the stream, and hold that each
+    has exactly one (billed once); the stream's counts by request id."""
+
+    async def stored() -> bool:
+        return set(served) <= set(await usage_in_stream(js))
+
+    await wait_until(stored, deadline_s=deadline_s, what="every served request's usage record in the stream")
+    in_stream = await usage_in_stream(js)
+    assert {rid: in_stream[rid] for rid in served} == dict.fromkeys(served, 1), "each served request billed once"
+    return in_stream
+
+
 async def ask(session: aiohttp.ClientSession, port: int, key: str, request_id: str) -> tuple[int, dict]:
     async with session.post(
         f"http://127.0.0.1:{port}/v1/completions",
@@ -354,12 +367,7 @@ async def test_billable_requests_are_refused_with_the_reason_while_usage_cannot_
 
             nats.start()
 
-            async def stored() -> bool:
-                return set(served) <= set(await usage_in_stream(store.js))
-
-            await wait_until(stored, deadline_s=60, what="every served request's usage record in the stream")
-            in_stream = await usage_in_stream(store.js)
-            assert {rid: in_stream[rid] for rid in served} == dict.fromkeys(served, 1)
+            in_stream = await each_recorded_once(store.js, served)
             assert not [rid for rid in in_stream if rid.startswith("down-") and rid not in served], (
                 "a refused request has no usage record"
             )
@@ -409,13 +417,7 @@ async def test_records_a_stopping_router_could_not_publish_are_journaled_and_pub
         services=("router",), router=journaled_router(journal)
     )
     try:
-
-        async def stored() -> bool:
-            return set(served) <= set(await usage_in_stream(store.js))
-
-        await wait_until(stored, deadline_s=60, what="the next router to publish the journaled records")
-        in_stream = await usage_in_stream(store.js)
-        assert {rid: in_stream[rid] for rid in served} == dict.fromkeys(served, 1)
+        await each_recorded_once(store.js, served)
         await wait_until(lambda: not list(journal.glob("*.journal")), what="the replayed segments to be deleted")
     finally:
         await second.stop()

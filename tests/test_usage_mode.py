@@ -38,7 +38,7 @@ from tests.support import NatsServer, wait_until
 from tests.test_accountant import START, make_records
 from tests.test_gateway import GATEWAY, make_key, make_tenant
 from tests.test_up_crash import _engine
-from tests.test_usage_journal import ask, fill, health, tmpfs, usage_in_stream
+from tests.test_usage_journal import ask, each_recorded_once, fill, health, tmpfs, usage_in_stream
 from tests.up import LLMGW, Up, nats_servers, wait_for
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -233,12 +233,7 @@ async def test_strict_refuses_at_once_while_the_bus_is_away_and_the_disk_is_full
 
             nats.start()
 
-            async def stored() -> bool:
-                return set(served) <= set(await usage_in_stream(store.js))
-
-            await wait_until(stored, deadline_s=60, what="every served request's usage record in the stream")
-            in_stream = await usage_in_stream(store.js)
-            assert {r: in_stream[r] for r in served} == dict.fromkeys(served, 1)
+            await each_recorded_once(store.js, served)
         finally:
             if nats.proc is None or nats.proc.poll() is not None:
                 nats.start()
@@ -295,10 +290,7 @@ async def test_available_serves_on_a_full_disk_saying_how_many_records_live_only
             filler.unlink()
             nats.start()
 
-            async def stored() -> bool:
-                return set(served) <= set(await usage_in_stream(store.js))
-
-            await wait_until(stored, deadline_s=60, what="every served request's usage record in the stream")
+            await each_recorded_once(store.js, served)
             _, h = await health(http, fleet.port)
             assert h["usage"]["memory_only"] == 0 and gauge(fleet, "llmgw_usage_memory_only_records") == 0
         finally:
@@ -397,13 +389,7 @@ async def test_strict_up_killed_on_a_full_disk_loses_no_usage_record_of_a_reques
             assert moved, "the next start moves the in-flight log's records into the journal"
             store = await EventStore.connect(second.nats_url(), default_registry(), creds=second.nats_creds())
             try:
-
-                async def stored() -> bool:
-                    return set(served) <= set(await usage_in_stream(store.js))
-
-                await wait_until(stored, deadline_s=120, what="every answered request's usage record on the bus")
-                in_stream = await usage_in_stream(store.js)
-                assert {r: in_stream[r] for r in served} == dict.fromkeys(served, 1)
+                await each_recorded_once(store.js, served, deadline_s=120)
             finally:
                 await store.close()
         finally:
