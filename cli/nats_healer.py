@@ -13,6 +13,10 @@ How it knows:
   probe stream that hit the error stays failed like the others do. nats-server's own word — its
   "critical write error" log line — is no use here: its log is on the same full disk. Nor are
   ``/jsz`` or stream info, which report no write error;
+- **the disk was full**: `up` also looks at the store's file system four times a second; a disk seen
+  with less than :attr:`HealPolicy.full_below` free may have failed any stream — the usage stream,
+  the events stream — in a burst too short for three probes to fail in a row, so once it has room
+  again the server is restarted whatever the probes say;
 - **space is back**: the store's file system has :attr:`HealPolicy.free_margin` bytes free and a
   test write of 64 KiB (fsynced) in the store's folder succeeds. nats-server sizes its store limit
   from the free disk at start (75 %), so a restart on a nearly full disk would only trade a write
@@ -65,6 +69,9 @@ class HealPolicy(msgspec.Struct, frozen=True, kw_only=True):
     free_margin: int = 64 * 1024 * 1024  # bytes free on the store's disk before a restart is worth it
     cooldown_s: float = 20.0  # after a restart, the least time before the next; doubled per restart that did not heal
     max_cooldown_s: float = 600.0
+    # Free bytes below which the store's disk counts as full. A disk seen full may have failed any stream,
+    # even one whose writes no probe shares, so once it has room again the server is restarted anyway.
+    full_below: int = 4 * 1024 * 1024
 
 
 class HealInputs(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,6 +84,7 @@ class HealInputs(msgspec.Struct, frozen=True, kw_only=True):
     restarted_at: float | None  # monotonic time of the last restart `up` made, None: none
     unhealed_restarts: int  # restarts since the last acknowledged probe
     now: float
+    disk_full_seen: bool = False  # the store's disk was seen full since the last restart
 
 
 def cooldown(policy: HealPolicy, unhealed_restarts: int) -> float:
@@ -86,9 +94,10 @@ def cooldown(policy: HealPolicy, unhealed_restarts: int) -> float:
 
 def heal_decision(state: HealInputs, policy: HealPolicy = HealPolicy()) -> Action:
     """Whether to restart the embedded nats-server now; pure."""
-    if state.probe_failures < policy.failures_needed:
+    failing = state.probe_failures >= policy.failures_needed
+    if not failing and not state.disk_full_seen:
         return Action.HEALTHY
-    if not state.acked_ever:
+    if failing and not state.acked_ever and not state.disk_full_seen:
         # Never acknowledged: the probe's own setup is what fails, and restarting would not change it.
         return Action.HOLD
     if not state.writable or state.free_bytes is None or state.free_bytes < policy.free_margin:
@@ -178,19 +187,38 @@ class NatsHealer:
         self.restarted_at: float | None = None
         self.unhealed_restarts = 0
         self.disk_was_full = False  # in this failing episode
+        self.disk_full_seen = False  # by the disk watch, since the last restart
+        self.disk_every_s = 0.25  # how often the disk is looked at: a full disk may last a second
         self.warned = False  # the waiting line, once per episode
         self.last_error: str | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
+        watch = asyncio.create_task(self.watch_disk(stop), name="nats-disk-watch")
         try:
             while not stop.is_set():
                 await self.step()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.probe_every_s)
         finally:
+            watch.cancel()
             if self.nc is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.nc.close(), 2.0)
+
+    async def watch_disk(self, stop: asyncio.Event) -> None:
+        """Latch :attr:`disk_full_seen` when the store's disk is seen full. A burst of a second or two is
+        enough to fail a stream for good (until a restart) while the probes, every 2 s, still get through."""
+        while not stop.is_set():
+            try:
+                st = os.statvfs(self.natsd.dir)
+            except OSError:
+                pass
+            else:
+                if st.f_bavail * st.f_frsize < self.policy.full_below and not self.disk_full_seen:
+                    self.disk_full_seen = True
+                    log.warning("the embedded nats-server's disk is full", store=str(self.natsd.dir))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.disk_every_s)
 
     async def step(self) -> Action:
         """One probe, one decision, and the restart it calls for."""
@@ -199,11 +227,17 @@ class NatsHealer:
         error = await self.probe()
         if error is None:
             self.failures, self.acked_ever, self.unhealed_restarts = 0, True, 0
-            self.disk_was_full = self.warned = False
-            return Action.HEALTHY
-        self.failures += 1
-        self.last_error = error
-        room = store_room(self.natsd.dir) if self.failures >= self.policy.failures_needed else None
+            self.warned = False
+            if not self.disk_full_seen:
+                self.disk_was_full = False
+                return Action.HEALTHY
+        else:
+            self.failures += 1
+            self.last_error = error
+        if self.disk_full_seen:
+            self.disk_was_full = True
+        looked = self.failures >= self.policy.failures_needed or self.disk_full_seen
+        room = store_room(self.natsd.dir) if looked else None
         action = heal_decision(
             HealInputs(
                 probe_failures=self.failures,
@@ -213,6 +247,7 @@ class NatsHealer:
                 restarted_at=self.restarted_at,
                 unhealed_restarts=self.unhealed_restarts,
                 now=time.monotonic(),
+                disk_full_seen=self.disk_full_seen,
             ),
             self.policy,
         )
@@ -220,7 +255,7 @@ class NatsHealer:
             self.disk_was_full = True
             if not self.warned:
                 self.warned = True
-                self.say(waiting_line(self.natsd.dir, error, self.policy.free_margin))
+                self.say(waiting_line(self.natsd.dir, error or "its disk is full", self.policy.free_margin))
         elif action is Action.RESTART:
             self.restart()
         return action
@@ -237,6 +272,7 @@ class NatsHealer:
         self.restarted_at = time.monotonic()
         self.unhealed_restarts += 1
         self.failures = 0
+        self.disk_full_seen = False
         log.info("embedded nats-server restarted", seconds=round(self.restarted_at - started, 3))
         self.say(healed_line(self.disk_was_full, self.last_error))
 

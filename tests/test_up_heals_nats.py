@@ -71,6 +71,16 @@ def inputs(**changes: Any) -> HealInputs:
         ("a disk not looked at waits for space", {"free_bytes": None}, Action.WAIT_FOR_SPACE),
         ("a probe never acknowledged says nothing about the store", {"acked_ever": False}, Action.HOLD),
         (
+            "a disk seen full is restarted once it has room, though the probes got through",
+            {"probe_failures": 0, "disk_full_seen": True},
+            Action.RESTART,
+        ),
+        (
+            "a disk seen full with less free than the margin waits for space",
+            {"probe_failures": 0, "disk_full_seen": True, "free_bytes": (64 << 20) - 1},
+            Action.WAIT_FOR_SPACE,
+        ),
+        (
             "a restart too recent is not repeated",
             {"restarted_at": 990.0, "unhealed_restarts": 1},
             Action.HOLD,
