@@ -108,6 +108,8 @@ class LineSink:
             for m in markers:
                 m.done.set()
             if stop:
+                if self._fd is not None:
+                    os.close(self._fd)
                 return
 
     def _emit(self, lines: list[str]) -> None:
@@ -161,10 +163,12 @@ class LineSink:
 
 
 def _descriptor(stream: TextIO) -> int | None:
-    """The stream's file descriptor, written to directly (bypassing Python's buffer, which would keep
-    a failed write's bytes and fail every later flush); None for a stream without one (a test's capture)."""
+    """A descriptor of the sink's own for the stream's file, written to directly (bypassing Python's
+    buffer, which would keep a failed write's bytes and fail every later flush); None for a stream
+    without one (a test's capture). Its own, a duplicate: the stream's number, once the stream is
+    closed, may be given to a socket, and a log line written there would be written into it."""
     try:
-        fd = stream.fileno()
+        fd = os.dup(stream.fileno())
     except (AttributeError, OSError, ValueError):
         return None
     try:

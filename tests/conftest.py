@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import structlog
 
+from llmgw.cli.logs import SinkHandler
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema.catalog import default_registry
 from tests.fleet import Fleet
@@ -20,8 +22,13 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 @pytest.fixture(autouse=True)
 def fresh_structlog() -> None:
     """Every test starts from structlog's defaults: a command run in-process (click's CliRunner) configures
-    it for the whole process, and a level it set would hide from a later test's capture_logs what it logs."""
+    it for the whole process, and a level it set would hide from a later test's capture_logs what it logs.
+    The standard library's root logger loses the sink an earlier test's ``logs.configure`` gave it."""
     structlog.reset_defaults()
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, SinkHandler)]:
+        root.removeHandler(handler)
+        handler.sink.close()
 
 
 @pytest.fixture
