@@ -497,6 +497,10 @@ def test_a_budget_hold_covers_the_whole_prompt_and_every_output_token_it_may_ask
     assert adm.most_it_may_cost(body, endpoint, _model("m"), price, 4096, prompt) == 63 + 2 * 10, "text found once"
     no_max = {k: v for k, v in body.items() if k != "max_tokens"}
     assert adm.most_it_may_cost(no_max, endpoint, _model("m"), price, 4096, prompt) == 63 + 2 * 4096
+    # Three answers are three times the output (an engine honours n); the prompt is read once.
+    assert adm.most_it_may_cost({**body, "n": 3}, endpoint, _model("m"), price, 4096, prompt) == 63 + 3 * 2 * 10
+    completion = {"model": "m", "prompt": "héllo", "max_tokens": 10, "best_of": 4, "n": 2}
+    assert adm.most_it_may_cost(completion, "/v1/completions", _model("m"), price, 4096) == (6 + 16 + 16) + 4 * 2 * 10
 
 
 def test_a_budget_full_only_of_running_requests_holds_says_to_retry_in_seconds() -> None:

@@ -295,11 +295,18 @@ def most_it_may_cost(
     default_max_tokens: int,
     prompt: str | None = None,
 ) -> float:
-    """What a request may cost at most: its prompt's upper bound and every output token it may ask for.
+    """What a request may cost at most: its prompt's upper bound and every output token it may ask for,
+    for each answer it asks for (``n`` choices, or ``best_of`` candidates the engine generates and bills).
     ``prompt``: the prompt's text, when already found (:func:`.validation.prompt_text`)."""
     out = body.get("max_tokens") or body.get("max_completion_tokens") or model.spec.max_output or default_max_tokens
+    answers = max(_count(body.get("n")), _count(body.get("best_of")))
     bound = max_prompt_tokens(body, endpoint, prompt)
-    return max_cost(bound, int(out), price.input_usd_per_m, price.output_usd_per_m)
+    return max_cost(bound, int(out) * answers, price.input_usd_per_m, price.output_usd_per_m)
+
+
+def _count(value: Any) -> int:
+    """A count a client sent (already type-checked), 1 when absent."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
 
 
 HELD_RETRY_S = 5  # a budget full only of running requests' holds frees up as soon as they settle
