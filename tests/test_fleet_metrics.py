@@ -12,13 +12,14 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw.cli.log_sink import DroppedLinesCollector
 from llmgw.events.runtime.metrics import StoreMetrics
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
 from llmgw.infra.pki import CertificateExpiry
 from llmgw.projections.metrics import ProjectionMetrics
 from llmgw.services.backup.service import BackupMetrics
-from llmgw.services.router.metrics import PoolSaturation, QueueDepth, RouterMetrics, pool_loads
+from llmgw.services.router.metrics import PoolSaturation, QueueDepth, RouterMetrics, UsageMetrics, pool_loads
 from llmgw.services.scheduler.metrics import NODE_SERIES, FleetCollector, fleet_figures, node_samples
 from llmgw.services.scheduler.state import ClusterState
 from llmgw.services.scheduler.vocabulary import Blocked
@@ -82,6 +83,8 @@ def published_series() -> set[str]:
     CertificateExpiry(registry)
     RouterMetrics(registry)
     BackupMetrics(registry)
+    UsageMetrics(registry, lambda: (0, None, False, 0))
+    registry.register(DroppedLinesCollector(lambda: None))
     registry.register(PoolSaturation(lambda: [("chat", 0.5)]))
     registry.register(QueueDepth(lambda: {"chat": 0}))
     registry.register(FleetCollector("sched-a", ClusterState, lambda: True, list, CFG))
