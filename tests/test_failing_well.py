@@ -28,16 +28,10 @@ class PipedUp(Up):
 
     pipe: IO[bytes] | None = None
 
-    def start(self, *extra: str) -> PipedUp:
-        self.proc = subprocess.Popen(self.argv(*extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self.pipe = self.proc.stdout
-        wait_for(lambda: self._up(), "llmgw up to become healthy", 60.0)
-        return self
-
-    def _up(self) -> bool:
-        assert self.proc is not None and self.proc.poll() is None, "llmgw up exited early"
-        info = self.run_info()
-        return info is not None and info["pid"] == self.proc.pid and self.healthy()
+    def spawn(self, argv: list[str]) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.pipe = proc.stdout
+        return proc
 
 
 def serve_tiny(up: Up, tmp_path: Path) -> str:

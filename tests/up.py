@@ -76,8 +76,7 @@ class Up:
         ]
 
     def start(self, *extra: str) -> Up:
-        self.log.write_bytes(b"")
-        self.proc = subprocess.Popen(self.argv(*extra), stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        self.proc = self.spawn(self.argv(*extra))
 
         def up_and_healthy() -> bool:
             assert self.proc is not None and self.proc.poll() is None, f"llmgw up exited early:\n{self.output()}"
@@ -87,9 +86,17 @@ class Up:
         wait_for(up_and_healthy, f"llmgw up to become healthy; its output:\n{self.output()}")
         return self
 
+    def spawn(self, argv: list[str]) -> subprocess.Popen:
+        """The process, its output appended to :attr:`log`."""
+        self.log.write_bytes(b"")
+        return subprocess.Popen(argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+
     def output(self) -> str:
         """Everything the process printed (its log grows with each service it runs: no tail is enough)."""
-        return self.log.read_text(errors="replace")
+        try:
+            return self.log.read_text(errors="replace")
+        except FileNotFoundError:
+            return "(its output goes elsewhere)"
 
     def run_info(self) -> dict[str, Any] | None:
         try:
