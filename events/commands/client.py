@@ -55,10 +55,14 @@ class CommandClient:
         expected: int | None = None,
         correlation: str | None = None,
         timeout: float = 15.0,
+        command_id: str | None = None,
     ) -> CommandCompleted:
-        """The command's ``command.completed`` outcome; raises :class:`CommandRejectedError` on refusal."""
+        """The command's ``command.completed`` outcome; raises :class:`CommandRejectedError` on refusal.
+
+        ``command_id`` names the command (an HTTP ``Idempotency-Key``, made into an id): sent again, it is
+        the same command, answered with its first outcome and never applied twice."""
         command = Command(
-            id=new_id(),
+            id=command_id or new_id(),
             kind=f"{service}.{verb}",
             actor=actor,
             at=utc_now(),
@@ -68,6 +72,10 @@ class CommandClient:
         )
         command = await sign_command(command, self.signer)
         outcome_subject = S.command_outcome_subject(command.id)
+        if command_id is not None:  # sent before: its first outcome is the answer, nothing is sent again
+            got = await self._read_outcome(outcome_subject)
+            if got is not None:
+                return self._outcome(got[0], outcome_subject, got[1])
         nc = self.store.nc
         # Subscribe before publishing, so the outcome cannot slip past us.
         sub = await nc.subscribe(outcome_subject, max_msgs=1)
