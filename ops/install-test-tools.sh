@@ -4,6 +4,23 @@
 # scrapes the fault suite's cluster and fires those alerts (tests/faults/prometheus.py). Installed
 # when missing and this machine can (root, or sudo without a password, with apt); otherwise say how,
 # and the tests that need it are skipped with that reason.
+# Chromium (Debian's `chromium` package) is the browser Playwright drives in the console's tests
+# (tests/browser/); Playwright never downloads a browser of its own. Installed the same way, else skipped.
+if ! command -v chromium >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
+  else
+    SUDO=none
+  fi
+  if [ "$SUDO" != none ]; then
+    echo "installing chromium (Debian's package) for the console's browser tests"
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 \
+      || { $SUDO apt-get update >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; } \
+      || echo "warning: could not install chromium; the console's browser tests will be skipped"
+  else
+    echo "note: chromium not found; install Debian's 'chromium' package (or set LLMGW_TEST_CHROMIUM to a Chromium or Chrome binary) to run the console's browser tests"
+  fi
+fi
 command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 && exit 0
 if command -v apt-get >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
