@@ -104,6 +104,16 @@ def user_enable(ctx: click.Context, name: str) -> None:
     _send(ctx, "user.enable", P.EnableUser(name=name))
 
 
+@user.command("language")
+@click.argument("name")
+@click.argument("language", metavar="LANG")
+@click.pass_context
+def user_language(ctx: click.Context, name: str, language: str) -> None:
+    """Set the language a person reads the console in: en or de ("" follows their browser)."""
+
+    _send(ctx, "user.language", P.SetLanguage(name=name, language=language))
+
+
 @user.command("grant")
 @click.argument("name")
 @click.argument("role", type=click.Choice(R.ROLES))

@@ -37,6 +37,7 @@ class Person(msgspec.Struct, kw_only=True):
     added_at: datetime
     tokens: dict[str, Token] = {}  # token id -> token (revoked ones are dropped)
     roles: list[tuple[str, str]] = []  # (role, scope on the log), each once, in the order granted
+    language: str = ""  # the console's language they chose ("" : their browser's)
 
 
 class People(msgspec.Struct, kw_only=True):
@@ -70,6 +71,8 @@ class People(msgspec.Struct, kw_only=True):
                 person.roles.append((p.role, p.scope))
         elif isinstance(p, P.RoleRevoked):
             person.roles = [b for b in person.roles if b != (p.role, p.scope)]
+        elif isinstance(p, P.LanguageSet):
+            person.language = p.language
         elif isinstance(p, P.TokenIssued):
             person.tokens[p.token_id] = Token(
                 token_id=p.token_id,

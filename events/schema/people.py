@@ -29,6 +29,9 @@ SERVICE = "people"
 NAME_RE = re.compile(r"^[a-z][a-z0-9._-]{0,62}$")
 TOKEN_KINDS = ("session", "personal")
 _TOKEN_TAGS = {"session": "ses", "personal": "pat"}
+# The languages the console speaks (services/console/i18n.py reads them here, so the rules that check a
+# person's choice need not import the console); "" in a person's choice: follow the browser's.
+LANGUAGES = ("en", "de")
 
 
 class UserAdded(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +82,11 @@ class TokenRevoked(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""
 
 
+class LanguageSet(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    language: str  # one of LANGUAGES, or "" (the browser's Accept-Language decides)
+
+
 EVENTS = (
     EventType("user.added", 1, UserAdded, "A person who may sign in (TEN-1)."),
     EventType("user.password_set", 1, PasswordSet, "A person's password, as an argon2id hash (never the password)."),
@@ -90,6 +98,9 @@ EVENTS = (
         "user.token_issued", 1, TokenIssued, "A login's session token or a personal access token; only its hash."
     ),
     EventType("user.token_revoked", 1, TokenRevoked, "A token no longer signs anyone in."),
+    EventType(
+        "user.language_set", 1, LanguageSet, "The language a person reads the console in (empty: the browser's)."
+    ),
 )
 
 
@@ -141,7 +152,14 @@ class RevokeRole(msgspec.Struct, frozen=True, kw_only=True, tag="role-revoke", f
     scope: str
 
 
-PeopleCommand = AddUser | SetPassword | DisableUser | EnableUser | GrantRole | RevokeRole | IssueToken | RevokeToken
+class SetLanguage(msgspec.Struct, frozen=True, kw_only=True, tag="user-language", forbid_unknown_fields=True):
+    name: str
+    language: str  # one of LANGUAGES, or "" to follow the browser's
+
+
+PeopleCommand = (
+    AddUser | SetPassword | DisableUser | EnableUser | GrantRole | RevokeRole | IssueToken | RevokeToken | SetLanguage
+)
 
 
 # -- the token format, shared by whoever makes tokens and the admin API that checks them ----------

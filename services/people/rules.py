@@ -76,6 +76,23 @@ def decide(state: PeopleAndTree, c: P.PeopleCommand, now: datetime) -> Decision:
                 [P.RoleRevoked(name=person.name, role=c.role, scope=scope)],
                 f"{person.name} is no longer {R.needs(c.role, label)}",
             )
+        case P.SetLanguage():
+            person = _person(people, c.name)
+            language = c.language.strip()
+            if language and language not in P.LANGUAGES:
+                raise Rejected(
+                    f"the console speaks {', '.join(P.LANGUAGES)}, not {language[:20]!r}; give one of them "
+                    "(or an empty one to follow the browser's language)",
+                    "invalid_language",
+                )
+            shown = language or "the browser's language"
+            if language == person.language:
+                return Decision(message=f"{person.name} reads the console in {shown} already")
+            return _decision(
+                person,
+                [P.LanguageSet(name=person.name, language=language)],
+                f"{person.name} reads the console in {shown}",
+            )
         case P.IssueToken():
             return _issue(people, c, now)
         case P.RevokeToken():
@@ -227,18 +244,19 @@ _VERBS = {
     P.SetPassword: "setting the password of",
     P.IssueToken: "issuing a token to",
     P.RevokeToken: "revoking a token of",
+    P.SetLanguage: "setting the language of",
 }
 
 
 def need(actor: str, c: P.PeopleCommand) -> R.Need | None:
     """The role a person (``actor``, verified) needs to send ``c`` (pure); None: anyone may, for themself.
 
-    A person sets their own password and issues and revokes their own tokens; adding, disabling and
-    enabling people is the cluster admins'. A role over a tenant is granted by that tenant's admins,
+    A person sets their own password and language and issues and revokes their own tokens; adding,
+    disabling and enabling people is the cluster admins'. A role over a tenant is granted by that tenant's admins,
     and never above what the granter holds (a team admin cannot make an org admin)."""
     own = actor == f"user:{c.name}"
     match c:
-        case P.SetPassword() | P.IssueToken() | P.RevokeToken() if own:
+        case P.SetPassword() | P.IssueToken() | P.RevokeToken() | P.SetLanguage() if own:
             return None
         case P.GrantRole() | P.RevokeRole():
             verb = "granting" if isinstance(c, P.GrantRole) else "revoking"
