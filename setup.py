@@ -16,4 +16,12 @@ for root in ROOTS:
     packages.append(f"llmgw.{root}")
     packages.extend(f"llmgw.{root}.{sub}" for sub in find_packages(root))
 
-setup(packages=packages, package_dir=package_dir, package_data={"llmgw.cli": ["*.yaml"]})
+# The console's templates, scripts, styles and messages travel in the wheel: nothing is built at install
+# and nothing is fetched at run time.
+CONSOLE = ["templates/*.html", "static/*", "messages/*/*.json"]
+
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    package_data={"llmgw.cli": ["*.yaml"], "llmgw.services.console": CONSOLE},
+)

@@ -40,6 +40,16 @@ def test_a_wheel_built_from_the_tree_carries_every_module(tmp_path: Path) -> Non
     }
     missing = sorted(in_tree - carried)
     assert not missing, f"the wheel leaves out {missing}: a folder without __init__.py is not a package"
+    # The console's pages, scripts, styles and messages: served from the wheel, never built or fetched.
+    console = ROOT / "services" / "console"
+    assets = {
+        f"llmgw/{path.relative_to(ROOT).as_posix()}"
+        for folder in ("templates", "static", "messages")
+        for path in (console / folder).rglob("*")
+        if path.is_file()
+    }
+    assert any(a.endswith("htmx.min.js") for a in assets)
+    assert not sorted(assets - carried), f"the wheel leaves out the console's {sorted(assets - carried)}"
 
 
 def test_the_installed_wheel_imports_every_module_and_runs_llmgw_help(tmp_path: Path) -> None:

@@ -47,6 +47,8 @@ from llmgw.projections.usage import (
     spend,
     usage_totals,
 )
+from llmgw.services.api.manage import ROUTE_PREFIX, Manage
+from llmgw.services.api.openapi import OPENAPI_PATH, document
 from llmgw.services.api.replay import cluster_at, parse_keys_cursor
 from llmgw.services.api.signin import Identity, Refused, SignIn
 from llmgw.services.api.views import (
@@ -58,11 +60,12 @@ from llmgw.services.api.views import (
     shape_model,
     shape_node,
 )
+from llmgw.services.console import session as SES
 
 log = structlog.get_logger("llmgw.services.api")
 
 READ_WAIT_S = 5.0
-OPEN_PATHS = ("/api/v1/login",)  # the one call under /api/v1 that needs no token
+OPEN_PATHS = ("/api/v1/login", OPENAPI_PATH)  # the calls under /api/v1 that need no token
 IDENTITY = web.RequestKey("identity", Identity)  # who the request was authenticated as
 
 
@@ -105,11 +108,18 @@ class AdminApi:
     def app(self, *, full: bool = True) -> web.Application:
         """The admin API; with ``full=False`` only ``/healthz`` and ``/metrics``, which every process
         serves on its admin port (a router-only or mirror-only process is scraped like the others)."""
-        app = web.Application(middlewares=[self._errors, self._authenticate] if full else [self._errors])
+        if not full:
+            app = web.Application(middlewares=[self._errors])
+            app.router.add_get("/healthz", self.healthz)
+            app.router.add_get("/metrics", self.metrics)
+            return app
+        from llmgw.services.console.app import Console  # the console's templates load only where it is served
+
+        console = Console(self)
+        app = web.Application(middlewares=[self._errors, console.headers, self._authenticate])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics)
-        if not full:
-            return app
+        console.routes(app)
         app.router.add_post("/api/v1/login", self.login)
         app.router.add_get("/api/v1/whoami", self.whoami)
         app.router.add_get("/api/v1/users", self.users)
@@ -132,6 +142,9 @@ class AdminApi:
         app.router.add_get("/api/v1/usage", self.usage)
         app.router.add_get("/api/v1/usage/spend", self.usage_spend)
         app.router.add_get("/api/v1/requests/{id}", self.request_usage)
+        app.router.add_get(OPENAPI_PATH, self.openapi)
+        # Every command the CLI sends, signed with the caller's token (services/api/manage.py).
+        Manage(self.store, lambda request: request[IDENTITY].name).routes(app)
         return app
 
     @web.middleware
@@ -164,11 +177,15 @@ class AdminApi:
         return await handler(request)
 
     def _authorize(self, request: web.Request, who: Identity) -> Refused | None:
-        """The role a call needs (docs/people.md has the table): a change, cluster admin; a view of one
-        tenant's keys or usage, viewer of that tenant; any other view, viewer of the cluster."""
+        """The role a call needs (docs/people.md has the table): a command (services/api/manage.py), none
+        here — the command's service checks the role it needs; any other change (the projections'),
+        cluster admin; a view of one tenant's keys or usage, viewer of that tenant; any other view,
+        viewer of the cluster."""
         signin = self._signin()
         what = f"{request.method} {request.path}"
         if request.path == "/api/v1/whoami":
+            return None
+        if (request.match_info.route.name or "").startswith(ROUTE_PREFIX):
             return None
         if request.method != "GET":
             return signin.authorize(who, "cluster-admin", [CLUSTER], CLUSTER, what)
@@ -184,7 +201,17 @@ class AdminApi:
         return self.signin
 
     def _identity(self, request: web.Request) -> Identity | web.Response:
-        got = self._signin().identify(request.headers.get("authorization", ""))
+        authorization = request.headers.get("authorization", "")
+        cookie = request.cookies.get(SES.COOKIE)
+        if not authorization and cookie:
+            # A browser signed in to the console: its cookie is a session token, but a change needs the
+            # CSRF token its pages carry too, or any site could make the browser send one.
+            if request.method not in ("GET", "HEAD", "OPTIONS") and not SES.csrf_valid(
+                cookie, request.headers.get(SES.CSRF_HEADER)
+            ):
+                return error(403, "a change made with the console's cookie needs its X-CSRF-Token header", "csrf")
+            authorization = f"Bearer {cookie}"
+        got = self._signin().identify(authorization)
         if isinstance(got, Refused):
             return error(got.status, got.message, got.code)
         return got
@@ -203,6 +230,10 @@ class AdminApi:
                 resp.headers["Retry-After"] = str(exc.retry_after_s)
             return resp
         return web.json_response({"token": token, "user": body.user, "expires_at": expires.isoformat()})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """This API's OpenAPI 3.1 document (services/api/openapi.py), open to anyone: it holds no data."""
+        return web.json_response(document())
 
     async def whoami(self, request: web.Request) -> web.Response:
         who: Identity = request[IDENTITY]
