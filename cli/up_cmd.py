@@ -41,6 +41,7 @@ from llmgw.cli.serve_options import (
 from llmgw.cli.server_config import ServerConfig
 from llmgw.infra import nats_permissions as NP
 from llmgw.services.access.bootstrap import DEMO_KEY_FILE
+from llmgw.services.people.bootstrap import PASSWORD_FILE
 
 
 def first_start_warnings(demo_wanted: bool, demo: object | None, agent: bool) -> list[str]:
@@ -256,6 +257,12 @@ def up(
         logs.say(
             f"llmgw is up: gateway {scheme}://{host}:{port}, admin {scheme}://{admin_host}:{admin_port}, "
             f"mirror http://{host}:{config.mirror_port}, NATS {natsd.url}, data in {data_dir}",
+        )
+        # The console is where most people start: its address, and how the first administrator signs in.
+        password = data_dir / PASSWORD_FILE
+        logs.say(
+            f"the console is at {scheme}://{admin_host}:{admin_port}/console: sign in as admin"
+            + (f" with the password in {password}" if password.exists() else "")
         )
         demo_key = data_dir / DEMO_KEY_FILE
         if demo_key.exists():
