@@ -17,7 +17,7 @@ from llmgw.services.console import session as SES
 from llmgw.services.console.app import parse_moment
 from llmgw.services.console.source import marked
 from tests.fleet import Fleet
-from tests.signin import PASSWORD, TESTER
+from tests.signin import PASSWORD, TESTER, tester_hash
 from tests.support import wait_until
 
 
@@ -144,7 +144,7 @@ async def test_the_live_stream_sends_each_event_by_its_sequence_and_resumes_afte
         r = await s.get(f"{console.admin_url}/console/live", headers={"Last-Event-ID": str(head)})
         assert r.headers["Content-Type"].startswith("text/event-stream")
         await console.client.send(
-            P.SERVICE, "user.add", P.AddUser(name="watched", password_hash=""), actor="user:test", timeout=20
+            P.SERVICE, "user.add", P.AddUser(name="watched", password_hash=tester_hash()), actor="user:test", timeout=20
         )
         seen = ""
         async with asyncio.timeout(20):
