@@ -78,8 +78,11 @@ def command_id_for(person: str, key: str) -> str:
     key = key.strip()
     if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
         raise BadIdempotencyKey(f"the Idempotency-Key must be 1 to {MAX_KEY_LENGTH} printable characters")
-    digest = hashlib.sha256(f"llmgw idempotency\n{person}\n{key}".encode()).digest()
-    return str(uuid.UUID(bytes=digest[:16], version=8))
+    digest = bytearray(hashlib.sha256(f"llmgw idempotency\n{person}\n{key}".encode()).digest()[:16])
+    # UUID version 8 (custom) by hand: Python before 3.12 refuses version=8 in uuid.UUID.
+    digest[6] = (digest[6] & 0x0F) | 0x80
+    digest[8] = (digest[8] & 0x3F) | 0x80
+    return str(uuid.UUID(bytes=bytes(digest)))
 
 
 async def act(
@@ -110,6 +113,12 @@ async def act(
         return Outcome(command=command_id, kind=kind, outcome="refused", message=str(exc), code="timeout")
     except Unreachable as exc:
         return Outcome(command=command_id, kind=kind, outcome="refused", message=str(exc), code="unavailable")
+    if done.kind != kind:  # an Idempotency-Key used before for another command: its outcome is not this one's
+        message = (
+            f"this Idempotency-Key named a {done.kind} command before (command {command_id}); "
+            "use a new key for a new command"
+        )
+        return Outcome(command=command_id, kind=kind, outcome="refused", message=message, code="conflict")
     return Outcome(
         command=command_id,
         kind=kind,
