@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 from llmgw.services.console.page import Page
-from llmgw.services.console.pages import models, nodes, overview
+from llmgw.services.console.pages import audit, mirror, models, nodes, overview, people, tenants, usage
 
-PAGES: list[Page] = [*overview.PAGES, *nodes.PAGES, *models.PAGES]
+PAGES: list[Page] = [
+    *overview.PAGES,
+    *nodes.PAGES,
+    *models.PAGES,
+    *tenants.PAGES,
+    *people.PAGES,
+    *usage.PAGES,
+    *audit.PAGES,
+    *mirror.PAGES,
+]

@@ -1,0 +1,451 @@
+"""The tenants page (issue 24, item 4): the tree, keys (created and shown once, revoked), limits,
+budgets with their spend, quotas with what their scopes hold.
+
+A person sees the tenants they may view (a team admin: its team's projects and keys) and a control
+only where the command it sends would be allowed (the services' own ``need`` rules); the service
+decides all the same. In the past (the time slider) every table is the replay's, marked against now.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from llmgw.events.commands import roles as R
+from llmgw.events.folds.tenancy import TenancyTree
+from llmgw.events.schema import access as A
+from llmgw.events.schema import quotas as Q
+from llmgw.events.schema import tenancy as T
+from llmgw.events.schema.envelope import utc_now
+from llmgw.projections.access import scope_path
+from llmgw.projections.usage import NANO_USD, minute_of, period_start
+from llmgw.services.access.rules import AccessState
+from llmgw.services.access.rules import need as access_need
+from llmgw.services.api.act import Outcome
+from llmgw.services.api.replay import quota_holdings
+from llmgw.services.api.views import ACTIVE_STATES, shape_key, shape_model
+from llmgw.services.console.page import Ctx, Page
+from llmgw.services.console.source import Source, marked
+from llmgw.services.tenancy.quotas import need_quota
+from llmgw.services.tenancy.tree import need as tree_need
+
+KEYS_PER_PAGE = 100
+GiB = 1024**3
+_DURATION = re.compile(r"^(\d+)([mhdw])$")
+_UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+KINDS = ("org", "team", "project")
+
+
+# -- small pieces the other pages of this area share ------------------------------------------------
+
+
+def refused(kind: str, message: str, code: str = "invalid") -> Outcome:
+    """A refusal made before any command was sent: the form's input cannot be one (never a 500)."""
+    return Outcome(command="", kind=kind, outcome="refused", message=message, code=code)
+
+
+class BadInput(ValueError):
+    """A form field that cannot be read; the message says what to write."""
+
+
+def whole(form: Mapping[str, str], name: str, *, minimum: int = 0) -> int | None:
+    """A form's whole-number field, None when left blank."""
+    text = (form.get(name) or "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise BadInput(f"{name} {text!r} is not a whole number: write one such as 60, or leave it blank") from None
+    if value < minimum:
+        raise BadInput(f"{name} must be at least {minimum}")
+    return value
+
+
+def decimal(form: Mapping[str, str], name: str) -> float | None:
+    """A form's number field (``12.5``), None when left blank."""
+    text = (form.get(name) or "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadInput(f"{name} {text!r} is not a number: write one such as 12.5, or leave it blank") from None
+    if value < 0 or value != value or value in (float("inf"),):
+        raise BadInput(f"{name} must be a number of zero or more")
+    return value
+
+
+def parse_expiry(text: str, now: datetime) -> datetime | None:
+    """A duration from ``now`` (``90m``, ``12h``, ``30d``, ``2w``) or an ISO date or time (UTC if no zone)."""
+    t = text.strip()
+    if not t:
+        return None
+    m = _DURATION.match(t)
+    if m:
+        return now + timedelta(**{_UNITS[m.group(2)]: int(m.group(1))})
+    try:
+        when = datetime.fromisoformat(t.replace("Z", "+00:00"))
+    except ValueError:
+        raise BadInput(
+            f"expires {text!r} is neither a duration (90m, 12h, 30d, 2w) nor a date (2026-01-31 or 2026-01-31T12:00Z)"
+        ) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+class Visible:
+    """Which tenants the signed-in person may view, answered once per tenant (a page asks per row)."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        self.ctx = ctx
+        self.everything = ctx.can("viewer")
+        self._seen: dict[tuple[str, str], bool] = {}
+
+    def __call__(self, kind: str, tenant: str) -> bool:
+        if self.everything:
+            return True
+        if kind not in KINDS or not tenant:
+            return False
+        found = self._seen.get((kind, tenant))
+        if found is None:
+            found = self._seen[(kind, tenant)] = self.ctx.can("viewer", kind, tenant)
+        return found
+
+    def scope(self, scope: str, key_projects: Mapping[str, str]) -> bool:
+        """A scope as on the log (``team:<id>``, ``key:<id>``): a key's is its project's."""
+        kind, _, sid = scope.partition(":")
+        if kind == "key":
+            return self(("project"), key_projects.get(sid, ""))
+        return self(kind, sid)
+
+
+def tree_rows(tree: TenancyTree, visible: Visible) -> list[dict[str, Any]]:
+    """The tree as rows (depth first), each scope the person may view with those above it for context."""
+    shown: set[str] = set()
+    for s in tree.scopes.values():
+        if visible(s.kind, s.id):
+            shown.add(s.id)
+            parent = s.parent_id
+            while parent is not None and parent in tree.scopes:
+                shown.add(parent)
+                parent = tree.scopes[parent].parent_id
+    rows: list[dict[str, Any]] = []
+
+    def walk(parent: str | None, depth: int) -> None:
+        for s in tree.children(parent):
+            if s.id in shown:
+                viewable = visible(s.kind, s.id)
+                rows.append(
+                    {
+                        "id": s.id,
+                        "kind": s.kind,
+                        "name": s.name,
+                        "path": tree.path(s),
+                        "depth": depth,
+                        "context_only": not viewable,
+                        "live_keys": len(tree.live_keys.get(s.id, {})) if s.kind == "project" else None,
+                    }
+                )
+                walk(s.id, depth + 1)
+
+    walk(None, 0)
+    return rows
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+
+async def _keys(source: Source, when: datetime) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
+    rows, paths = await source.access("keys", "ORDER BY created_at DESC, id DESC")
+    return [shape_key(r, paths, when) for r in rows], paths
+
+
+async def _key_names(source: Source) -> tuple[dict[str, str], dict[str, str]]:
+    """Key id -> name, and key id -> project id."""
+    rows, _ = await source.access("keys")
+    return {r["id"]: r["name"] for r in rows}, {r["id"]: r["project_id"] for r in rows}
+
+
+async def _spent(ctx: Ctx, scope: str, period: str, when: datetime) -> float:
+    """What ``scope`` (as on the log) spent in its budget period up to ``when``, from the live rollups."""
+    kind, _, value = scope.partition(":")
+    since = minute_of(period_start(period, when))
+    rows = await ctx.api.backend.query(
+        "usage",
+        "SELECT SUM(cost_nano_usd) FROM {rollups} WHERE dimension = ? AND value = ? AND minute >= ? AND minute <= ?",
+        kind,
+        value,
+        since,
+        minute_of(when),
+    )
+    return int((rows[0][0] if rows else 0) or 0) / NANO_USD
+
+
+async def _quotas(source: Source, paths: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
+    quotas, _ = await source.access("quotas", "ORDER BY scope")
+    if not quotas:
+        return []
+    states = ", ".join(f"'{s}'" for s in ACTIVE_STATES)
+    active = await source.fleet("replicas", f"WHERE state IN ({states})")
+    models = [shape_model(m, [r for r in active if r["model"] == m["name"]]) for m in await source.fleet("models")]
+    held = quota_holdings(quotas, paths, models, active)
+    for q, row in zip(held, quotas, strict=True):
+        q["id"] = row["scope"]  # as on the log: what the marks compare by
+    return held
+
+
+def _tenant_options(tree: TenancyTree, kinds: tuple[str, ...]) -> list[dict[str, str]]:
+    out = [
+        {"value": f"{s.kind}:{tree.path(s)}", "kind": s.kind, "path": tree.path(s), "id": s.id}
+        for s in tree.scopes.values()
+        if s.kind in kinds
+    ]
+    return sorted(out, key=lambda o: o["value"])
+
+
+async def gather(ctx: Ctx) -> dict[str, Any]:
+    when = ctx.at or utc_now()
+    visible = Visible(ctx)
+    tree = await ctx.source.tree()
+    keys, paths = await _keys(ctx.source, when)
+    names, key_projects = await _key_names(ctx.source)
+    project = (ctx.query.get("project") or "").strip()
+    keys = [k for k in keys if visible("project", k["project_id"])]
+    limits, _ = await ctx.source.access("limits")
+    budgets, _ = await ctx.source.access("budgets")
+    limits = [r for r in limits if visible.scope(r["scope"], key_projects)]
+    budgets = [r for r in budgets if visible.scope(r["scope"], key_projects)]
+    for r in limits:
+        r["id"], r["path"] = r["scope"], scope_path(r["scope"], paths, names)
+    for r in budgets:
+        r["id"], r["path"] = r["scope"], scope_path(r["scope"], paths, names)
+        r["spent"] = await _spent(ctx, r["scope"], r["period"], when)
+        r["share"] = r["spent"] / r["usd"] if r["usd"] else None
+        r["state"] = "over" if r["usd"] is not None and r["spent"] >= r["usd"] else "within"
+    quotas = [q for q in await _quotas(ctx.source, paths) if visible.scope(q["id"], key_projects)]
+    if ctx.at is not None:  # the past, each row marked against now
+        now_keys, now_paths = await _keys(ctx.now, utc_now())
+        now_keys = [k for k in now_keys if visible("project", k["project_id"])]
+        keys = marked(keys, now_keys, fields=("state", "name", "rpm", "tpm", "expires_at"))
+        now_limits, _ = await ctx.now.access("limits")
+        now_limits = [{**r, "id": r["scope"]} for r in now_limits if visible.scope(r["scope"], key_projects)]
+        limits = marked(limits, now_limits, fields=("rpm", "tpm"))
+        now_budgets, _ = await ctx.now.access("budgets")
+        now_budgets = [{**r, "id": r["scope"]} for r in now_budgets if visible.scope(r["scope"], key_projects)]
+        budgets = marked(budgets, now_budgets, fields=("usd", "period"))
+        now_quotas = [q for q in await _quotas(ctx.now, now_paths) if visible.scope(q["id"], key_projects)]
+        quotas = marked(quotas, now_quotas, fields=("guarantee", "limit"))
+        for r in [*limits, *budgets]:
+            r.setdefault("path", scope_path(r["id"], now_paths, names))
+            r.setdefault("spent", None)
+            r.setdefault("share", None)
+            r.setdefault("state", "")
+    if project:
+        keys = [k for k in keys if project in (k["project_id"], k["project"])]
+    try:
+        page = max(int(ctx.query.get("keys_page", "1")), 1)
+    except ValueError:
+        page = 1
+    pages = max((len(keys) + KEYS_PER_PAGE - 1) // KEYS_PER_PAGE, 1)
+    page = min(page, pages)
+    shown_keys = keys[(page - 1) * KEYS_PER_PAGE : page * KEYS_PER_PAGE]
+    live_tree = await ctx.now.tree()
+    controls = ctx.at is None
+    st = AccessState()
+    st.tree = live_tree
+    key_projects_options = [
+        o
+        for o in _tenant_options(live_tree, ("project",))
+        if controls and ctx.may(access_need(st, A.CreateKey(project=o["id"], prefix="", secret_sha256="")))
+    ]
+    limit_options = [
+        o
+        for o in _tenant_options(live_tree, KINDS)
+        if controls and ctx.may(access_need(st, A.SetLimit(scope=f"{o['kind']}:{o['id']}")))
+    ]
+    quota_options = [
+        o
+        for o in _tenant_options(live_tree, KINDS)
+        if controls and ctx.may(need_quota(live_tree, Q.ClearQuota(scope=f"{o['kind']}:{o['id']}")))
+    ]
+    create_options = [
+        {"kind": kind, "parent": o["path"]}
+        for kind, parent_kind in (("team", "org"), ("project", "team"))
+        for o in _tenant_options(live_tree, (parent_kind,))
+        if controls and ctx.may(tree_need(T.CreateScope(kind=kind, path=f"{o['path']}/x")))
+    ]
+    may_create_org = controls and ctx.may(tree_need(T.CreateScope(kind="org", path="x")))
+    for k in shown_keys:
+        k["may_revoke"] = (
+            controls
+            and k.get("_diff") is None
+            and k["state"] == "active"
+            and ctx.may(R.Need(role="member", what="revoking a key", kind="project", tenant=k["project_id"]))
+        )
+    for r in [*limits, *budgets]:
+        r["may_set"] = controls and any(o["id"] == r["id"].partition(":")[2] for o in limit_options)
+    for q in quotas:
+        q["may_clear"] = controls and any(o["id"] == q["id"].partition(":")[2] for o in quota_options)
+    return {
+        "tree": tree_rows(tree, visible),
+        "keys": shown_keys,
+        "keys_total": len(keys),
+        "keys_page": page,
+        "keys_pages": pages,
+        "project": project,
+        "limits": sorted(limits, key=lambda r: r["path"]),
+        "budgets": sorted(budgets, key=lambda r: r["path"]),
+        "quotas": sorted(quotas, key=lambda q: q["scope"]),
+        "key_projects": key_projects_options,
+        "limit_scopes": limit_options,
+        "quota_scopes": quota_options,
+        "create_scopes": create_options,
+        "may_create_org": may_create_org,
+        "periods": A.PERIODS,
+        "controls": controls,
+        "GiB": GiB,
+    }
+
+
+# -- acting ---------------------------------------------------------------------------------------
+
+
+async def create_key(ctx: Ctx, form: Mapping[str, str]) -> Outcome:
+    """Make a key here, as `llmgw ctl key create` does: only its prefix and hash travel; the secret is
+    handed back once in the outcome's result, never written to the log."""
+    kind = f"{A.SERVICE}.key.create"
+    project = (form.get("project") or "").strip()
+    if not project:
+        return refused(kind, "choose the key's project")
+    try:
+        rpm, tpm = whole(form, "rpm", minimum=1), whole(form, "tpm", minimum=1)
+        expires_at = parse_expiry(form.get("expires") or "", datetime.now(UTC))
+    except BadInput as exc:
+        return refused(kind, str(exc))
+    models = [m.strip() for m in (form.get("models") or "").split(",") if m.strip()]
+    secret, prefix, digest = A.make_api_key()
+    command = A.CreateKey(
+        project=project,
+        prefix=prefix,
+        secret_sha256=digest,
+        name=(form.get("name") or "").strip(),
+        user=(form.get("user") or "").strip() or None,
+        rpm=rpm,
+        tpm=tpm,
+        models=models,
+        expires_at=expires_at,
+        external=form.get("external") in ("on", "true", "1"),
+    )
+    out = await ctx.act(A.SERVICE, "key.create", command)
+    if out.applied:
+        out.result = {**out.result, "secret": secret, "prefix": prefix}
+    return out
+
+
+async def revoke_key(ctx: Ctx, form: Mapping[str, str]) -> Outcome:
+    key = (form.get("key") or "").strip()
+    if not key:
+        return refused(f"{A.SERVICE}.key.revoke", "say which key: its id or prefix")
+    return await ctx.act(A.SERVICE, "key.revoke", A.RevokeKey(key=key, reason=(form.get("reason") or "").strip()))
+
+
+async def set_limit(ctx: Ctx, form: Mapping[str, str]) -> Outcome:
+    kind = f"{A.SERVICE}.limit.set"
+    scope = (form.get("scope") or "").strip()
+    if not scope:
+        return refused(kind, "choose a scope: an org, team, project or key")
+    try:
+        rpm, tpm = whole(form, "rpm", minimum=1), whole(form, "tpm", minimum=1)
+    except BadInput as exc:
+        return refused(kind, str(exc))
+    if form.get("clear") not in ("on", "true", "1") and rpm is None and tpm is None:
+        return refused(kind, "give requests and/or tokens per minute, or tick clear to remove the limits")
+    if form.get("clear") in ("on", "true", "1"):
+        rpm = tpm = None
+    return await ctx.act(A.SERVICE, "limit.set", A.SetLimit(scope=scope, rpm=rpm, tpm=tpm))
+
+
+async def set_budget(ctx: Ctx, form: Mapping[str, str]) -> Outcome:
+    kind = f"{A.SERVICE}.budget.set"
+    scope = (form.get("scope") or "").strip()
+    period = (form.get("period") or "month").strip()
+    clear = form.get("clear") in ("on", "true", "1")
+    if not scope:
+        return refused(kind, "choose a scope: an org, team, project or key")
+    if period not in A.PERIODS:
+        return refused(kind, f"period {period!r}: budgets run per {' or '.join(A.PERIODS)}")
+    try:
+        usd = decimal(form, "usd")
+    except BadInput as exc:
+        return refused(kind, str(exc))
+    if clear == (usd is not None):
+        return refused(kind, "give a budget in US dollars, or tick clear to remove the budget")
+    return await ctx.act(A.SERVICE, "budget.set", A.SetBudget(scope=scope, usd=usd, period=period))
+
+
+async def set_quota(ctx: Ctx, form: Mapping[str, str]) -> Outcome:
+    kind = f"{T.SERVICE}.quota-set"
+    scope = (form.get("scope") or "").strip()
+    if not scope:
+        return refused(kind, "choose a scope: an org, team or project")
+    try:
+        g_mem, l_mem = decimal(form, "memory_gb"), decimal(form, "limit_memory_gb")
+        payload = Q.SetQuota(
+            scope=scope,
+            guarantee=Q.Resources(
+                gpus=whole(form, "gpus"),
+                cores=whole(form, "cores"),
+                memory_bytes=None if g_mem is None else int(g_mem * GiB),
+            ),
+            limit=Q.Resources(
+                gpus=whole(form, "limit_gpus"),
+                cores=whole(form, "limit_cores"),
+                memory_bytes=None if l_mem is None else int(l_mem * GiB),
+            ),
+        )
+    except BadInput as exc:
+        return refused(kind, str(exc))
+    return await ctx.act(T.SERVICE, "quota-set", payload)
+
+
+async def clear_quota(ctx: Ctx, form: Mapping[str, str]) -> Outcome:
+    scope = (form.get("scope") or "").strip()
+    if not scope:
+        return refused(f"{T.SERVICE}.quota-clear", "choose a scope: an org, team or project")
+    return await ctx.act(T.SERVICE, "quota-clear", Q.ClearQuota(scope=scope))
+
+
+async def create_scope(ctx: Ctx, form: Mapping[str, str]) -> Outcome:
+    kind = (form.get("kind") or "").strip()
+    path = (form.get("path") or "").strip().strip("/")
+    parent = (form.get("parent") or "").strip().strip("/")
+    name = (form.get("name") or "").strip()
+    if parent and name:
+        path = f"{parent}/{name}"
+    if kind not in KINDS or not path:
+        return refused(f"{T.SERVICE}.create", "choose org, team or project and give its name")
+    return await ctx.act(T.SERVICE, "create", T.CreateScope(kind=kind, path=path))
+
+
+PAGES = [
+    Page(
+        path="/console/tenants",
+        name="tenants",
+        title="tenants.nav",
+        template="tenants.html",
+        gather=gather,
+        actions={
+            "key_create": create_key,
+            "key_revoke": revoke_key,
+            "limit_set": set_limit,
+            "budget_set": set_budget,
+            "quota_set": set_quota,
+            "quota_clear": clear_quota,
+            "scope_create": create_scope,
+        },
+        live=("tenancy", "key", "limit", "budget", "quota"),
+        scope="tenant",
+    )
+]
