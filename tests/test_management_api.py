@@ -18,11 +18,13 @@ from llmgw.cli.main import main
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import access as A
 from llmgw.events.schema import models as M
+from llmgw.events.schema import people as P
 from llmgw.events.schema import tenancy as T
 from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.outcomes import CommandCompleted
 from llmgw.events.schema.subjects import event_subject
 from llmgw.services.api.act import command_id_for
+from llmgw.services.console import session as SES
 from tests.fleet import Fleet
 from tests.signin import TESTER
 from tests.support import NatsServer, wait_until
@@ -241,3 +243,22 @@ async def test_delete_with_purge_removes_the_model(api: Fleet, tmp_path: Path) -
     assert any(isinstance(p, M.ModelRemoved) and p.purge for p in gone), gone
     status, again = await call(api, "DELETE", "/api/v1/models/tiny")
     assert status == 404 and again["code"] == "not_found", again
+
+
+async def test_a_console_session_s_cookie_acts_with_its_csrf_token_and_is_refused_without(api: Fleet) -> None:
+    await person(api, "cora", "cluster-admin", "cluster")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(api.admin_url + "/api/v1/login", json={"user": "cora", "password": PASSWORD}) as r:
+            assert r.status == 200, await r.text()
+            session = (await r.json())["token"]
+        cookie = {SES.COOKIE: session}
+        url = api.admin_url + "/api/v1/tenants"
+        body = {"kind": "org", "path": "acme"}
+        async with s.post(url, json=body, cookies=cookie) as r:
+            assert r.status == 403 and (await r.json())["error"]["code"] == "csrf"
+        csrf = {SES.CSRF_HEADER: SES.csrf_token(session)}
+        async with s.post(url, json=body, cookies=cookie, headers=csrf) as r:
+            done = await r.json()
+            assert r.status == 200 and done["outcome"] == "applied", done
+    outcome = [c for i, c in await completed(api.store, "tenancy.create") if i == done["command"]]
+    assert outcome[0].requested_by == "user:cora" and outcome[0].signer == f"token:{P.token_prefix(session)}"

@@ -47,7 +47,7 @@ from llmgw.projections.usage import (
     spend,
     usage_totals,
 )
-from llmgw.services.api.manage import ROUTE_PREFIX, Manage
+from llmgw.services.api.manage import ROUTE_PREFIX, Manage, bearer_token
 from llmgw.services.api.openapi import OPENAPI_PATH, document
 from llmgw.services.api.replay import cluster_at, parse_keys_cursor
 from llmgw.services.api.signin import Identity, Refused, SignIn
@@ -144,7 +144,7 @@ class AdminApi:
         app.router.add_get("/api/v1/requests/{id}", self.request_usage)
         app.router.add_get(OPENAPI_PATH, self.openapi)
         # Every command the CLI sends, signed with the caller's token (services/api/manage.py).
-        Manage(self.store, lambda request: request[IDENTITY].name).routes(app)
+        Manage(self.store, lambda request: request[IDENTITY].name, self._token).routes(app)
         return app
 
     @web.middleware
@@ -215,6 +215,12 @@ class AdminApi:
         if isinstance(got, Refused):
             return error(got.status, got.message, got.code)
         return got
+
+    def _token(self, request: web.Request) -> str:
+        """The token the request was authenticated by (as ``_identity`` chose it): a command is signed with it."""
+        if request.headers.get("authorization"):
+            return bearer_token(request)
+        return request.cookies.get(SES.COOKIE, "")
 
     async def login(self, request: web.Request) -> web.Response:
         """``POST /api/v1/login`` ``{"user", "password"}``: a session token (12 h) for a person."""
