@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
+from typing import Any
 
 import click
 import msgspec
@@ -14,6 +16,7 @@ import msgspec
 from llmgw.bench import BenchError
 from llmgw.bench.backbone import BackboneOptions, backbone_text, run_backbone
 from llmgw.bench.coldstart import ColdstartOptions, coldstart_json, coldstart_text, run_coldstart
+from llmgw.bench.console_pages import LARGE, SMALL, ConsoleOptions, Scale, console_json, console_text, run_console
 from llmgw.bench.replay import ReplayOptions, replay_json, replay_text, run_replay
 from llmgw.bench.scheduler import SchedulerOptions, run_scheduler, scheduler_json, scheduler_text
 from llmgw.bench.signing import run_signing, signing_text
@@ -175,3 +178,47 @@ def signing(checks: int, rounds: int, per_round: int, as_json: bool) -> None:
         click.echo(json.dumps({**msgspec.to_builtins(result), "ratio": result.ratio}, indent=2))
     else:
         click.echo(signing_text(result))
+
+
+async def serve_console(
+    nats_url: str,
+    db_dsn: str,
+    admin_port: int,
+    stop: asyncio.Event,
+    on_ready: Callable[[], None],
+    handles: dict[str, Any],
+) -> None:
+    """The console's services as `llmgw up` runs them (the projections, the admin API, the people), for the
+    console bench: composed here, where services meet."""
+    from llmgw.cli.runtime import serve
+    from llmgw.cli.server_config import ServerConfig
+
+    config = ServerConfig(
+        nats_url=nats_url, db_dsn=db_dsn, services=("projections", "api", "people"), admin_port=admin_port
+    )
+    await serve(config, stop, on_ready=on_ready, handles=handles)
+
+
+@bench.command("console")
+@click.option("--nodes", default=LARGE.nodes, show_default=True, help="Nodes in the large world.")
+@click.option("--replicas", default=LARGE.replicas, show_default=True, help="Replicas placed and ready in it.")
+@click.option("--keys", default=LARGE.keys, show_default=True, help="API keys in it (one in ten revoked).")
+@click.option("--events", default=LARGE.events, show_default=True, help="Events on its log (at least).")
+@click.option("--usage", default=LARGE.usage, show_default=True, help="Usage records over its last day.")
+@click.option("--runs", default=20, show_default=True, help="Times each page is fetched (after one warm-up).")
+@click.option("--dir", "base_dir", help="Where the temporary servers and databases go (default: the system's temp).")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
+def console(
+    nodes: int, replicas: int, keys: int, events: int, usage: int, runs: int, base_dir: str | None, as_json: bool
+) -> None:
+    """Every console page's time on the server at scale, beside the same pages over a small world."""
+    if min(nodes, replicas, keys, events, runs) < 1 or usage < 0:
+        raise click.BadParameter("nodes, replicas, keys, events and runs must be at least 1, usage at least 0")
+    logs.configure("warning")
+    large = Scale(nodes=nodes, replicas=replicas, keys=keys, events=events, usage=usage)
+    opts = ConsoleOptions(large=large, small=SMALL, runs=runs, base_dir=base_dir)
+    try:
+        report = asyncio.run(run_console(opts, serve_console, progress))
+    except BenchError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(json.dumps(console_json(report), indent=2) if as_json else console_text(report))
