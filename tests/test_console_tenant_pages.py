@@ -8,6 +8,7 @@ import json
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
+from urllib.parse import quote
 
 import aiohttp
 import msgspec
@@ -16,15 +17,18 @@ from click.testing import CliRunner
 
 from llmgw.cli.main import main
 from llmgw.events.commands.client import CommandClient
+from llmgw.events.schema import models as M
 from llmgw.events.schema import people as P
 from llmgw.events.schema import tenancy as T
-from llmgw.events.schema.outcomes import CommandCompleted
+from llmgw.events.schema.envelope import utc_now
 from llmgw.services.console import session as SES
 from llmgw.services.console.svg import Series, line_chart
 from tests.fleet import Fleet
 from tests.signin import PASSWORD, TESTER
 from tests.signin import tester_hash as the_password_hash
 from tests.support import NatsServer, wait_until
+from tests.test_external import KEY_A, Provider, add_external, chat
+from tests.test_gateway import FAST_ROUTER
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -253,6 +257,67 @@ async def test_usage_at_a_moment_and_the_mirror_in_the_past_render(console: Flee
             assert "/console/act/" not in html.split('id="main"')[1], area  # nothing to change in the past
 
 
+async def test_a_limit_set_from_the_page_shows_its_429s_on_the_usage_page(
+    store, nats: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An external model (GW-12) served by a small provider started here: a gateway without engines.
+    monkeypatch.setenv("EXT_KEY_A", KEY_A)
+    services = (*TENANT_SERVICES, "catalog", "fleet", "scheduler", "router")
+    gw = await Fleet(store, nats.url, tmp_path).start(services=services, router=FAST_ROUTER)
+    provider = await Provider((KEY_A,)).start()
+    try:
+        await tenancy(gw, "acme", "acme/ml", "acme/ml/chat")
+        await add_external(gw, "ext", M.ExternalProvider(url=provider.url, key_env=["EXT_KEY_A"]))
+        async with aiohttp.ClientSession(cookie_jar=jar()) as s:
+            b = await signed_in(gw, s)
+            _, made = await b.act("tenants", "key_create", project="acme/ml/chat", name="app", external="on")
+            key = secret_in(made)
+            assert key is not None, made
+            status, answer = await b.act("tenants", "limit_set", scope="project:acme/ml/chat", rpm="1")
+            assert status == 200, answer
+
+            async def refused() -> bool:
+                async with s.post(
+                    f"http://127.0.0.1:{gw.port}/v1/chat/completions",
+                    json=chat("ext"),
+                    headers={"Authorization": f"Bearer {key}"},
+                ) as r:
+                    return r.status == 429
+
+            await wait_until(refused, deadline_s=30, what="the gateway to refuse past the limit")
+
+            async def shown() -> str | None:
+                html = await b.page("/console/usage?by=key&range=hour")
+                return html if re.search(r'data-refusals="[1-9]', html) else None
+
+            html = await wait_until(shown, deadline_s=30, what="the 429 on the usage page")
+            assert 'id="usage-refusals"' in html and "<title" in html
+            assert "key:" in html and "(app)" in html  # grouped by the key, named as people know it
+    finally:
+        await provider.stop()
+        await gw.stop()
+
+
+async def test_the_tenants_page_before_a_revocation_shows_the_key_active_and_marked_as_changed_since(
+    console: Fleet,
+) -> None:
+    await tenancy(console, "acme", "acme/ml", "acme/ml/chat")
+    async with aiohttp.ClientSession(cookie_jar=jar()) as s:
+        b = await signed_in(console, s)
+        _, made = await b.act("tenants", "key_create", project="acme/ml/chat", name="old")
+        prefix = secret_in(made).split("-")[1]  # type: ignore[union-attr]
+        key_id = (await console.store.read("llmgw.evt.key.>"))[-1].payload.key_id
+        before = utc_now()
+        status, answer = await b.act("tenants", "key_revoke", key=key_id, reason="leaked")
+        assert status == 200, answer
+        then = await b.page(f"/console/tenants?at={quote(before.isoformat())}")
+        row = then.split(f'id="key-{prefix}"')[1].split("</tr>")[0]
+        assert 'data-state="active"' in row and "diff-changed" in row, row  # live then, marked: changed since
+        assert 'id="revoke-' not in then  # no control in the past
+        now = await b.page("/console/tenants")
+        assert 'data-state="revoked"' in now.split(f'id="key-{prefix}"')[1].split(">")[0]
+
+
 def test_a_chart_is_labelled_and_says_nothing_by_colour_alone() -> None:
     svg = str(line_chart("c", "Requests <per> model", "desc", ["00:00", "01:00"], [Series(name="a", values=[1, 2])]))
     assert svg.startswith("<svg") and 'role="img"' in svg and 'aria-labelledby="c-title c-desc"' in svg
@@ -271,11 +336,3 @@ def test_every_message_these_pages_use_is_in_english_and_german() -> None:
         for area in AREAS:
             known |= set(json.loads((HERE / "messages" / lang / f"{area}.json").read_text()))
         assert not used - known, (lang, sorted(used - known))
-
-
-async def _completed(fleet: Fleet, kind: str) -> list[CommandCompleted]:
-    return [
-        e.payload
-        for e in await fleet.store.read("llmgw.evt.command.>")
-        if isinstance(e.payload, CommandCompleted) and e.payload.kind == kind
-    ]
