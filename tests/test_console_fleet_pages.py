@@ -23,9 +23,10 @@ from llmgw.events.schema.usage import UsageRecord, usage_subject
 from llmgw.services.console import session as SES
 from llmgw.services.console.pages.models import standing
 from llmgw.services.console.pages.overview import traffic_minutes
+from tests import signin
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
-from tests.signin import PASSWORD, TESTER, tester_hash
+from tests.signin import PASSWORD, TESTER
 from tests.support import wait_until
 
 VIEWER = "vera"
@@ -74,7 +75,7 @@ async def admin(fleet: Fleet) -> AsyncIterator[Browser]:
 @pytest.fixture
 async def viewer(fleet: Fleet) -> AsyncIterator[Browser]:
     await fleet.client.send(
-        P.SERVICE, "user.add", P.AddUser(name=VIEWER, password_hash=tester_hash()), actor="user:test", timeout=20
+        P.SERVICE, "user.add", P.AddUser(name=VIEWER, password_hash=signin.tester_hash()), actor="user:test", timeout=20
     )
     grant = P.GrantRole(name=VIEWER, role="viewer", scope="cluster")
     await fleet.client.send(P.SERVICE, "role.grant", grant, actor="user:test", timeout=20)
@@ -161,6 +162,10 @@ async def test_a_model_added_from_the_page_is_shown_ready_with_its_replica_expla
     assert 'data-count="1"' in row(html, "models-satisfied")
     assert 'data-count="1"' in row(html, "nodes-ready")
     assert 'id="nothing-wrong"' in html
+
+    fleet.agents["n1"].kill9()  # its engine lives on, but nobody answers for the node any more
+    html = await admin.page("/console/nodes/n1")
+    assert "did not answer" in row(html, "logs-unreached")
 
 
 async def test_a_cordon_from_the_nodes_page_takes_effect_and_an_uncordon_undoes_it(
