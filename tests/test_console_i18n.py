@@ -258,3 +258,11 @@ def test_how_long_ago_reads_naturally_in_each_language() -> None:
 
 def test_a_language_not_spoken_formats_as_english() -> None:
     assert Formats("xx").number(1234.5) == "1,234.5"
+
+
+def test_a_value_not_known_reads_as_a_question_mark_and_a_moment_may_come_as_the_read_models_iso_text() -> None:
+    de = Formats("de")
+    assert [de.number(None), de.integer(None), de.percent(None), de.usd(None), de.bytes(None)] == ["?"] * 5
+    assert [de.datetime(None), de.time(None), de.ago(None), de.datetime("not a time")] == ["?"] * 4
+    assert de.datetime("2026-12-03T15:04:05+00:00") == "03.12.2026, 15:04:05 UTC"
+    assert de.ago("2026-12-03T15:01:05+00:00", AT) == "vor 3 Minuten"

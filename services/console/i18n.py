@@ -154,59 +154,78 @@ def refusal(lang: str, code: str | None, message: str, catalog: Catalog | None =
     return (catalog or default_catalog()).refusal(lang, code, message)
 
 
+UNKNOWN = "?"  # what a value not known reads as, as in the CLI's tables
 _DECIMAL_UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
 _BINARY_UNITS = (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
 
 
 class Formats:
-    """Numbers, percentages, money, sizes and times in the form of ``lang`` (times in UTC, and saying so)."""
+    """Numbers, percentages, money, sizes and times in the form of ``lang`` (times in UTC, and saying so).
+    A value not known (None) reads as ``?`` rather than failing the page."""
 
     def __init__(self, lang: str) -> None:
         self.lang = lang if lang in LANGUAGES else DEFAULT
         self.locale = _locale(self.lang)
 
-    def number(self, x: float | int, digits: int | None = None) -> str:
+    def number(self, x: float | int | None, digits: int | None = None) -> str:
         """1234.5 → ``1,234.5`` (en) / ``1.234,5`` (de); ``digits`` fixes the decimals shown."""
+        if x is None:
+            return UNKNOWN
         if digits is None:
             return format_decimal(x, locale=self.locale)
         return format_decimal(x, format="#,##0." + "0" * digits if digits > 0 else "#,##0", locale=self.locale)
 
-    def integer(self, n: int | float) -> str:
+    def integer(self, n: int | float | None) -> str:
         """1234 → ``1,234`` / ``1.234`` (a float is rounded)."""
+        if n is None:
+            return UNKNOWN
         return format_decimal(round(n), format="#,##0", locale=self.locale)
 
-    def percent(self, x: float, digits: int = 0) -> str:
+    def percent(self, x: float | None, digits: int = 0) -> str:
         """0.25 → ``25%`` (en) / ``25 %`` (de, with a no-break space); ``digits`` decimals at most."""
+        if x is None:
+            return UNKNOWN
         if digits <= 0:
             return format_percent(x, locale=self.locale)
         return format_percent(round(x, digits + 2), locale=self.locale, decimal_quantization=False)
 
-    def usd(self, x: float) -> str:
+    def usd(self, x: float | None) -> str:
         """Dollars: ``$1,234.50`` / ``1.234,50 $``; a price per token keeps its small decimals (``$0.00042``)."""
+        if x is None:
+            return UNKNOWN
         return format_currency(round(x, 8), "USD", locale=self.locale, decimal_quantization=False)
 
     def bytes(self, n: int | float | None, binary: bool = False) -> str:
         """A size as the CLI says it: decimal units by default (``1.5 GB``, as the mirror's files), binary
         with ``binary=True`` (``15.6 GiB``, as a node's memory in `ctl nodes`); ``?`` when unknown."""
         if n is None:
-            return "?"
+            return UNKNOWN
         for unit, size in _BINARY_UNITS if binary else _DECIMAL_UNITS:
             if abs(n) >= size:
                 return f"{self.number(n / size, digits=1)} {unit}"
         return f"{self.integer(n)} B"
 
-    def datetime(self, dt: datetime) -> str:
+    def datetime(self, dt: datetime | str | None) -> str:
         """A moment, medium length, in UTC and saying so: ``Dec 3, 2026, 3:04:05 PM UTC`` /
-        ``03.12.2026, 15:04:05 UTC``."""
+        ``03.12.2026, 15:04:05 UTC``. Also an ISO string, as the read models keep moments."""
+        dt = _moment(dt)
+        if dt is None:
+            return UNKNOWN
         return f"{format_datetime(_utc(dt), 'medium', tzinfo=UTC, locale=self.locale)} UTC"
 
-    def time(self, dt: datetime) -> str:
+    def time(self, dt: datetime | str | None) -> str:
         """The time of day in UTC: ``3:04:05 PM UTC`` / ``15:04:05 UTC``."""
+        dt = _moment(dt)
+        if dt is None:
+            return UNKNOWN
         return f"{format_time(_utc(dt), 'medium', tzinfo=UTC, locale=self.locale)} UTC"
 
-    def ago(self, dt: datetime, now: datetime | None = None) -> str:
+    def ago(self, dt: datetime | str | None, now: datetime | None = None) -> str:
         """How long before ``now`` (default: this moment): ``3 minutes ago`` / ``vor 3 Minuten``. A moment
         a little ahead (clocks differ) reads as a second ago."""
+        dt = _moment(dt)
+        if dt is None:
+            return UNKNOWN
         now = _utc(now) if now is not None else datetime.now(UTC)
         delta = max(now - _utc(dt), timedelta(seconds=1))
         return format_timedelta(-delta, add_direction=True, locale=self.locale)
@@ -215,6 +234,16 @@ class Formats:
 @functools.cache
 def _locale(lang: str) -> Locale:
     return Locale.parse(lang)
+
+
+def _moment(dt: datetime | str | None) -> datetime | None:
+    """A moment given as a datetime or an ISO string; None when it is neither (shown as unknown)."""
+    if isinstance(dt, str):
+        try:
+            return datetime.fromisoformat(dt)
+        except ValueError:
+            return None
+    return dt if isinstance(dt, datetime) else None
 
 
 def _utc(dt: datetime) -> datetime:
