@@ -224,6 +224,9 @@ async def test_a_body_that_does_not_fit_is_a_400_naming_the_field(api: Fleet) ->
     status, answer = await call(api, "POST", "/api/v1/tenants", {"kind": "org", "path": "acme"}, key="k" * 256)
     assert status == 400 and answer["error"]["field"] == "Idempotency-Key", answer
     assert (await call(api, "GET", "/api/v1/tree"))[1]["orgs"] == []
+    # A body that fits but that the service finds wrong is its refusal, a 400 too (invalid_…).
+    status, answer = await call(api, "POST", f"/api/v1/users/{TESTER}/roles", {"role": "wizard", "scope": "cluster"})
+    assert status == 400 and answer["code"] == "invalid_role" and "wizard" in answer["message"], answer
 
 
 async def test_delete_with_purge_removes_the_model(api: Fleet, tmp_path: Path) -> None:

@@ -160,3 +160,10 @@ async def test_schemathesis_finds_no_5xx_and_every_answer_matches_the_served_doc
         # Hypothesis and schemathesis's client are synchronous; the admin API answers on this loop.
         failures += await asyncio.to_thread(_explore, operation, everything.admin_url, everything.admin_token)
     assert not failures, f"{len(failures)} failed:\n\n" + "\n\n".join(failures[:20])
+
+
+def test_docs_api_lists_every_endpoint_with_its_service_and_verb() -> None:
+    page = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    for ep in ENDPOINTS:
+        row = f"| `{ep.method} {ep.openapi_path}` | `{ep.service}` `{ep.verb}` | `{ep.payload.__name__}` |"
+        assert row in page, f"docs/api.md lacks the row of {ep.method} {ep.openapi_path}: {row}"

@@ -24,7 +24,8 @@ from llmgw.events.commands.errors import CommandRejectedError, CommandTimeoutErr
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema.ids import new_id
 
-# The HTTP status of a refusal, by its code; a code not named here is a 409 (the state refuses it).
+# The HTTP status of a refusal, by its code; a code not named here is a 400 if it starts with
+# ``invalid_`` (the input was wrong), else a 409 (the state refuses it).
 STATUS_OF_CODE = {
     "invalid": 400,
     "invalid_request": 400,
@@ -65,7 +66,11 @@ class Outcome(msgspec.Struct, kw_only=True):
     @property
     def status(self) -> int:
         """The HTTP status that answers it: 200 applied, else by the refusal's code."""
-        return 200 if self.applied else STATUS_OF_CODE.get(self.code or "", 409)
+        if self.applied:
+            return 200
+        code = self.code or ""
+        # The services name what was wrong with the input: invalid_name, invalid_role, invalid_scope, …
+        return STATUS_OF_CODE.get(code, 400 if code.startswith("invalid_") else 409)
 
 
 class BadIdempotencyKey(ValueError):
