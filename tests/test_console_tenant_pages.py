@@ -17,10 +17,13 @@ from click.testing import CliRunner
 
 from llmgw.cli.main import main
 from llmgw.events.commands.client import CommandClient
+from llmgw.events.runtime.store import NewEvent
+from llmgw.events.schema import mirror as E
 from llmgw.events.schema import models as M
 from llmgw.events.schema import people as P
 from llmgw.events.schema import tenancy as T
 from llmgw.events.schema.envelope import utc_now
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.console import session as SES
 from llmgw.services.console.svg import Series, line_chart
 from tests.fleet import Fleet
@@ -316,6 +319,57 @@ async def test_the_tenants_page_before_a_revocation_shows_the_key_active_and_mar
         assert 'id="revoke-' not in then  # no control in the past
         now = await b.page("/console/tenants")
         assert 'data-state="revoked"' in now.split(f'id="key-{prefix}"')[1].split(">")[0]
+
+
+def verified(version: str, digest: str) -> E.FileVerified:
+    return E.FileVerified(version=version, file="a.gguf", size=4000, sha256=digest * 32)
+
+
+async def test_the_mirror_page_shows_a_download_in_progress_what_is_held_and_what_a_peer_copied(
+    console: Fleet,
+) -> None:
+    files = [
+        E.MirrorFile(path="a.gguf", name="a.gguf", size=4000),
+        E.MirrorFile(path="b.gguf", name="b.gguf", size=6000),
+    ]
+    started = E.FetchStarted(version="v1", repo="acme/tiny", revision="main", commit="c0ffee" * 6, files=files)
+    await console.store.append(
+        event_subject(E.AGGREGATE, "tiny"),
+        [
+            NewEvent(payload=started, actor="svc:mirror"),
+            NewEvent(
+                payload=E.FileVerified(version="v1", file="a.gguf", size=4000, sha256="ab" * 32), actor="svc:mirror"
+            ),
+        ],
+    )
+    done = E.FetchStarted(version="v0", repo="acme/old", revision="main", commit="beef" * 10, files=files[:1])
+    await console.store.append(
+        event_subject(E.AGGREGATE, "old"),
+        [
+            NewEvent(payload=done, actor="svc:mirror"),
+            NewEvent(
+                payload=E.FileVerified(version="v0", file="a.gguf", size=4000, sha256="cd" * 32), actor="svc:mirror"
+            ),
+            NewEvent(
+                payload=E.FetchCompleted(version="v0", files=1, bytes=4000, downloaded=4000, seconds=1.0),
+                actor="svc:mirror",
+            ),
+        ],
+    )
+    copied = E.PeerFileCopied(model="old", version="v0", file="a.gguf", size=4000, sha256="cd" * 32, source="primary")
+    await console.store.append(
+        event_subject(E.PEER_AGGREGATE, "edge-1"), [NewEvent(payload=copied, actor="svc:mirror")]
+    )
+    async with aiohttp.ClientSession(cookie_jar=jar()) as s:
+        b = await signed_in(console, s)
+        html = await b.page("/console/mirror")
+        job = html.split('id="job-tiny-v1"')[1].split("</li>")[0]
+        assert "<progress" in job and 'max="10000" value="4000"' in job and "40%" in job
+        assert 'data-state="present"' in html.split('id="version-old-v0"')[1].split(">")[0]
+        assert "4.0 kB" in html.split('id="mirror-space"')[1].split("</p>")[0]  # what is held
+        row = html.split('id="peer-edge-1"')[1].split("</tr>")[0]
+        assert ">1<" in row and "primary" in row
+        assert 'id="mirror-fetch"' in html  # a cluster admin's control
 
 
 def test_a_chart_is_labelled_and_says_nothing_by_colour_alone() -> None:
