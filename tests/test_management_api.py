@@ -170,6 +170,14 @@ async def test_a_viewer_s_change_is_refused_with_a_403_and_nothing_is_applied(ap
         assert status == 403 and refused["code"] == "forbidden", (path, refused)
         assert "needs " in refused["message"] and "vic holds viewer of the cluster" in refused["message"], refused
     assert (await call(api, "GET", "/api/v1/tree"))[1]["orgs"] == []
+    # A person only a cluster admin may add: refused by the people service, the password never hashed.
+    status, refused = await call(api, "POST", "/api/v1/users", {"name": "eve", "password": PASSWORD}, token=vic)
+    assert status == 403 and refused["code"] == "forbidden" and "adding user eve needs" in refused["message"]
+    # Their own password is theirs to set.
+    status, done = await call(
+        api, "PUT", "/api/v1/users/vic/password", {"password": "another long password"}, token=vic
+    )
+    assert status == 200 and done["outcome"] == "applied", done
     # The projections' rebuild is no command: the API itself keeps it to cluster admins.
     status, refused = await call(api, "POST", "/api/v1/projections/rebuild", token=vic)
     assert status == 403 and refused["error"]["code"] == "forbidden", refused

@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from llmgw.events.commands.roles import CLUSTER
+from llmgw.events.commands.roles import CLUSTER, Need
 from llmgw.events.runtime.follower import FollowerRegistry, health_body
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import nodes as N
@@ -144,7 +144,7 @@ class AdminApi:
         app.router.add_get("/api/v1/requests/{id}", self.request_usage)
         app.router.add_get(OPENAPI_PATH, self.openapi)
         # Every command the CLI sends, signed with the caller's token (services/api/manage.py).
-        Manage(self.store, lambda request: request[IDENTITY].name, self._token).routes(app)
+        Manage(self.store, lambda request: request[IDENTITY].name, self._token, self._may).routes(app)
         return app
 
     @web.middleware
@@ -215,6 +215,13 @@ class AdminApi:
         if isinstance(got, Refused):
             return error(got.status, got.message, got.code)
         return got
+
+    def _may(self, request: web.Request, need: Need) -> bool:
+        """Whether the request's person holds ``need`` now (a hint the management API acts on; the command's
+        service decides)."""
+        signin = self._signin()
+        chain, label = signin.chain(need.kind, need.tenant)
+        return signin.authorize(request[IDENTITY], need.role, chain, label, need.what) is None
 
     def _token(self, request: web.Request) -> str:
         """The token the request was authenticated by (as ``_identity`` chose it): a command is signed with it."""

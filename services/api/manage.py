@@ -27,6 +27,7 @@ from typing import Annotated, Any
 import msgspec
 from aiohttp import web
 
+from llmgw.events.commands.roles import Need as RoleNeed
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import access as A
 from llmgw.events.schema import jobs as J
@@ -109,7 +110,10 @@ class Made:
     prefix: str | None = None
 
 
-Maker = Callable[["Manage", msgspec.Struct, dict[str, Any]], Awaitable[Made]]
+Maker = Callable[["Manage", web.Request, msgspec.Struct, dict[str, Any]], Awaitable[Made]]
+# Whether the request's person holds a role the people service asks (services/people/rules.py need):
+# a hint that spares hashing a password for a command the service will refuse; the service decides.
+MayHint = Callable[[web.Request, RoleNeed], bool]
 
 
 @dataclass(frozen=True)
@@ -182,14 +186,14 @@ def derived_body(ep: Endpoint) -> type[msgspec.Struct]:
 # -- the payloads made here ----------------------------------------------------------------------
 
 
-async def _make_key(manage: Manage, body: msgspec.Struct, values: dict[str, Any]) -> Made:
+async def _make_key(manage: Manage, request: web.Request, body: msgspec.Struct, values: dict[str, Any]) -> Made:
     assert isinstance(body, CreateKeyBody)
     secret, prefix, digest = A.make_api_key()
     fields = msgspec.structs.asdict(body)
     return Made(payload=A.CreateKey(prefix=prefix, secret_sha256=digest, **fields), secret=secret, prefix=prefix)
 
 
-async def _make_token(manage: Manage, body: msgspec.Struct, values: dict[str, Any]) -> Made:
+async def _make_token(manage: Manage, request: web.Request, body: msgspec.Struct, values: dict[str, Any]) -> Made:
     assert isinstance(body, IssueTokenBody)
     try:
         secret, issue = P.issue(values["name"], "personal", label=body.label, expires_at=body.expires_at)
@@ -198,25 +202,33 @@ async def _make_token(manage: Manage, body: msgspec.Struct, values: dict[str, An
     return Made(payload=issue, secret=secret, prefix=issue.prefix)
 
 
-async def _hashed(manage: Manage, password: str) -> str:
+async def _hashed(manage: Manage, request: web.Request, draft: P.AddUser | P.SetPassword, password: str) -> Made:
+    """``draft`` with the argon2id hash of ``password``; unhashed when the person may not send it (the
+    service refuses it, forbidden, before it looks at the hash: an argon2id hash costs 64 MiB and a
+    core's second, not to be spent on a refusal)."""
     from llmgw.services.people.passwords import hash_password, password_problem  # argon2: only when one is set
+    from llmgw.services.people.rules import need
 
     problem = password_problem(password)
     if problem is not None:
         raise Invalid(f"{problem}: choose another", field="password", code="weak_password")
+    needed = need(f"user:{manage.person_of(request)}", draft)
+    if needed is not None and manage.may is not None and not manage.may(request, needed):
+        return Made(payload=draft)
     async with manage.hashing:  # a burst of these must not take every core and the memory
-        return await asyncio.to_thread(hash_password, password)
+        digest = await asyncio.to_thread(hash_password, password)
+    return Made(payload=msgspec.structs.replace(draft, password_hash=digest))
 
 
-async def _make_user(manage: Manage, body: msgspec.Struct, values: dict[str, Any]) -> Made:
+async def _make_user(manage: Manage, request: web.Request, body: msgspec.Struct, values: dict[str, Any]) -> Made:
     assert isinstance(body, AddUserBody)
-    digest = await _hashed(manage, body.password)
-    return Made(payload=P.AddUser(name=body.name, password_hash=digest, display_name=body.display_name))
+    draft = P.AddUser(name=body.name, password_hash="", display_name=body.display_name)
+    return await _hashed(manage, request, draft, body.password)
 
 
-async def _make_password(manage: Manage, body: msgspec.Struct, values: dict[str, Any]) -> Made:
+async def _make_password(manage: Manage, request: web.Request, body: msgspec.Struct, values: dict[str, Any]) -> Made:
     assert isinstance(body, SetPasswordBody)
-    return Made(payload=P.SetPassword(name=values["name"], password_hash=await _hashed(manage, body.password)))
+    return await _hashed(manage, request, P.SetPassword(name=values["name"], password_hash=""), body.password)
 
 
 V = "/api/v1"
@@ -401,10 +413,12 @@ class Manage:
         store: EventStore,
         person_of: Callable[[web.Request], str],
         token_of: Callable[[web.Request], str] = bearer_token,
+        may: MayHint | None = None,
     ) -> None:
         self.store = store
         self.person_of = person_of  # the authenticated person's name (the admin API's middleware set it)
         self.token_of = token_of  # the token that authenticated the request: the command is signed with it
+        self.may = may
         self.hashing = asyncio.Semaphore(HASHING_AT_ONCE)
         self.bodies = {ep.route_name: derived_body(ep) for ep in ENDPOINTS}
 
@@ -453,7 +467,7 @@ class Manage:
         values.update({name: request.query[name] for name in ep.query if name in request.query})
         values.update(ep.fixed)
         if ep.make is not None:
-            return await ep.make(self, body, values)
+            return await ep.make(self, request, body, values)
         try:
             # Path and query give text: converted leniently ("true" a bool); the body was decoded strictly.
             return Made(payload=msgspec.convert({**msgspec.to_builtins(body), **values}, ep.payload, strict=False))
