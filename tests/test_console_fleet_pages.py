@@ -22,6 +22,7 @@ from llmgw.events.schema.subjects import event_subject
 from llmgw.events.schema.usage import UsageRecord, usage_subject
 from llmgw.services.console import session as SES
 from llmgw.services.console.pages.models import standing
+from llmgw.services.console.pages.nodes import paged
 from llmgw.services.console.pages.overview import traffic_minutes
 from tests import signin
 from tests.fleet import Fleet
@@ -122,6 +123,16 @@ def test_the_traffic_counts_every_minute_of_the_window_and_the_last_one_as_still
     assert minutes[2]["counting"] and minutes[2]["rps"] == 1.0  # 30 requests in the 30 s so far
 
 
+def test_a_long_list_is_drawn_a_page_at_a_time_and_a_page_past_the_end_is_the_last() -> None:
+    rows = [{"id": i} for i in range(250)]
+    first = paged(rows, {})
+    assert (first["page"], first["pages"], first["total"], len(first["rows"])) == (1, 3, 250, 100)
+    last = paged(rows, {"page": "9"})
+    assert last["page"] == 3 and [r["id"] for r in last["rows"]] == list(range(200, 250))
+    assert paged(rows, {"page": "soon"})["page"] == 1
+    assert paged([], {})["pages"] == 1
+
+
 # -- the pages -----------------------------------------------------------------------------------
 
 
@@ -184,6 +195,8 @@ async def test_a_cordon_from_the_nodes_page_takes_effect_and_an_uncordon_undoes_
     assert "disk swap" in row(html, "node-n1")
     assert 'id="uncordon-n1"' in html and 'id="cordon-n1"' not in html
     assert (await projected_node(fleet, "n1"))["cordoned"]
+    assert 'id="node-n1"' in await admin.page("/console/nodes?state=cordoned")
+    assert 'id="node-n1"' not in await admin.page("/console/nodes?state=ready")
 
     status, text = await admin.act("node", "uncordon", node="n1")
     assert status == 200, text

@@ -31,7 +31,7 @@ from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of
 from llmgw.services.api.act import Outcome
 from llmgw.services.api.views import ACTIVE_STATES, shape_model
 from llmgw.services.console.page import Ctx, Page
-from llmgw.services.console.pages.nodes import active_clause, refused
+from llmgw.services.console.pages.nodes import active_replicas, paged, refused
 from llmgw.services.console.source import Source, marked
 from llmgw.services.jobs.rules import STEPS
 
@@ -77,14 +77,17 @@ def _spec_summary(spec: dict[str, Any]) -> dict[str, Any]:
     return {"profiles": profiles, "description": spec.get("description", ""), "aliases": spec.get("aliases", [])}
 
 
-async def catalog(src: Source, name: str | None = None) -> list[dict[str, Any]]:
-    """Every model (or the one named), shaped as `ctl models` shows it, with its standing and spec summary."""
+async def catalog(
+    src: Source, name: str | None = None, active: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """Every model (or the one named), shaped as `ctl models` shows it, with its standing and spec summary.
+    ``active``: the active replicas, when the caller has read them already."""
     if name is None:
         rows = await src.fleet("models", "ORDER BY name")
-        active = await src.fleet("replicas", f"WHERE {active_clause()}")
+        active = await active_replicas(src) if active is None else active
     else:
         rows = await src.fleet("models", "WHERE name = ?", name)
-        active = await src.fleet("replicas", f"WHERE model = ? AND {active_clause()}", name)
+        active = await active_replicas(src, "AND model = ?", name) if active is None else active
     of_model: dict[str, list[dict[str, Any]]] = {}
     for r in active:
         of_model.setdefault(r["model"], []).append(r)
@@ -181,8 +184,12 @@ async def gather_models(ctx: Ctx) -> dict[str, Any]:
     if ctx.at is not None:
         models = marked(models, await catalog(ctx.now), key="name", fields=MODEL_FIELDS)
     counts = {s: sum(1 for m in models if m.get("standing") == s and m.get("_diff") != "added") for s in STANDINGS}
+    state = ctx.query.get("state", "")
+    listing = paged([m for m in models if m.get("standing") == state] if state in STANDINGS else models, ctx.query)
     return {
-        "models": models,
+        "models": listing["rows"],
+        "listing": listing,
+        "state": state if state in STANDINGS else "",
         "counts": counts,
         "jobs": await serve_jobs(ctx.api.store, _up_to(ctx)),
         "engines": M.ENGINES,
@@ -305,9 +312,13 @@ async def add(ctx: Ctx, form: Mapping[str, str]) -> Outcome:
     except BadInput as exc:
         return refused("catalog.add", str(exc))
     assert name is not None and source is not None
-    if memory_gb is None and engine == "llamacpp" and ctx.can("cluster-admin"):
-        # Only for whom may add: sizing reads the file's header on this machine, as the CLI reads it on its own.
-        memory_gb = await asyncio.to_thread(_estimated_memory_gb, source, ctx_size)
+    if ctx.can("cluster-admin"):
+        # Only for whom may add: a file on this machine is named absolutely and sized from its header, as the
+        # CLI does on its own machine; a path on the nodes only goes as it is.
+        local = Path(source).expanduser()
+        source = str(local.resolve()) if local.exists() else source
+        if memory_gb is None and engine == "llamacpp":
+            memory_gb = await asyncio.to_thread(_estimated_memory_gb, source, ctx_size)
     profile = M.Profile(engine=engine, cpu_cores=cores, min_memory_gb=memory_gb, ctx_size=ctx_size)
     spec = M.ModelSpec(
         name=name,

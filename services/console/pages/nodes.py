@@ -28,6 +28,7 @@ from llmgw.services.console.source import Source, marked
 LOG_LINES = 20  # the tail of each engine's log the node page shows
 LOG_TIMEOUT_S = 2.0  # an agent that has not answered by then is said not to answer; the page does not wait on
 DRAIN_GRACE_S = 300.0  # `ctl drain`'s default
+PER_PAGE = 100  # rows of a list page drawn at once
 NODE_FIELDS = ("state", "cordoned", "draining", "cpus", "memory_total_bytes", "replicas")
 REPLICA_FIELDS = ("state", "model", "node_id", "port")
 
@@ -65,15 +66,22 @@ def node_state(n: dict[str, Any]) -> str:
     return "ready"
 
 
-async def fleet_nodes(src: Source, node_id: str | None = None) -> list[dict[str, Any]]:
+async def active_replicas(src: Source, tail: str = "", *args: Any) -> list[dict[str, Any]]:
+    """The replicas that hold a reservation now (placed, starting, ready, draining); ``tail`` narrows them."""
+    return await src.fleet("replicas", f"WHERE {active_clause()} {tail}", *args)
+
+
+async def fleet_nodes(
+    src: Source, node_id: str | None = None, active: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """Every node (or the one named), shaped as the admin API shows it, with what its replicas reserve and
-    its standing."""
+    its standing. ``active``: the active replicas, when the caller has read them already."""
     if node_id is None:
         rows = await src.fleet("nodes", "ORDER BY id")
-        active = await src.fleet("replicas", f"WHERE {active_clause()}")
+        active = await active_replicas(src) if active is None else active
     else:
         rows = await src.fleet("nodes", "WHERE id = ?", node_id)
-        active = await src.fleet("replicas", f"WHERE node_id = ? AND {active_clause()}", node_id)
+        active = await active_replicas(src, "AND node_id = ?", node_id) if active is None else active
     held = reservations(active)
     on_node: dict[str, list[dict[str, Any]]] = {}
     for r in active:
@@ -83,6 +91,17 @@ async def fleet_nodes(src: Source, node_id: str | None = None) -> list[dict[str,
         n["held"] = held.get(n["id"], {"cores": 0, "memory_bytes": 0, "gpus": 0, "replicas": 0})
         n["standing"] = node_state(n)
     return rows
+
+
+def paged(rows: list[dict[str, Any]], query: Mapping[str, str], per_page: int = PER_PAGE) -> dict[str, Any]:
+    """One page of ``rows`` (``?page=N``, from 1; a page past the end is the last one): a long list is
+    drawn a page at a time, so a page of a thousand nodes renders as fast as one of ten. Pure."""
+    pages = max((len(rows) + per_page - 1) // per_page, 1)
+    try:
+        page = min(max(int(query.get("page", "1")), 1), pages)
+    except ValueError:
+        page = 1
+    return {"rows": rows[(page - 1) * per_page : page * per_page], "page": page, "pages": pages, "total": len(rows)}
 
 
 async def last_heartbeat(store: EventStore, node_id: str) -> N.NodeHeartbeat | None:
@@ -133,7 +152,16 @@ async def gather_nodes(ctx: Ctx) -> dict[str, Any]:
     if ctx.at is not None:
         nodes = marked(nodes, await fleet_nodes(ctx.now), key="id", fields=NODE_FIELDS)
     counts = {s: sum(1 for n in nodes if n.get("standing") == s and n.get("_diff") != "added") for s in STANDINGS}
-    return {"nodes": nodes, "counts": counts, "may_act": may_act(ctx)}
+    state = ctx.query.get("state", "")
+    shown = [n for n in nodes if n.get("standing") == state] if state in STANDINGS else nodes
+    listing = paged(shown, ctx.query)
+    return {
+        "nodes": listing["rows"],
+        "listing": listing,
+        "state": state if state in STANDINGS else "",
+        "counts": counts,
+        "may_act": may_act(ctx),
+    }
 
 
 STANDINGS = ("ready", "cordoned", "draining", "lost")
