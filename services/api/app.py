@@ -48,7 +48,7 @@ from llmgw.projections.usage import (
     usage_totals,
 )
 from llmgw.services.api.manage import ROUTE_PREFIX, Manage, bearer_token
-from llmgw.services.api.openapi import OPENAPI_PATH, document
+from llmgw.services.api.openapi import OPENAPI_PATH, served
 from llmgw.services.api.replay import cluster_at, parse_keys_cursor
 from llmgw.services.api.signin import Identity, Refused, SignIn
 from llmgw.services.api.views import (
@@ -246,7 +246,7 @@ class AdminApi:
 
     async def openapi(self, request: web.Request) -> web.Response:
         """This API's OpenAPI 3.1 document (services/api/openapi.py), open to anyone: it holds no data."""
-        return web.json_response(document())
+        return web.Response(body=served(), content_type="application/json")
 
     async def whoami(self, request: web.Request) -> web.Response:
         who: Identity = request[IDENTITY]

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from datetime import datetime
+from types import MappingProxyType
 from typing import Annotated, Any
 
 import msgspec
@@ -386,6 +387,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     ),
 )
 
+# Each endpoint's body type, made once (by route name): the handlers decode into these, the document shows them.
+BODIES: Mapping[str, type[msgspec.Struct]] = MappingProxyType({ep.route_name: derived_body(ep) for ep in ENDPOINTS})
+
 _FIELD = re.compile(r"`\$\.([^`\[]+)|field `([^`]+)`")
 
 
@@ -420,7 +424,6 @@ class Manage:
         self.token_of = token_of  # the token that authenticated the request: the command is signed with it
         self.may = may
         self.hashing = asyncio.Semaphore(HASHING_AT_ONCE)
-        self.bodies = {ep.route_name: derived_body(ep) for ep in ENDPOINTS}
 
     def routes(self, app: web.Application) -> None:
         for ep in ENDPOINTS:
@@ -458,7 +461,7 @@ class Manage:
         """The command's payload from the request's path, query and body; raises :class:`Invalid`."""
         raw = await request.read()
         try:
-            body = msgspec.json.decode(raw if raw.strip() else b"{}", type=self.bodies[ep.route_name])
+            body = msgspec.json.decode(raw if raw.strip() else b"{}", type=BODIES[ep.route_name])
         except msgspec.ValidationError as exc:
             raise Invalid(f"the body does not fit {ep.method} {ep.openapi_path}: {exc}", field_of(exc)) from exc
         except msgspec.DecodeError as exc:
