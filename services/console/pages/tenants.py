@@ -35,6 +35,7 @@ from llmgw.services.tenancy.tree import need as tree_need
 
 KEYS_PER_PAGE = 100
 ROWS_PER_PAGE = 50  # limits and budgets
+TREE_PROJECTS = 200  # past this many projects the tree lists a team's projects when it is opened
 GiB = 1024**3
 _DURATION = re.compile(r"^(\d+)([mhdw])$")
 _UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
@@ -145,9 +146,12 @@ class Visible:
         return self(kind, sid)
 
 
-def tree_rows(tree: TenancyTree, visible: Visible, live_keys: Mapping[str, int]) -> list[dict[str, Any]]:
+def tree_rows(
+    tree: TenancyTree, visible: Visible, live_keys: Mapping[str, int], open_team: str = ""
+) -> list[dict[str, Any]]:
     """The tree as rows (depth first), each scope the person may view with those above it for context;
-    ``live_keys``: the active keys of each project, by its id."""
+    ``live_keys``: the active keys of each project, by its id. Past :data:`TREE_PROJECTS` projects, a
+    team's projects are listed only when it is opened (``open_team``, its id): its row counts them."""
     shown: set[str] = set()
     for s in tree.scopes.values():
         if visible(s.kind, s.id):
@@ -161,8 +165,13 @@ def tree_rows(tree: TenancyTree, visible: Visible, live_keys: Mapping[str, int])
     for s in sorted((tree.scopes[sid] for sid in shown), key=lambda s: s.name):
         children.setdefault(s.parent_id, []).append(s)  # once: tree.children sorts every scope per call
 
+    projects = sum(1 for sid in shown if tree.scopes[sid].kind == "project")
+    folded = projects > TREE_PROJECTS
+
     def walk(parent: str | None, depth: int) -> None:
         for s in children.get(parent, []):
+            if s.kind == "project" and folded and parent != open_team:
+                continue
             rows.append(
                 {
                     "id": s.id,
@@ -172,6 +181,8 @@ def tree_rows(tree: TenancyTree, visible: Visible, live_keys: Mapping[str, int])
                     "depth": depth,
                     "context_only": not visible(s.kind, s.id),
                     "live_keys": live_keys.get(s.id, 0) if s.kind == "project" else None,
+                    "projects": len(children.get(s.id, [])) if s.kind == "team" else None,
+                    "folded": folded and s.kind == "team" and s.id != open_team,
                 }
             )
             walk(s.id, depth + 1)
@@ -346,7 +357,7 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
     for q in quotas:
         q["may_clear"] = controls and q["id"].partition(":")[2] in clearable
     return {
-        "tree": tree_rows(tree, visible, live_keys),
+        "tree": tree_rows(tree, visible, live_keys, (ctx.query.get("team") or "").strip()),
         "keys": shown_keys,
         "keys_total": len(keys),
         "keys_paging": keys_paging,
