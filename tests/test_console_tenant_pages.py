@@ -163,6 +163,8 @@ async def test_a_team_admin_sees_only_its_teams_keys_and_its_revoke_of_another_t
         assert 'id="person-lead"' in people and 'id="user-add"' not in people
         usage = await lead.page("/console/usage")
         assert "team:acme/ml" in usage and "acme/ops" not in usage
+        other = await lead.page("/console/usage?scope=project:acme/ops/batch")
+        assert 'id="usage-problem"' in other and 'id="usage-totals"' not in other  # not its usage to see
 
 
 async def test_a_limit_and_a_budget_set_from_the_page_are_listed_with_the_budgets_spend(console: Fleet) -> None:
