@@ -18,8 +18,10 @@ same pages over a small world in the same run (the ratio is what grows with scal
    few filtered views) fetched over HTTP on loopback, ``runs`` times each after one warm-up: the
    median and the 95th percentile of the time from request to the last byte.
 
-Nothing here asserts a time; it prints. The figures depend on the machine and its load: read the
-ratio to the small world, and the target column as a guide.
+With ``keep`` each world (its nats-server's store and its SQLite read models) is kept there, and a later
+run of the same scale times the pages on it without building it again (at a million events the build
+takes minutes, the timing seconds). Nothing here asserts a time; it prints. The figures depend on the
+machine and its load: read the ratio to the small world, and the target column as a guide.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class ConsoleOptions(msgspec.Struct, frozen=True, kw_only=True):
     small: Scale = SMALL
     runs: int = 20
     base_dir: str | None = None
+    keep: str | None = None  # a directory the built worlds are kept in, and reused from by a later run
 
 
 class PageFigure(msgspec.Struct, kw_only=True):
@@ -431,54 +434,91 @@ async def _folded(handles: dict[str, Any], store: EventStore, echo: Echo) -> Non
             echo(f"  folding: {name} at {runner.position(name):,} of {head:,}")
 
 
+class Built(msgspec.Struct, kw_only=True):
+    """What building a world measured, kept beside it (``--keep``) so a later run can reuse it."""
+
+    scale: Scale
+    events: int
+    usage: int
+    write_s: float
+    fold_s: float
+
+
+BUILT = "world.json"
+
+
 async def measure_world(scale: Scale, serve: Serve, runs: int, base: Path, echo: Echo) -> World:
-    """Build the world at ``scale`` in ``base``, serve the console over it and time every page."""
+    """Build the world at ``scale`` in ``base`` (or reuse the one built there before), serve the console
+    over it and time every page."""
+    built_file = base / BUILT
+    built = msgspec.json.decode(built_file.read_bytes(), type=Built) if built_file.exists() else None
+    if built is not None and built.scale != scale:
+        raise BenchError(f"{base} holds a world of another scale ({built.scale}); give another --keep directory")
     with nats_server(base, durable=False) as server:
         store = await EventStore.connect(server.url, default_registry())
         try:
             await store.ensure_streams()
-            echo(f"writing the log: {scale.nodes:,} nodes, {scale.replicas:,} replicas, {scale.keys:,} keys")
-            write_s, events, usage = await write_world(store, scale, echo)
+            if built is None:
+                echo(f"writing the log: {scale.nodes:,} nodes, {scale.replicas:,} replicas, {scale.keys:,} keys")
+                write_s, events, usage = await write_world(store, scale, echo)
+            else:
+                echo(f"reusing the world built in {base}")
             stop, ready, handles = asyncio.Event(), asyncio.Event(), {}
             port = _free_port()
             task = asyncio.create_task(
                 serve(server.url, f"sqlite:///{base / 'projections.db'}", port, stop, ready.set, handles)
             )
+            started_up = asyncio.ensure_future(ready.wait())
             try:
-                done, _ = await asyncio.wait(
-                    {task, asyncio.ensure_future(ready.wait())}, timeout=120, return_when="FIRST_COMPLETED"
-                )
+                done, _ = await asyncio.wait({task, started_up}, timeout=120, return_when="FIRST_COMPLETED")
                 if task in done or not ready.is_set():
                     why = task.exception() if task.done() else "no answer in 120 s"
                     raise BenchError(f"the console's services did not start: {why}")
                 started = time.perf_counter()
                 await _folded(handles, store, echo)
-                fold_s = time.perf_counter() - started
-                echo(f"folded {events:,} events and {usage:,} usage records in {fold_s:.1f} s; timing the pages")
+                if built is None:
+                    fold_s = time.perf_counter() - started
+                    built = Built(scale=scale, events=events, usage=usage, write_s=write_s, fold_s=fold_s)
+                    built_file.write_bytes(msgspec.json.encode(built))
+                echo(f"folded {built.events:,} events and {built.usage:,} usage records; timing the pages")
                 pages = await time_pages(f"http://127.0.0.1:{port}", targets(scale), runs, echo)
             finally:
+                started_up.cancel()
                 stop.set()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(task, 60)
         finally:
             await store.close()
-    return World(scale=scale, events=events, usage=usage, write_s=write_s, fold_s=fold_s, pages=pages)
+    return World(
+        scale=scale, events=built.events, usage=built.usage, write_s=built.write_s, fold_s=built.fold_s, pages=pages
+    )
 
 
 async def run_console(opts: ConsoleOptions, serve: Serve, echo: Echo) -> ConsoleReport:
     if opts.runs < 1:
         raise BenchError("--runs must be at least 1")
-    with tempfile.TemporaryDirectory(prefix="llmgw-bench-console-", dir=opts.base_dir) as tmp:
+    with contextlib.ExitStack() as stack:
+        if opts.keep:
+            root = Path(opts.keep)
+            root.mkdir(parents=True, exist_ok=True)
+        else:
+            root = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="llmgw-bench-console-", dir=opts.base_dir))
+            )
         echo("the small world (the baseline)")
-        small = await measure_world(opts.small, serve, opts.runs, Path(tmp) / "small", echo)
+        small = await measure_world(opts.small, serve, opts.runs, root / _world_dir(opts.small), echo)
         echo("the large world")
-        large = await measure_world(opts.large, serve, opts.runs, Path(tmp) / "large", echo)
+        large = await measure_world(opts.large, serve, opts.runs, root / _world_dir(opts.large), echo)
     machine = {
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
     return ConsoleReport(small=small, large=large, runs=opts.runs, machine=machine)
+
+
+def _world_dir(scale: Scale) -> str:
+    return f"world-{scale.nodes}n-{scale.replicas}r-{scale.keys}k-{scale.events}e-{scale.usage}u"
 
 
 # -- the report -----------------------------------------------------------------------------------

@@ -207,16 +207,29 @@ async def serve_console(
 @click.option("--usage", default=LARGE.usage, show_default=True, help="Usage records over its last day.")
 @click.option("--runs", default=20, show_default=True, help="Times each page is fetched (after one warm-up).")
 @click.option("--dir", "base_dir", help="Where the temporary servers and databases go (default: the system's temp).")
+@click.option(
+    "--keep",
+    type=click.Path(file_okay=False),
+    help="Keep each built world (log, read models) in this directory, and reuse one built there before.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
 def console(
-    nodes: int, replicas: int, keys: int, events: int, usage: int, runs: int, base_dir: str | None, as_json: bool
+    nodes: int,
+    replicas: int,
+    keys: int,
+    events: int,
+    usage: int,
+    runs: int,
+    base_dir: str | None,
+    keep: str | None,
+    as_json: bool,
 ) -> None:
     """Every console page's time on the server at scale, beside the same pages over a small world."""
     if min(nodes, replicas, keys, events, runs) < 1 or usage < 0:
         raise click.BadParameter("nodes, replicas, keys, events and runs must be at least 1, usage at least 0")
     logs.configure("warning")
     large = Scale(nodes=nodes, replicas=replicas, keys=keys, events=events, usage=usage)
-    opts = ConsoleOptions(large=large, small=SMALL, runs=runs, base_dir=base_dir)
+    opts = ConsoleOptions(large=large, small=SMALL, runs=runs, base_dir=base_dir, keep=keep)
     try:
         report = asyncio.run(run_console(opts, serve_console, progress))
     except BenchError as exc:

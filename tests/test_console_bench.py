@@ -34,3 +34,14 @@ def test_every_page_has_a_path_to_fetch_detail_pages_with_a_node_and_a_model() -
     assert {page.name for page in PAGES} <= set(found)
     assert all("{" not in path for path in found.values())
     assert found.get("node", "").endswith("/node-0000") and found.get("model", "").endswith("/model-000")
+
+
+async def test_a_kept_world_is_timed_again_without_being_built_again(tmp_path: Path) -> None:
+    opts = ConsoleOptions(large=SMALL, small=TINY, runs=1, keep=str(tmp_path / "kept"))
+    first = await run_console(opts, serve_console, lambda line: None)
+    lines: list[str] = []
+    again = await run_console(opts, serve_console, lines.append)
+    assert sum("reusing the world built in" in line for line in lines) == 2
+    assert not any("writing the log" in line for line in lines)
+    assert (again.large.events, again.large.write_s) == (first.large.events, first.large.write_s)
+    assert {f.status for f in again.large.pages} == {200}
