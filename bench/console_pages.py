@@ -543,7 +543,7 @@ def console_text(report: ConsoleReport) -> str:
         f"large: {_scale_line(report.large)}",
         f"each page {report.runs} times after a warm-up; ms from request to last byte on loopback",
         "",
-        f"{'page':<24}{'small median':>13}{'large median':>13}{'large p95':>11}{'× small':>9}  "
+        f"{'page':<24}{'small median':>13}{'large median':>13}{'large p95':>11}{'× small':>9}{'large KB':>10}  "
         f"target ≤ {TARGET_MS:.0f} ms (median)",
     ]
     for f in report.large.pages:
@@ -554,7 +554,7 @@ def console_text(report: ConsoleReport) -> str:
             verdict = f"HTTP {f.status}" + (f" (small {base.status})" if base else "")
         lines.append(
             f"{f.name:<24}{(base.median_ms if base else float('nan')):>13.1f}{f.median_ms:>13.1f}{f.p95_ms:>11.1f}"
-            f"{ratio}  {verdict}"
+            f"{ratio}{f.bytes / 1000:>10,.0f}  {verdict}"
         )
     m = report.machine
     lines += ["", f"machine: {m['cpus']} CPUs, load average {m['load_average']}, Python {m['python']}"]
