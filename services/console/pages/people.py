@@ -19,7 +19,7 @@ from llmgw.events.folds.tenancy import TenancyTree
 from llmgw.events.schema import people as P
 from llmgw.services.api.act import Outcome
 from llmgw.services.console.page import Ctx, Page
-from llmgw.services.console.pages.tenants import KINDS, BadInput, Visible, refused, whole
+from llmgw.services.console.pages.tenants import KINDS, BadInput, May, Visible, refused, whole
 from llmgw.services.console.source import marked
 from llmgw.services.people.rules import need as people_need
 
@@ -74,6 +74,7 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
         now = _rows(await ctx.now.people(), await ctx.now.tree(), ctx, visible)
         people = marked(people, now, fields=("state", "roles_text", "token_count", "display_name"))
     controls = ctx.at is None
+    may = May(ctx)
     actor = ctx.who.actor
     tree = await ctx.now.tree()
     # The scopes a role may be granted over here: where granting the least role would be allowed.
@@ -81,14 +82,14 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
     for s in sorted(tree.scopes.values(), key=lambda s: (s.kind, tree.path(s))):
         # By id: a path is found by walking the tree's children, an id at once (1,000 projects: 0.5 s against none).
         value = f"{s.kind}:{s.id}"
-        if ctx.may(people_need(actor, P.GrantRole(name="", role="viewer", scope=value))):
+        if may(people_need(actor, P.GrantRole(name="", role="viewer", scope=value))):
             scopes.append({"value": value, "label": f"{s.kind}:{tree.path(s)}"})
-    may_admin = controls and ctx.may(people_need(actor, P.AddUser(name="", password_hash="")))
+    may_admin = controls and may(people_need(actor, P.AddUser(name="", password_hash="")))
     for p in people:
         own = f"user:{p['name']}" == actor
         p["may_disable"] = may_admin and p.get("_diff") is None and not own
         p["may_tokens"] = (
-            controls and p.get("_diff") is None and ctx.may(people_need(actor, P.RevokeToken(name=p["name"], token="")))
+            controls and p.get("_diff") is None and may(people_need(actor, P.RevokeToken(name=p["name"], token="")))
         )
         p["may_revoke_roles"] = (
             controls
@@ -96,7 +97,7 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
             and [
                 r
                 for r in p["roles"]
-                if ctx.may(people_need(actor, P.RevokeRole(name=p["name"], role=r["role"], scope=r["scope"])))
+                if may(people_need(actor, P.RevokeRole(name=p["name"], role=r["role"], scope=r["scope"])))
             ]
         )
     return {

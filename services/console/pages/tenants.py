@@ -120,6 +120,18 @@ def paged(
     }
 
 
+class May:
+    """``ctx.may`` with the cluster admins' answer known at once: a cluster admin may send any command, so
+    the thousands of tenants a page offers are not each walked up the tree for them."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        self.ctx = ctx
+        self.admin = ctx.can("cluster-admin")
+
+    def __call__(self, need: R.Need | None) -> bool:
+        return self.admin or self.ctx.may(need)
+
+
 class Visible:
     """Which tenants the signed-in person may view, answered once per tenant (a page asks per row)."""
 
@@ -320,36 +332,37 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
         r["state"] = "over" if r["usd"] is not None and r["spent"] >= r["usd"] else "within"
     live_tree = await ctx.now.tree()
     controls = ctx.at is None
+    may = May(ctx)
     st = AccessState()
     st.tree = live_tree
     key_projects_options = [
         o
         for o in _tenant_options(live_tree, ("project",))
-        if controls and ctx.may(access_need(st, A.CreateKey(project=o["id"], prefix="", secret_sha256="")))
+        if controls and may(access_need(st, A.CreateKey(project=o["id"], prefix="", secret_sha256="")))
     ]
     limit_options = [
         o
         for o in _tenant_options(live_tree, KINDS)
-        if controls and ctx.may(access_need(st, A.SetLimit(scope=f"{o['kind']}:{o['id']}")))
+        if controls and may(access_need(st, A.SetLimit(scope=f"{o['kind']}:{o['id']}")))
     ]
     quota_options = [
         o
         for o in _tenant_options(live_tree, KINDS)
-        if controls and ctx.may(need_quota(live_tree, Q.ClearQuota(scope=f"{o['kind']}:{o['id']}")))
+        if controls and may(need_quota(live_tree, Q.ClearQuota(scope=f"{o['kind']}:{o['id']}")))
     ]
     create_options = [
         {"kind": kind, "parent": o["path"]}
         for kind, parent_kind in (("team", "org"), ("project", "team"))
         for o in _tenant_options(live_tree, (parent_kind,))
-        if controls and ctx.may(_by_id(tree_need(T.CreateScope(kind=kind, path=f"{o['path']}/x")), o["id"]))
+        if controls and may(_by_id(tree_need(T.CreateScope(kind=kind, path=f"{o['path']}/x")), o["id"]))
     ]
-    may_create_org = controls and ctx.may(tree_need(T.CreateScope(kind="org", path="x")))
+    may_create_org = controls and may(tree_need(T.CreateScope(kind="org", path="x")))
     for k in shown_keys:
         k["may_revoke"] = (
             controls
             and k.get("_diff") is None
             and k["state"] == "active"
-            and ctx.may(R.Need(role="member", what="revoking a key", kind="project", tenant=k["project_id"]))
+            and may(R.Need(role="member", what="revoking a key", kind="project", tenant=k["project_id"]))
         )
     settable, clearable = {o["id"] for o in limit_options}, {o["id"] for o in quota_options}
     for r in [*limits, *budgets]:

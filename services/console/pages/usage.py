@@ -71,7 +71,12 @@ def _rollup_sql(by: str, scope: tuple[str, str] | None) -> tuple[str, str, list[
         dimension, group = LEVELS[min(LEVELS.index(by), LEVELS.index(kind))], f"{by}_id"
     else:
         dimension, group = by, f"{by}_id"
-    where, args = ["minute >= ?", "minute <= ?", "dimension = ?"], [dimension]
+    # Without a value, the (dimension, value, minute) index would read every row of the dimension, all time:
+    # ``dimension || ''`` keeps the planner on the minutes asked for (the primary key's range) instead.
+    where, args = (
+        ["minute >= ?", "minute <= ?", "dimension = ?" if kind == dimension else "dimension || '' = ?"],
+        [dimension],
+    )
     if kind == dimension:
         where.append("value = ?")
     elif kind in LEVELS:
