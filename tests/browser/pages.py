@@ -48,6 +48,38 @@ def action_forms(page: Page, action: str = "") -> list[tuple[str, dict[str, str]
     return [(path, fields) for path, fields in found if not action or path.endswith("/" + action)]
 
 
+def submit(form: Locator) -> Locator:
+    """Submit an action form and wait for its own outcome (not the one an earlier action left shown);
+    the outcome (``#outcome-message``, its ``data-outcome`` applied or refused)."""
+    page = form.page
+    before = page.locator("#outcome").inner_text()
+    form.locator("[type=submit]").click()
+    page.wait_for_function(
+        """old => {
+            const o = document.getElementById('outcome-message');
+            return o !== null && document.getElementById('outcome').innerText !== old;
+        }""",
+        arg=before,
+    )
+    return page.locator("#outcome-message")
+
+
+def choose(field: Locator, value: str) -> None:
+    """Put ``value`` in a form's choice: a select's option, or a text field with its list of suggestions."""
+    if field.evaluate("e => e.tagName") == "SELECT":
+        field.select_option(value)
+    else:
+        field.fill(value)
+
+
+def choices(field: Locator) -> list[str]:
+    """The values a form's choice offers: a select's options, or the options of a text field's datalist."""
+    found: list[str] = field.evaluate(
+        "e => [...(e.tagName === 'SELECT' ? e.options : (e.list ? e.list.options : []))].map(o => o.value)"
+    )
+    return found
+
+
 def form_fields(form: Locator) -> tuple[str, dict[str, str]]:
     """A form's action path and the fields it would send as they stand."""
     found: list[Any] = form.evaluate("f => [new URL(f.action).pathname, Object.fromEntries(new FormData(f).entries())]")

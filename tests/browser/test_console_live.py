@@ -13,6 +13,7 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from tests.browser.console import ADMIN, Console
+from tests.browser.pages import submit
 from tests.gguf_tiny import write_tiny_gguf
 
 pytestmark = pytest.mark.timeout(300)
@@ -69,13 +70,25 @@ def test_a_model_added_from_its_form_becomes_ready_on_the_page_without_a_reload(
     page.locator("#add-source").fill(str(source))
     page.locator("#add-cores").fill("1")
     page.locator("#add-memory").fill("0.1")
-    page.locator("#add-model [type=submit]").click()
-    expect(page.locator("#outcome-message")).to_have_attribute("data-outcome", "applied")
+    expect(submit(page.locator("#add-model"))).to_have_attribute("data-outcome", "applied")
 
     standing = page.locator("#model-added td[data-status]")
     expect(standing).to_be_visible()  # listed as soon as the catalog has it
     expect(standing).to_have_attribute("data-status", "satisfied", timeout=120_000)
     assert_not_reloaded(page)
+
+
+def test_what_a_person_is_typing_survives_a_live_update_of_the_page(
+    console: Console, open_as: Callable[..., Page]
+) -> None:
+    page = open_as(ADMIN, "/console/tenants")
+    live(page)
+    page.locator("#limit-set-rpm").fill("7")
+    before = refreshes(page)
+    console.ctl("team", "create", "acme/typing")  # an event of the page's: it updates while the form is half done
+    page.wait_for_function("n => Number(document.body.dataset.refreshed || 0) > n", arg=before)
+    expect(page.locator("#main")).to_contain_text("typing")
+    expect(page.locator("#limit-set-rpm")).to_have_value("7")
 
 
 def test_an_action_taken_from_the_cli_appears_on_the_audit_page_without_a_reload(

@@ -12,7 +12,7 @@ import pytest
 from playwright.sync_api import Locator, Page, expect
 
 from tests.browser.console import ADMIN, OTHER_PROJECT, PROJECT, TEAM_ADMIN, Console, cookie_header
-from tests.browser.pages import csrf_of
+from tests.browser.pages import choices, choose, csrf_of, submit
 from tests.up import wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,12 +20,12 @@ pytestmark = pytest.mark.timeout(300)
 
 def create_key(page: Page, project: str, name: str) -> str:
     """Fill the tenants page's key form and submit it; the secret it shows once."""
-    page.locator("#key-create-project").select_option(f"project:{project}")
+    choose(page.locator("#key-create-project"), f"project:{project}")
     page.locator("#key-create-name").fill(name)
-    page.locator("#key-create-submit").click()
-    expect(page.locator("#outcome-message")).to_have_attribute("data-outcome", "applied")
+    expect(submit(page.locator("#key-create"))).to_have_attribute("data-outcome", "applied")
     secret = page.locator("#new-secret").input_value()
     assert secret.startswith("llmgw-"), secret
+    expect(key_row(page, secret)).to_be_visible()  # the page shows it live
     return secret
 
 
@@ -61,8 +61,7 @@ def test_a_key_revoked_on_the_page_is_refused_and_the_time_slider_shows_it_live_
     between = math.ceil(time.time())
     wait_for(lambda: time.time() > between + 0.5, "the clock to pass the moment picked")
 
-    page.locator(f"#revoke-{prefix_of(secret)} [type=submit]").click()
-    expect(page.locator("#outcome-message")).to_have_attribute("data-outcome", "applied")
+    expect(submit(page.locator(f"#revoke-{prefix_of(secret)}"))).to_have_attribute("data-outcome", "applied")
     expect(key_row(page, secret)).to_have_attribute("data-state", "revoked")
     wait_for(lambda: console.chat(secret)[0] == 401, "the gateway to refuse the revoked key")
 
@@ -85,10 +84,9 @@ def test_a_limit_set_on_the_page_refuses_requests_and_the_429s_show_in_usage(
     secret = create_key(page, limited, "limited")
     console.wait_model_answers(secret)
 
-    page.locator("#limit-set-scope").select_option(f"project:{limited}")
+    choose(page.locator("#limit-set-scope"), f"project:{limited}")
     page.locator("#limit-set-rpm").fill("1")
-    page.locator("#limit-set [type=submit]").click()
-    expect(page.locator("#outcome-message")).to_have_attribute("data-outcome", "applied")
+    expect(submit(page.locator("#limit-set"))).to_have_attribute("data-outcome", "applied")
     expect(page.locator("#limits")).to_contain_text(limited)
 
     wait_for(lambda: console.chat(secret)[0] == 429, "a request over the limit to be refused (429)")
@@ -114,8 +112,8 @@ def test_a_team_admin_cannot_reach_another_teams_keys(console: Console, open_as:
     page = open_as(TEAM_ADMIN, "/console/tenants")
     expect(key_row(page, ours)).to_be_visible()  # its own team's keys it sees
     assert key_row(page, theirs).count() == 0, "another team's key is not listed"
-    options = page.locator("#key-create-project option").all_inner_texts()
-    assert options and not [o for o in options if OTHER_PROJECT in o], options
+    offered = choices(page.locator("#key-create-project"))
+    assert f"project:{PROJECT}" in offered and not [o for o in offered if OTHER_PROJECT in o], offered
 
     page.goto(f"/console/tenants?project={OTHER_PROJECT}")
     assert key_row(page, theirs).count() == 0, "nor when asked for by its project"
