@@ -22,7 +22,9 @@
         var fresh = doc.getElementById("main"), main = document.getElementById("main");
         if (!fresh || !main) return;
         var focused = document.activeElement && document.activeElement.id;
+        var typed = keep(main);
         main.innerHTML = fresh.innerHTML;
+        restore(main, typed);
         if (window.htmx) window.htmx.process(main);
         if (focused && document.getElementById(focused)) document.getElementById(focused).focus();
         body.dataset.refreshed = String(Number(body.dataset.refreshed || 0) + 1);
@@ -32,6 +34,42 @@
         refreshing = false;
         if (again) { again = false; refresh(); }
       });
+  }
+
+  // What a person has typed or chosen and not yet sent survives an update: each changed field is known
+  // by its id, else by its form's action and its name, and put back into the fresh page.
+  function fieldKey(field) {
+    if (field.id) return "#" + field.id;
+    var form = field.form;
+    return (form ? form.getAttribute("action") + "|" + (form.id || "") : "") + "|" + field.name;
+  }
+  function changed(field) {
+    if (field.type === "hidden" || field.type === "submit" || field.type === "button") return false;
+    if (field.type === "checkbox" || field.type === "radio") return field.checked !== field.defaultChecked;
+    if (field.tagName === "SELECT") {
+      for (var i = 0; i < field.options.length; i++) {
+        if (field.options[i].selected !== field.options[i].defaultSelected) return true;
+      }
+      return false;
+    }
+    return field.value !== field.defaultValue;
+  }
+  function keep(root) {
+    var typed = {};
+    root.querySelectorAll("input, select, textarea").forEach(function (field) {
+      if (field.name && changed(field)) {
+        typed[fieldKey(field)] = field.type === "checkbox" || field.type === "radio" ? field.checked : field.value;
+      }
+    });
+    return typed;
+  }
+  function restore(root, typed) {
+    root.querySelectorAll("input, select, textarea").forEach(function (field) {
+      var key = fieldKey(field);
+      if (!(key in typed)) return;
+      if (field.type === "checkbox" || field.type === "radio") field.checked = typed[key];
+      else field.value = typed[key];
+    });
   }
 
   var state = document.getElementById("live-state");
