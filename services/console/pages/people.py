@@ -19,7 +19,7 @@ from llmgw.events.folds.tenancy import TenancyTree
 from llmgw.events.schema import people as P
 from llmgw.services.api.act import Outcome
 from llmgw.services.console.page import Ctx, Page
-from llmgw.services.console.pages.tenants import KINDS, BadInput, May, Visible, refused, whole
+from llmgw.services.console.pages.tenants import KINDS, BadInput, May, Visible, choices, refused, whole
 from llmgw.services.console.source import marked
 from llmgw.services.people.rules import need as people_need
 
@@ -104,6 +104,7 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
         "people": people,
         "roles": R.ROLES,
         "grant_scopes": scopes if controls else [],
+        "grant_choices": choices(o["label"] for o in scopes) if controls else "",
         "may_add": may_admin,
         "controls": controls,
         "me": ctx.who.name,

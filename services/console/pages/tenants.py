@@ -9,11 +9,12 @@ decides all the same. In the past (the time slider) every table is the replay's,
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import msgspec
+from markupsafe import Markup, escape
 
 from llmgw.events.commands import roles as R
 from llmgw.events.folds.tenancy import TenancyTree
@@ -118,6 +119,11 @@ def paged(
         "total": len(rows),
         "keep": keep,
     }
+
+
+def choices(values: Iterable[str]) -> Markup:
+    """A datalist's options, escaped and joined here: a thousand of them through the template took 50 ms."""
+    return Markup("".join(f'<option value="{escape(v)}">' for v in values))
 
 
 class May:
@@ -388,7 +394,8 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
         "quotas": sorted(quotas, key=lambda q: q["scope"]),
         "key_projects": key_projects_options,
         "limit_scopes": limit_options,
-        "scope_choices": sorted({o["value"] for o in [*limit_options, *quota_options]}),
+        "project_choices": choices(o["value"] for o in key_projects_options),
+        "scope_choices": choices(sorted({o["value"] for o in [*limit_options, *quota_options]})),
         "quota_scopes": quota_options,
         "create_scopes": create_options,
         "may_create_org": may_create_org,
