@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import msgspec
+from babel.numbers import get_decimal_symbol, get_group_symbol
 from markupsafe import Markup, escape
 
 from llmgw.events.commands import roles as R
@@ -34,7 +35,7 @@ from llmgw.services.console.source import Source, marked
 from llmgw.services.tenancy.quotas import need_quota
 from llmgw.services.tenancy.tree import need as tree_need
 
-KEYS_PER_PAGE = 100
+KEYS_PER_PAGE = 50
 ROWS_PER_PAGE = 50  # limits and budgets
 TREE_PROJECTS = 200  # past this many projects the tree lists a team's projects when it is opened
 GiB = 1024**3
@@ -119,6 +120,25 @@ def paged(
         "total": len(rows),
         "keep": keep,
     }
+
+
+class Numbers:
+    """Numbers in the reader's form, made with the language's symbols once: a chart and its table write
+    hundreds of figures, and Babel's own formatting costs a fraction of a millisecond each."""
+
+    def __init__(self, lang: str) -> None:
+        self.lang = lang
+        self.group, self.decimal = get_group_symbol(lang), get_decimal_symbol(lang)
+
+    def _local(self, text: str) -> str:
+        return text.replace(",", "\0").replace(".", self.decimal).replace("\0", self.group)
+
+    def integer(self, x: float) -> str:
+        return self._local(f"{round(x):,}")
+
+    def usd(self, x: float) -> str:
+        text = self._local(f"{x:,.4f}" if x < 1 else f"{x:,.2f}")
+        return f"${text}" if self.lang == "en" else f"{text} $"
 
 
 def choices(values: Iterable[str]) -> Markup:
@@ -402,6 +422,7 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
         "periods": A.PERIODS,
         "controls": controls,
         "GiB": GiB,
+        "money": Numbers(ctx.lang).usd,
     }
 
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from babel.numbers import get_decimal_symbol, get_group_symbol
 from markupsafe import Markup
 
 from llmgw.events.schema.envelope import utc_now
 from llmgw.projections.access import scope_path, tenancy_paths
 from llmgw.projections.usage import LEVELS, NANO_USD, NOT_SERVED, ScopeError, resolve_scope, stamp
 from llmgw.services.console.page import Ctx, Page
-from llmgw.services.console.pages.tenants import Visible
+from llmgw.services.console.pages.tenants import Numbers, Visible
 from llmgw.services.console.svg import Series, line_chart
 
 # range -> (how far back, one bucket)
@@ -34,25 +33,6 @@ TABLE_MAX = 100  # groups in the table of totals, the busiest first
 # range -> (characters of a minute's text that name its bucket, the bucket's name as strftime writes it)
 BUCKETS = {"hour": (16, "%Y-%m-%dT%H:%M"), "day": (13, "%Y-%m-%dT%H"), "week": (10, "%Y-%m-%d")}
 METRICS = ("requests", "tokens", "cost", "refusals")
-
-
-class Numbers:
-    """Numbers in the reader's form, made with the language's symbols once: a chart and its table write
-    hundreds of figures, and Babel's own formatting costs a fraction of a millisecond each."""
-
-    def __init__(self, lang: str) -> None:
-        self.lang = lang
-        self.group, self.decimal = get_group_symbol(lang), get_decimal_symbol(lang)
-
-    def _local(self, text: str) -> str:
-        return text.replace(",", "\0").replace(".", self.decimal).replace("\0", self.group)
-
-    def integer(self, x: float) -> str:
-        return self._local(f"{round(x):,}")
-
-    def usd(self, x: float) -> str:
-        text = self._local(f"{x:,.4f}" if x < 1 else f"{x:,.2f}")
-        return f"${text}" if self.lang == "en" else f"{text} $"
 
 
 def _floor(at: datetime, step: timedelta) -> datetime:
