@@ -21,7 +21,7 @@ from pathlib import Path
 
 from babel import Locale
 from babel.dates import format_datetime, format_time, format_timedelta
-from babel.numbers import format_currency, format_decimal, format_percent
+from babel.numbers import format_currency, format_percent
 
 from llmgw.events.schema.people import LANGUAGES
 
@@ -166,20 +166,31 @@ class Formats:
     def __init__(self, lang: str) -> None:
         self.lang = lang if lang in LANGUAGES else DEFAULT
         self.locale = _locale(self.lang)
+        self._symbols = _symbols(self.lang)
 
     def number(self, x: float | int | None, digits: int | None = None) -> str:
         """1234.5 → ``1,234.5`` (en) / ``1.234,5`` (de); ``digits`` fixes the decimals shown."""
         if x is None:
             return UNKNOWN
-        if digits is None:
-            return format_decimal(x, locale=self.locale)
-        return format_decimal(x, format="#,##0." + "0" * digits if digits > 0 else "#,##0", locale=self.locale)
+        if digits is None:  # the locale's own: up to three decimals, trailing zeros dropped
+            return self._decimal(x, 3, trim=True)
+        return self._decimal(x, max(digits, 0))
 
     def integer(self, n: int | float | None) -> str:
         """1234 → ``1,234`` / ``1.234`` (a float is rounded)."""
         if n is None:
             return UNKNOWN
-        return format_decimal(round(n), format="#,##0", locale=self.locale)
+        return self._decimal(round(n), 0)
+
+    def _decimal(self, x: float | int, digits: int, trim: bool = False) -> str:
+        """``x`` grouped by thousands with ``digits`` decimals in the locale's symbols. Python's formatting
+        with the symbols swapped: a page formats hundreds of numbers, and Babel's ``format_decimal`` costs
+        30-40 µs each (both languages group by three, as its patterns do). A value exactly half-way between
+        two shown (0.0005 to three places) may round the other way than Babel would."""
+        text = f"{x:,.{digits}f}"
+        if trim and "." in text:
+            text = text.rstrip("0").rstrip(".")
+        return text.translate(self._symbols)
 
     def percent(self, x: float | None, digits: int = 0) -> str:
         """0.25 → ``25%`` (en) / ``25 %`` (de, with a no-break space); ``digits`` decimals at most."""
@@ -234,6 +245,13 @@ class Formats:
 @functools.cache
 def _locale(lang: str) -> Locale:
     return Locale.parse(lang)
+
+
+@functools.cache
+def _symbols(lang: str) -> dict[int, str]:
+    """Python's ``,`` and ``.`` as the language writes them (``.`` and ``,`` in German)."""
+    symbols = _locale(lang).number_symbols["latn"]
+    return str.maketrans({",": symbols["group"], ".": symbols["decimal"]})
 
 
 def _moment(dt: datetime | str | None) -> datetime | None:
