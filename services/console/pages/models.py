@@ -31,7 +31,7 @@ from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of
 from llmgw.services.api.act import Outcome
 from llmgw.services.api.views import ACTIVE_STATES, shape_model
 from llmgw.services.console.page import Ctx, Page
-from llmgw.services.console.pages.nodes import active_replicas, paged, refused
+from llmgw.services.console.pages.nodes import active_clause, fleet_sql, paged, refused
 from llmgw.services.console.source import Source, marked
 from llmgw.services.jobs.rules import STEPS
 
@@ -77,20 +77,32 @@ def _spec_summary(spec: dict[str, Any]) -> dict[str, Any]:
     return {"profiles": profiles, "description": spec.get("description", ""), "aliases": spec.get("aliases", [])}
 
 
-async def catalog(
-    src: Source, name: str | None = None, active: list[dict[str, Any]] | None = None
-) -> list[dict[str, Any]]:
-    """Every model (or the one named), shaped as `ctl models` shows it, with its standing and spec summary.
-    ``active``: the active replicas, when the caller has read them already."""
+async def active_of_models(src: Source, name: str | None = None) -> dict[str, list[dict[str, Any]]]:
+    """The active replicas of each model (or of the one named) as :func:`shape_model` counts them (state,
+    spec hash, node), grouped by the database: one row stands for every replica alike, repeated here."""
+    where, args = f"WHERE {active_clause()}", []
+    if name is not None:
+        where, args = where + " AND model = ?", [name]
+    rows = await fleet_sql(
+        src,
+        f"SELECT model, state, spec_hash, node_id, COUNT(*) FROM {{replicas}} {where} "
+        "GROUP BY model, state, spec_hash, node_id",
+        *args,
+    )
+    out: dict[str, list[dict[str, Any]]] = {}
+    for model, state, spec_hash, node_id, count in rows:
+        alike = {"model": model, "state": state, "spec_hash": spec_hash, "node_id": node_id}
+        out.setdefault(model, []).extend([alike] * int(count))
+    return out
+
+
+async def catalog(src: Source, name: str | None = None) -> list[dict[str, Any]]:
+    """Every model (or the one named), shaped as `ctl models` shows it, with its standing and spec summary."""
     if name is None:
         rows = await src.fleet("models", "ORDER BY name")
-        active = await active_replicas(src) if active is None else active
     else:
         rows = await src.fleet("models", "WHERE name = ?", name)
-        active = await active_replicas(src, "AND model = ?", name) if active is None else active
-    of_model: dict[str, list[dict[str, Any]]] = {}
-    for r in active:
-        of_model.setdefault(r["model"], []).append(r)
+    of_model = await active_of_models(src, name)
     out = []
     for m in rows:
         summary = _spec_summary(msgspec.json.decode(m["spec"] or "{}"))

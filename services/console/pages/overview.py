@@ -15,7 +15,7 @@ from llmgw.services.console.page import Ctx, Page
 from llmgw.services.console.pages.models import STANDINGS as MODEL_STANDINGS
 from llmgw.services.console.pages.models import catalog
 from llmgw.services.console.pages.nodes import STANDINGS as NODE_STANDINGS
-from llmgw.services.console.pages.nodes import active_replicas, fleet_nodes
+from llmgw.services.console.pages.nodes import fleet_nodes
 from llmgw.services.console.source import marked
 
 WINDOW_MIN = 15  # minutes of traffic the overview shows
@@ -88,13 +88,11 @@ async def traffic(ctx: Ctx, end: datetime) -> tuple[list[dict[str, Any]], list[d
 
 
 async def gather_overview(ctx: Ctx) -> dict[str, Any]:
-    active = await active_replicas(ctx.source)  # read once: both the models and the nodes count them
-    models = await catalog(ctx.source, active=active)
-    nodes = await fleet_nodes(ctx.source, active=active)
+    models = await catalog(ctx.source)
+    nodes = await fleet_nodes(ctx.source)
     if ctx.at is not None:
-        now_active = await active_replicas(ctx.now)
-        models = marked(models, await catalog(ctx.now, active=now_active), key="name", fields=("standing", "status"))
-        nodes = marked(nodes, await fleet_nodes(ctx.now, active=now_active), key="id", fields=("standing",))
+        models = marked(models, await catalog(ctx.now), key="name", fields=("standing", "status"))
+        nodes = marked(nodes, await fleet_nodes(ctx.now), key="id", fields=("standing",))
     then_models = [m for m in models if m.get("_diff") != "added"]
     then_nodes = [n for n in nodes if n.get("_diff") != "added"]
     model_counts = {s: sum(1 for m in then_models if m["standing"] == s) for s in MODEL_STANDINGS}
