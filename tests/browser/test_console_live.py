@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import datetime
 
 import pytest
 from playwright.sync_api import Page, expect
@@ -101,18 +102,18 @@ def test_an_action_taken_from_the_cli_appears_on_the_audit_page_without_a_reload
     watch_for_entry(page, name)
 
     asked = time.time()
-    console.ctl("org", "create", name)
-    applied = time.time()  # the CLI returns once the service applied it and the event is on the log
+    console.ctl("org", "create", name)  # a process of its own: its start-up is part of "asked"
     entry = page.locator("#audit-list > li", has_text=name)
     expect(entry).to_have_count(1, timeout=LIVE_DEADLINE_MS)
     expect(entry).to_be_visible()
     seen = page.evaluate("window.__seenAt") / 1000
     assert_not_reloaded(page)
-    delay = seen - applied
-    # Recorded, not asserted: the "within a second" is a measurement on this machine, not a pass mark.
-    record_property("audit_delay_after_applied_s", round(delay, 3))
-    record_property("audit_delay_after_asked_s", round(seen - asked, 3))
-    print(f"org create from the CLI on the audit page: {delay:.3f}s after applied, {seen - asked:.3f}s after asked")
+    written = datetime.fromisoformat(entry.locator("time").first.get_attribute("datetime") or "").timestamp()
+    # Recorded, not asserted: "within a second" is a measurement on this machine, not a pass mark.
+    record_property("audit_shown_after_written_s", round(seen - written, 3))
+    record_property("audit_shown_after_asked_s", round(seen - asked, 3))
+    print(f"org create from the CLI on the audit page {seen - written:.3f}s after its event was written", end="")
+    print(f" ({seen - asked:.3f}s after the CLI was started)")
 
 
 def test_a_page_left_open_updates_again_after_the_admin_api_restarts(
