@@ -232,24 +232,41 @@ def tree_rows(
 # -- reading --------------------------------------------------------------------------------------
 
 
-async def _keys(source: Source) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
-    """Every key as its row, newest first (shaped later, a page at a time: 10,000 shaped cost 100 ms)."""
-    return await source.access("keys", "ORDER BY created_at DESC, id DESC")
+INDEX = ("id", "name", "project_id", "revoked", "expires_at")
+
+
+async def _key_index(source: Source) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
+    """Every key, newest first, as the few columns a page filters and counts by (the rows themselves are
+    read a page at a time: 10,000 whole rows cost more than the page), and the tenancy paths."""
+    _, paths = await source.access("keys", "WHERE 0 = 1")  # waits for the projections to catch up, once
+    found = await source.backend.query(
+        "access", f"SELECT {', '.join(INDEX)} FROM {{keys}} ORDER BY created_at DESC, id DESC"
+    )
+    return [dict(zip(INDEX, r, strict=True)) for r in found], paths
+
+
+async def _key_rows(source: Source, ids: list[str]) -> dict[str, dict[str, Any]]:
+    """The whole rows of the keys ``ids``, by id."""
+    if not ids:
+        return {}
+    cols = ACCESS_COLUMNS["keys"]
+    marks = ", ".join("?" * len(ids))
+    found = await source.backend.query("access", f"SELECT {', '.join(cols)} FROM {{keys}} WHERE id IN ({marks})", *ids)
+    return {r[0]: dict(zip(cols, r, strict=True)) for r in found}
 
 
 KEY_FIELDS = ("state", "name", "rpm", "tpm", "expires_at")  # what a key's mark in the past compares
 
 
 def _mark_key(
-    row: dict[str, Any], now_keys: Mapping[str, dict[str, Any]], paths: dict[str, tuple[str, str]], when: datetime
+    then: dict[str, Any] | None, now: dict[str, Any] | None, paths: dict[str, tuple[str, str]], when: datetime
 ) -> dict[str, Any]:
     """A key as it was at ``when``, shaped and marked against the same key now (or marked added, or gone)."""
-    if row.get("_added"):
-        return {**shape_key({k: v for k, v in row.items() if k != "_added"}, paths, utc_now()), "_diff": "added"}
-    then = shape_key(dict(row), paths, when)
-    found = now_keys.get(row["id"])
-    now = [shape_key(dict(found), paths, utc_now())] if found is not None else []
-    return marked([then], now, fields=KEY_FIELDS)[0]
+    if then is None:
+        assert now is not None
+        return {**shape_key(dict(now), paths, utc_now()), "_diff": "added", "_changed": []}
+    current = [shape_key(dict(now), paths, utc_now())] if now is not None else []
+    return marked([shape_key(dict(then), paths, when)], current, fields=KEY_FIELDS)[0]
 
 
 async def _rows(source: Source, table: str, tail: str = "") -> list[dict[str, Any]]:
@@ -313,7 +330,7 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
     when = ctx.at or utc_now()
     visible = Visible(ctx)
     tree = await ctx.source.tree()
-    keys, paths = await _keys(ctx.source)
+    keys, paths = await _key_index(ctx.source)
     names = {k["id"]: k["name"] for k in keys}  # every key, before the person's view narrows them
     key_projects = {k["id"]: k["project_id"] for k in keys}
     project = (ctx.query.get("project") or "").strip()
@@ -330,12 +347,11 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
     for r in budgets:
         r["id"], r["path"] = r["scope"], scope_path(r["scope"], paths, names)
     quotas = [q for q in await _quotas(ctx.source, paths) if visible.scope(q["id"], key_projects)]
-    now_keys: dict[str, dict[str, Any]] = {}
     if ctx.at is not None:  # the past, each row marked against now
-        found, now_paths = await _keys(ctx.now)
-        now_keys = {k["id"]: k for k in found if visible("project", k["project_id"])}
+        found, now_paths = await _key_index(ctx.now)
         then_ids = {k["id"] for k in keys}
-        keys = keys + [{**k, "_added": True} for k in now_keys.values() if k["id"] not in then_ids]  # made since
+        made_since = [k for k in found if k["id"] not in then_ids and visible("project", k["project_id"])]
+        keys = keys + [{**k, "_added": True} for k in made_since]
         now_limits = await _rows(ctx.now, "limits")
         now_limits = [{**r, "id": r["scope"]} for r in now_limits if visible.scope(r["scope"], key_projects)]
         limits = marked(limits, now_limits, fields=("rpm", "tpm"))
@@ -350,10 +366,15 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
         keys = [k for k in keys if project in (k["project_id"], paths.get(k["project_id"], ("", ""))[1])]
     # Pages of rows, not the book: at 10,000 keys and a budget per project the page stays small and fast.
     shown_keys, keys_paging = paged(keys, ctx.query, "keys_page", KEYS_PER_PAGE)
-    shown_keys = [
-        _mark_key(k, now_keys, paths, when) if ctx.at is not None else shape_key(dict(k), paths, when)
-        for k in shown_keys
-    ]
+    ids = [k["id"] for k in shown_keys]
+    then_rows = await _key_rows(ctx.source, [k["id"] for k in shown_keys if not k.get("_added")])
+    if ctx.at is None:
+        shown_keys = [shape_key(then_rows[i], paths, when) for i in ids if i in then_rows]
+    else:
+        now_rows = await _key_rows(ctx.now, ids)
+        shown_keys = [
+            _mark_key(then_rows.get(i), now_rows.get(i), paths, when) for i in ids if i in then_rows or i in now_rows
+        ]
     limits, limits_paging = paged(sorted(limits, key=lambda r: r["path"]), ctx.query, "limits_page", ROWS_PER_PAGE)
     budgets, budgets_paging = paged(sorted(budgets, key=lambda r: r["path"]), ctx.query, "budgets_page", ROWS_PER_PAGE)
     for r in budgets:  # the spend of the budgets shown only: one look-up each
