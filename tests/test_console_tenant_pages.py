@@ -177,6 +177,15 @@ async def test_a_limit_and_a_budget_set_from_the_page_are_listed_with_the_budget
         assert status == 200, answer
         status, answer = await b.act("tenants", "limit_set", scope="project:acme/ml/chat", rpm="seven")
         assert status == 400 and "not a whole number" in answer  # a form's mistake is answered, never a 500
+        for action, form in (
+            ("quota_set", {"scope": "team:acme/ml", "memory_gb": "1e308"}),
+            ("budget_set", {"scope": "team:acme/ml", "usd": "nan"}),
+            ("key_create", {"project": "acme/ml/chat", "expires": "999999999w"}),
+        ):
+            status, answer = await b.act("tenants", action, **form)
+            assert status == 400, (action, answer)
+        status, answer = await b.act("people", "token_create", days="99999999")
+        assert status == 400, answer
 
         async def both() -> str | None:
             html = await b.page("/console/tenants")

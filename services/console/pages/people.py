@@ -177,6 +177,8 @@ async def create_token(ctx: Ctx, form: Mapping[str, str]) -> Outcome:
     name = (form.get("name") or "").strip() or ctx.who.name
     try:
         days = whole(form, "days", minimum=1)
+        if days is not None and days > 36_500:
+            raise BadInput("days: at most 36,500 (a hundred years); leave it blank for a token that never expires")
     except BadInput as exc:
         return refused(kind, str(exc))
     expires = datetime.now(UTC) + timedelta(days=days) if days else None

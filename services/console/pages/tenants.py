@@ -39,6 +39,7 @@ KEYS_PER_PAGE = 50
 ROWS_PER_PAGE = 50  # limits and budgets
 TREE_PROJECTS = 200  # past this many projects the tree lists a team's projects when it is opened
 GiB = 1024**3
+MAX_NUMBER = 10**12  # more than any limit, budget or quota means; past it a form's number is a mistake
 _DURATION = re.compile(r"^(\d+)([mhdw])$")
 _UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 KINDS = ("org", "team", "project")
@@ -65,8 +66,8 @@ def whole(form: Mapping[str, str], name: str, *, minimum: int = 0) -> int | None
         value = int(text)
     except ValueError:
         raise BadInput(f"{name} {text!r} is not a whole number: write one such as 60, or leave it blank") from None
-    if value < minimum:
-        raise BadInput(f"{name} must be at least {minimum}")
+    if not minimum <= value <= MAX_NUMBER:
+        raise BadInput(f"{name} must be from {minimum} to {MAX_NUMBER:g}")
     return value
 
 
@@ -79,8 +80,8 @@ def decimal(form: Mapping[str, str], name: str) -> float | None:
         value = float(text)
     except ValueError:
         raise BadInput(f"{name} {text!r} is not a number: write one such as 12.5, or leave it blank") from None
-    if value < 0 or value != value or value in (float("inf"),):
-        raise BadInput(f"{name} must be a number of zero or more")
+    if not 0 <= value <= MAX_NUMBER:  # NaN fails this too
+        raise BadInput(f"{name} must be a number from 0 to {MAX_NUMBER:g}")
     return value
 
 
@@ -91,7 +92,10 @@ def parse_expiry(text: str, now: datetime) -> datetime | None:
         return None
     m = _DURATION.match(t)
     if m:
-        return now + timedelta(**{_UNITS[m.group(2)]: int(m.group(1))})
+        try:
+            return now + timedelta(**{_UNITS[m.group(2)]: int(m.group(1))})
+        except OverflowError:
+            raise BadInput(f"expires {text!r} is further off than a calendar reaches: give a nearer time") from None
     try:
         when = datetime.fromisoformat(t.replace("Z", "+00:00"))
     except ValueError:
