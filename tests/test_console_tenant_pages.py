@@ -240,6 +240,7 @@ async def test_the_audit_page_lists_a_cli_action_with_its_signature_verified(con
             not in (await b.page("/console/audit?actor=user:nobody&type=org.created")).split('id="audit-list"')[1]
         )
         assert "neither a duration" in await b.page("/console/audit?since=yesterday")
+        assert "neither a duration" in await b.page("/console/audit?until=99999999d&before=x")
 
 
 async def test_every_page_renders_empty_and_in_german_with_no_control_for_a_viewer(console: Fleet) -> None:

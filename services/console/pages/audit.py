@@ -128,7 +128,7 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
             try:
                 where.append(f"at {op} ?")
                 args.append(_moment(text, now).isoformat())
-            except ValueError:
+            except (ValueError, OverflowError):  # not a time, or one before the calendar starts
                 where.pop()
                 problems.append(name)
     if ctx.at is not None:
