@@ -339,3 +339,30 @@ async def test_the_models_page_at_a_past_moment_marks_what_changed_and_offers_no
 
 async def _shown(admin: Browser, name: str) -> bool:
     return f'id="model-{name}"' in await admin.page("/console/models")
+
+
+def test_every_message_the_fleet_pages_name_is_written_in_english_and_german() -> None:
+    from llmgw.services.console.i18n import Catalog
+
+    catalog = Catalog.load()
+    templates = Path(__file__).parent.parent / "services" / "console" / "templates"
+    used: set[str] = set()
+    for name in ("overview", "nodes", "node", "nodes_parts", "models", "model", "models_parts"):
+        text = (templates / f"{name}.html").read_text()
+        used |= set(re.findall(r"""t\(["']((?:overview|nodes|models)\.[a-z_.]+[a-z_])["']""", text))
+        # Keys made from a prefix and a word: every word the pages can give it.
+        for prefix, words in {
+            "nodes.state.": ("ready", "cordoned", "draining", "lost"),
+            "nodes.count.": ("ready", "cordoned", "draining", "lost"),
+            "overview.nodes.": ("ready", "cordoned", "draining", "lost"),
+            "models.standing.": ("satisfied", "short", "parked", "stopped"),
+            "models.count.": ("satisfied", "short", "parked", "stopped"),
+            "overview.models.": ("satisfied", "short", "parked", "stopped"),
+            "nodes.replica_state.": ("placed", "starting", "ready", "draining", "stopped", "failed"),
+            "models.replica_state.": ("placed", "starting", "ready", "draining", "stopped", "failed"),
+            "models.restart.": ("queued", "replacing"),
+            "models.measured.basis.": ("slo", "knee"),
+        }.items():
+            used |= {prefix + w for w in words}
+    missing = {lang: sorted(k for k in used if catalog.text(lang, k) is None) for lang in ("en", "de")}
+    assert missing == {"en": [], "de": []}
