@@ -246,6 +246,12 @@ async def test_a_bad_number_in_a_form_is_refused_as_invalid_and_nothing_is_sent(
     assert "seconds" in text
     status, text = await admin.act("models", "add", name="", source="")
     assert status == 400
+    status, text = await admin.act("model", "scale", name="tiny", min="99999999999999999999999")
+    assert status == 400
+    status, text = await admin.act("nodes", "drain", node="n1", grace="inf")
+    assert status == 400
+    status, text = await admin.act("models", "add", name="x", source="/x.gguf", memory_gb="nan")
+    assert status == 400
 
 
 async def test_scaling_stopping_and_starting_from_the_model_page_change_the_catalog(

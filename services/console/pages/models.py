@@ -41,6 +41,7 @@ REPLICAS_SHOWN = 20  # a model's replicas the model page lists: the active ones,
 MODEL_FIELDS = ("standing", "status", "ready", "starting", "min_replicas", "max_replicas", "nodes")
 REPLICA_FIELDS = ("state", "node_id", "port", "reason")
 STANDINGS = ("satisfied", "short", "parked", "stopped")
+MOST = 1_000_000  # the largest number a form field takes: past it, a typing slip (and past 2**63, unencodable)
 
 
 class BadInput(ValueError):
@@ -264,8 +265,8 @@ def _int(form: Mapping[str, str], field: str, what: str, *, required: bool = Fal
         value = int(raw)
     except ValueError:
         raise BadInput(f"{what} {raw!r} is not a whole number") from None
-    if value < least:
-        raise BadInput(f"{what} must be {least} or more")
+    if not least <= value <= MOST:
+        raise BadInput(f"{what} must be from {least} to {MOST:,}")
     return value
 
 
@@ -277,8 +278,8 @@ def _float(form: Mapping[str, str], field: str, what: str) -> float | None:
         value = float(raw)
     except ValueError:
         raise BadInput(f"{what} {raw!r} is not a number") from None
-    if not value > 0:
-        raise BadInput(f"{what} must be more than 0")
+    if not 0 < value <= MOST:  # also refuses nan and infinity, which no command field takes
+        raise BadInput(f"{what} must be more than 0 and at most {MOST:,}")
     return value
 
 

@@ -28,6 +28,7 @@ from llmgw.services.console.source import Source, marked
 LOG_LINES = 20  # the tail of each engine's log the node page shows
 LOG_TIMEOUT_S = 2.0  # an agent that has not answered by then is said not to answer; the page does not wait on
 DRAIN_GRACE_S = 300.0  # `ctl drain`'s default
+MAX_GRACE_S = 7 * 86400.0  # a week: longer is a typing slip
 PER_PAGE = 100  # rows of a list page drawn at once
 NODE_FIELDS = ("state", "cordoned", "draining", "cpus", "memory_total_bytes", "replicas")
 REPLICA_FIELDS = ("state", "model", "node_id", "port")
@@ -237,8 +238,8 @@ async def drain(ctx: Ctx, form: Mapping[str, str]) -> Outcome:
         grace = float(raw) if raw else DRAIN_GRACE_S
     except ValueError:
         return refused("fleet.drain", f"the grace {raw!r} is not a number of seconds: give e.g. 300")
-    if not grace >= 0:
-        return refused("fleet.drain", "the grace must be 0 seconds or more")
+    if not 0 <= grace <= MAX_GRACE_S:  # also refuses nan and infinity
+        return refused("fleet.drain", f"the grace must be from 0 to {MAX_GRACE_S:,.0f} seconds")
     return await ctx.act(N.SERVICE, "drain", N.DrainNode(node_id=node_id, grace_s=grace))
 
 
