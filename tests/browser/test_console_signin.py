@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 from playwright.sync_api import Page, expect
 
-from tests.browser.console import ADMIN, LEAVER, POLYGLOT, PROJECT, VIEWER, Console, cookie_header
+from tests.browser.console import ADMIN, LEAVER, POLYGLOT, PROJECT, TEAM_ADMIN, VIEWER, Console, cookie_header
 from tests.browser.pages import SESSION_COOKIE, console_links, csrf_of, form_fields, posting_forms
 from tests.up import wait_for
 
@@ -112,3 +112,12 @@ def test_the_language_switch_shows_german_and_keeps_it_after_signing_in_again(
     expect(again.locator("html")).to_have_attribute("lang", "de")
     events = console.api(f"/api/v1/audit?actor=user:{POLYGLOT.name}&type=user.language_set")
     assert events["events"], "the person's choice is an event of theirs on the log"
+
+
+def test_a_team_admin_who_signs_in_lands_on_a_page_it_may_see(console: Console, open_as: Callable[..., Page]) -> None:
+    page = open_as(None, "/console/login")
+    console.sign_in(page, TEAM_ADMIN)
+    expect(page.locator("#main")).to_be_visible()
+    assert page.locator("#error-message").count() == 0, f"{page.url}: {page.locator('#main').inner_text()}"
+    nav = page.eval_on_selector_all("nav a", "as => as.map(a => a.getAttribute('href'))")
+    assert "/console/tenants" in nav, f"its team's keys, usage and people are in reach: {nav}"
