@@ -25,10 +25,12 @@ from llmgw.services.console.pages.models import standing
 from llmgw.services.console.pages.nodes import paged
 from llmgw.services.console.pages.overview import traffic_minutes
 from tests import signin
+from tests.fakehub import FakeHub
 from tests.fleet import Fleet
 from tests.gguf_tiny import write_tiny_gguf
 from tests.signin import PASSWORD, TESTER
 from tests.support import wait_until
+from tests.test_serve import REPO, Rig
 
 VIEWER = "vera"
 
@@ -297,6 +299,34 @@ async def test_a_serve_job_shows_its_progress_as_its_steps_are_written(fleet: Fl
     assert 'data-status="failed"' in row(html, f"job-{job}")
     assert "the hub answered 404" in row(html, f"job-{job}")
     assert f'id="job-{job}"' in await admin.page("/console/models/tiny-q8-0")  # the model's page follows it too
+
+
+async def test_a_model_served_from_a_hub_on_the_models_page_runs_its_job_to_the_end_with_its_progress(
+    fleet: Fleet, admin: Browser, tmp_path: Path
+) -> None:
+    hub = await FakeHub().start()
+    hub.add_repo(REPO)
+    hub.add_file(REPO, "tiny-Q4_K_M.gguf", write_tiny_gguf(tmp_path / "tiny-Q4_K_M.gguf"))
+    rig = await Rig(fleet.store, hub, tmp_path / "rig").start()  # the mirror and the jobs service
+    try:
+        fleet.agent("n1")
+        status, text = await admin.act("models", "serve", repo=REPO, quant="Q4_K_M", cores="1", ctx_pool="1024")
+        assert status == 200, text
+        [job] = re.findall(r'class="job" id="job-([^"]+)"', await admin.page("/console/models"))
+
+        async def finished() -> str | None:
+            html = row(await admin.page("/console/models"), f"job-{job}")
+            return html if 'data-status="running"' not in html else None
+
+        html = await wait_until(finished, deadline_s=150, what="the serve job to finish")
+        assert 'data-status="done"' in html, html
+        assert 'max="8" value="8"' in html
+        assert "tokens/s" in html  # the job's summary: its smoke test's answer
+        events = await fleet.store.read(event_subject(J.AGGREGATE, job))
+        assert events[0].payload.requested_by == f"user:{TESTER}"  # the command was the person's own
+    finally:
+        await rig.stop()
+        await hub.stop()
 
 
 async def test_the_overview_counts_requests_and_errors_from_the_usage_rollups(fleet: Fleet, admin: Browser) -> None:
