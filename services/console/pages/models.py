@@ -222,6 +222,8 @@ async def gather_model(ctx: Ctx) -> dict[str, Any]:
             model = marked([model], now_found, key="name", fields=MODEL_FIELDS)[0]
         replicas = marked(replicas, await ctx.now.fleet("replicas", tail, name, REPLICAS_SHOWN), fields=REPLICA_FIELDS)
     replicas.sort(key=lambda r: (r["state"] not in ACTIVE_STATES, -_placed(r)))
+    for r in replicas:  # a ready replica started from another spec runs a stale profile (CAT-5), as `ctl replicas`
+        r["stale"] = model is not None and r["state"] == "ready" and r["spec_hash"] != model["spec_hash"]
     explain: dict[str, Any] = {}
     headroom: dict[str, Any] = {}
     if ctx.at is None and model is not None and not model.get("external"):
