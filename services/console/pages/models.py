@@ -37,6 +37,7 @@ from llmgw.services.jobs.rules import STEPS
 
 ASK_TIMEOUT_S = 3.0  # a scheduler that has not answered by then is said not to answer
 JOBS_SHOWN = 5  # the newest serve jobs the models page follows
+EXPLAIN_NODES_SHOWN = 50  # the nodes a model's explain lists on its page
 REPLICAS_SHOWN = 20  # a model's replicas the model page lists: the active ones, then the latest ended
 MODEL_FIELDS = ("standing", "status", "ready", "starting", "min_replicas", "max_replicas", "nodes")
 REPLICA_FIELDS = ("state", "node_id", "port", "reason")
@@ -231,6 +232,10 @@ async def gather_model(ctx: Ctx) -> dict[str, Any]:
             ask_scheduler(ctx.api.store, SCH.EXPLAIN_SUBJECT, name),
             ask_scheduler(ctx.api.store, SCH.HEADROOM_SUBJECT, name),
         )
+    verdicts = explain.get("nodes") or []
+    if verdicts:  # those that fit first; a thousand nodes' verdicts are `ctl explain`'s to list, not a page's
+        explain["nodes"] = sorted(verdicts, key=lambda v: not v.get("fits"))[:EXPLAIN_NODES_SHOWN]
+        explain["nodes_more"] = max(len(verdicts) - EXPLAIN_NODES_SHOWN, 0)
     return {
         "name": name,
         "model": model,
