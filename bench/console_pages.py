@@ -63,6 +63,9 @@ SERVICE_ACTOR = "svc:scheduler"
 CHUNK = 20_000  # events built and appended at a time
 USAGE_IN_FLIGHT = 500  # usage records published before their acknowledgements are awaited
 TARGET_MS = 200.0
+PAST = " (as it was)"  # a page at a past moment: the name's suffix
+PAST_PAGES = ("overview", "nodes", "tenants")
+PAST_RUNS = 3
 TIMEOUT_S = 3600.0
 PROJECTIONS = ("tenancy", "eventlog", "fleet", "access")  # what folds LLMGW_EVENTS; "usage" folds LLMGW_USAGE
 
@@ -343,9 +346,10 @@ async def write_world(store: EventStore, scale: Scale, echo: Echo) -> tuple[floa
 # -- the pages ------------------------------------------------------------------------------------
 
 
-def targets(scale: Scale) -> list[tuple[str, str]]:
+def targets(scale: Scale, then: str | None = None) -> list[tuple[str, str]]:
     """(name, path) of every console page, with a node and a model for the detail pages, and filtered views
-    that make the database work harder (the audit of one rare type, the usage of every key)."""
+    that make the database work harder (the audit of one rare type, the usage of every key); with
+    ``then`` (an ISO moment), a few pages as they were then (the time slider: a replay of the log)."""
     from llmgw.services.console.pages import PAGES
 
     ids = _ids(scale)
@@ -365,6 +369,8 @@ def targets(scale: Scale) -> list[tuple[str, str]]:
         ]
     if "usage" in names:
         found.append(("usage: by key", "/console/usage?by=key"))
+    if then is not None:
+        found += [(f"{name}{PAST}", f"{path}?at={then}") for name, path in found if name in PAST_PAGES]
     return found
 
 
@@ -393,7 +399,9 @@ async def time_pages(url: str, pages: list[tuple[str, str]], runs: int, echo: Ec
         await sign_in(session, url)
         for name, path in pages:
             times, status, size = [], 0, 0
-            for i in range(runs + 1):  # the first is a warm-up
+            # A past moment is a replay of the log each time: seconds, so fewer of them.
+            count = min(runs, PAST_RUNS) if name.endswith(PAST) else runs
+            for i in range(count + 1):  # the first is a warm-up
                 started = time.perf_counter()
                 async with session.get(f"{url}{path}", allow_redirects=False) as r:
                     body = await r.read()
@@ -405,12 +413,12 @@ async def time_pages(url: str, pages: list[tuple[str, str]], runs: int, echo: Ec
                 name=name,
                 path=path,
                 status=status,
-                runs=runs,
+                runs=count,
                 median_ms=statistics.median(times),
                 p95_ms=p95,
                 bytes=size,
             )
-            echo(f"  {name:<22} {figure.median_ms:8.1f} ms median  {figure.p95_ms:8.1f} ms p95  ({status})")
+            echo(f"  {name:<28} {figure.median_ms:8.1f} ms median  {figure.p95_ms:8.1f} ms p95  ({status})")
             figures.append(figure)
     return figures
 
@@ -419,6 +427,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def _middle_moment(handles: dict[str, Any], events: int) -> str | None:
+    """When the event half-way along the log was written (ISO, UTC, whole seconds): the moment the past
+    pages are shown at."""
+    rows = await handles["backend"].query(
+        "eventlog", "SELECT at FROM {events} WHERE seq >= ? ORDER BY seq LIMIT 1", events // 2
+    )
+    if not rows:
+        return None
+    return datetime.fromisoformat(rows[0][0]).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 async def _folded(handles: dict[str, Any], store: EventStore, echo: Echo) -> None:
@@ -481,7 +500,8 @@ async def measure_world(scale: Scale, serve: Serve, runs: int, base: Path, echo:
                     built = Built(scale=scale, events=events, usage=usage, write_s=write_s, fold_s=fold_s)
                     built_file.write_bytes(msgspec.json.encode(built))
                 echo(f"folded {built.events:,} events and {built.usage:,} usage records; timing the pages")
-                pages = await time_pages(f"http://127.0.0.1:{port}", targets(scale), runs, echo)
+                then = await _middle_moment(handles, built.events)
+                pages = await time_pages(f"http://127.0.0.1:{port}", targets(scale, then), runs, echo)
             finally:
                 started_up.cancel()
                 stop.set()
@@ -543,7 +563,7 @@ def console_text(report: ConsoleReport) -> str:
         f"large: {_scale_line(report.large)}",
         f"each page {report.runs} times after a warm-up; ms from request to last byte on loopback",
         "",
-        f"{'page':<24}{'small median':>13}{'large median':>13}{'large p95':>11}{'× small':>9}{'large KB':>10}  "
+        f"{'page':<30}{'small median':>13}{'large median':>13}{'large p95':>11}{'× small':>9}{'large KB':>10}  "
         f"target ≤ {TARGET_MS:.0f} ms (median)",
     ]
     for f in report.large.pages:
@@ -553,7 +573,7 @@ def console_text(report: ConsoleReport) -> str:
         if f.status != 200 or (base is not None and base.status != 200):
             verdict = f"HTTP {f.status}" + (f" (small {base.status})" if base else "")
         lines.append(
-            f"{f.name:<24}{(base.median_ms if base else float('nan')):>13.1f}{f.median_ms:>13.1f}{f.p95_ms:>11.1f}"
+            f"{f.name:<30}{(base.median_ms if base else float('nan')):>13.1f}{f.median_ms:>13.1f}{f.p95_ms:>11.1f}"
             f"{ratio}{f.bytes / 1000:>10,.0f}  {verdict}"
         )
     m = report.machine

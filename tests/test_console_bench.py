@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmgw.bench.console_pages import ConsoleOptions, Scale, console_json, console_text, run_console, targets
+from llmgw.bench.console_pages import (
+    PAST,
+    PAST_PAGES,
+    ConsoleOptions,
+    Scale,
+    console_json,
+    console_text,
+    run_console,
+    targets,
+)
 from llmgw.cli.bench import serve_console
 from llmgw.services.console.pages import PAGES
 
@@ -23,6 +32,8 @@ async def test_the_console_bench_fetches_every_page_of_both_worlds_signed_in(tmp
         assert pages <= {f.name for f in world.pages}, "every page of the console is fetched"
         assert {f.name: f.status for f in world.pages} == {f.name: 200 for f in world.pages}, lines
         assert all(f.bytes > 0 and f.runs == 2 for f in world.pages)
+        past = {f.name for f in world.pages if f.name.endswith(PAST) and "?at=" in f.path}
+        assert past == {f"{name}{PAST}" for name in PAST_PAGES}, "the time slider's pages, at the log's middle"
         assert world.events >= world.scale.events and world.usage == world.scale.usage
     text = console_text(report)
     assert all(f.name in text for f in report.large.pages)
