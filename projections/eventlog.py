@@ -24,7 +24,9 @@ class EventLogProjection(Projection):
         "actor TEXT NOT NULL, at TEXT NOT NULL, causation TEXT, correlation TEXT",
     }
     primary_keys = {"events": ["id"]}
-    indexes = {"events": [["causation"], ["correlation"], ["seq"]]}
+    # (type, seq) and (actor, seq): the audit filtered by a type or an actor, newest first, reads only its
+    # own rows (without them SQLite walks the seq index back through every event: 1.7 s at a million).
+    indexes = {"events": [["causation"], ["correlation"], ["seq"], ["type", "seq"], ["actor", "seq"]]}
     handlers = {}
 
     async def apply(self, tx: Tx, event: RecordedEvent) -> None:
