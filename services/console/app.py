@@ -159,8 +159,12 @@ class Console:
         now = await live_source(self.api)
         ctx = self._ctx(request, who, token, lang, now, now, page)
         if not self.visible(ctx, page):
-            message = R.needs("viewer", R.CLUSTER)
-            return self.render("error.html", 403, **base, ctx=ctx, message=ctx.t("core.forbidden", need=message))
+            pages = self.nav(ctx)
+            if page.path == "/console" and pages:
+                # The console's front door: a team admin starts where they may look (their tenants).
+                raise web.HTTPSeeOther(location=pages[0].path)
+            message = ctx.t("core.forbidden", need=R.needs("viewer", R.CLUSTER))
+            return self.render("error.html", 403, **base, ctx=ctx, nav=pages, message=message)
         if at is None:
             data = await page.gather(ctx)
             return self.render(page.template, **base, ctx=ctx, nav=self.nav(ctx), idem=new_idem, **data)
