@@ -273,11 +273,65 @@ def _mark_key(
     return marked([shape_key(dict(then), paths, when)], current, fields=KEY_FIELDS)[0]
 
 
-async def _rows(source: Source, table: str, tail: str = "") -> list[dict[str, Any]]:
+class Scoped:
+    """A page of an access table keyed by scope (limits, budgets): every scope read, the person's kept
+    and named by path, one page of them read whole (10,000 key limits: the page, not the book), and in
+    the past each marked against now."""
+
+    def __init__(
+        self,
+        ctx: Ctx,
+        visible: Visible,
+        key_projects: Mapping[str, str],
+        paths: dict[str, tuple[str, str]],
+        names: dict[str, str],
+    ) -> None:
+        self.ctx, self.visible, self.key_projects, self.paths, self.names = ctx, visible, key_projects, paths, names
+
+    async def _scopes(self, source: Source, table: str) -> list[str]:
+        found = await source.backend.query("access", f"SELECT scope FROM {{{table}}}")
+        if self.visible.everything:
+            return [r[0] for r in found]
+        return [r[0] for r in found if self.visible.scope(r[0], self.key_projects)]
+
+    async def _whole(self, source: Source, table: str, scopes: list[str]) -> dict[str, dict[str, Any]]:
+        if not scopes:
+            return {}
+        marks = ", ".join("?" * len(scopes))
+        rows = await _rows(source, table, f"WHERE scope IN ({marks})", *scopes)
+        return {r["scope"]: r for r in rows}
+
+    async def page(self, table: str, name: str, fields: tuple[str, ...]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        ctx = self.ctx
+        scopes = await self._scopes(ctx.source, table)
+        added: set[str] = set()
+        if ctx.at is not None:
+            then = set(scopes)
+            added = {sc for sc in await self._scopes(ctx.now, table) if sc not in then}
+            scopes += sorted(added)
+        named = sorted((scope_path(sc, self.paths, self.names), sc) for sc in scopes)
+        shown, paging = paged([{"path": p, "id": sc} for p, sc in named], ctx.query, name, ROWS_PER_PAGE)
+        ids = [r["id"] for r in shown]
+        then_rows = await self._whole(ctx.source, table, [i for i in ids if i not in added])
+        if ctx.at is None:
+            return [{**then_rows[r["id"]], **r} for r in shown if r["id"] in then_rows], paging
+        now_rows = await self._whole(ctx.now, table, ids)
+        out = []
+        for r in shown:
+            then_row, now_row = then_rows.get(r["id"]), now_rows.get(r["id"])
+            if then_row is None and now_row is not None:
+                out.append({**now_row, **r, "_diff": "added", "_changed": []})
+            elif then_row is not None:
+                now = [{**now_row, **r}] if now_row is not None else []
+                out.append(marked([{**then_row, **r}], now, fields=fields)[0])
+        return out, paging
+
+
+async def _rows(source: Source, table: str, tail: str = "", *args: Any) -> list[dict[str, Any]]:
     """An access table's rows, read after :func:`_keys` (which waits for the projections to catch up), without
     the tenancy paths ``Source.access`` works out again each time (1,000 projects: 20 ms a call)."""
     cols = ACCESS_COLUMNS[table]
-    found = await source.backend.query("access", f"SELECT {', '.join(cols)} FROM {{{table}}} {tail}")
+    found = await source.backend.query("access", f"SELECT {', '.join(cols)} FROM {{{table}}} {tail}", *args)
     return [dict(zip(cols, r, strict=True)) for r in found]
 
 
@@ -343,29 +397,14 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
     for k in keys:
         if _active(k, when):
             live_keys[k["project_id"]] = live_keys.get(k["project_id"], 0) + 1
-    limits, budgets = await _rows(ctx.source, "limits"), await _rows(ctx.source, "budgets")
-    limits = [r for r in limits if visible.scope(r["scope"], key_projects)]
-    budgets = [r for r in budgets if visible.scope(r["scope"], key_projects)]
-    for r in limits:
-        r["id"], r["path"] = r["scope"], scope_path(r["scope"], paths, names)
-    for r in budgets:
-        r["id"], r["path"] = r["scope"], scope_path(r["scope"], paths, names)
     quotas = [q for q in await _quotas(ctx.source, paths) if visible.scope(q["id"], key_projects)]
     if ctx.at is not None:  # the past, each row marked against now
         found, now_paths = await _key_index(ctx.now)
         then_ids = {k["id"] for k in keys}
         made_since = [k for k in found if k["id"] not in then_ids and visible("project", k["project_id"])]
         keys = keys + [{**k, "_added": True} for k in made_since]
-        now_limits = await _rows(ctx.now, "limits")
-        now_limits = [{**r, "id": r["scope"]} for r in now_limits if visible.scope(r["scope"], key_projects)]
-        limits = marked(limits, now_limits, fields=("rpm", "tpm"))
-        now_budgets = await _rows(ctx.now, "budgets")
-        now_budgets = [{**r, "id": r["scope"]} for r in now_budgets if visible.scope(r["scope"], key_projects)]
-        budgets = marked(budgets, now_budgets, fields=("usd", "period"))
         now_quotas = [q for q in await _quotas(ctx.now, now_paths) if visible.scope(q["id"], key_projects)]
         quotas = marked(quotas, now_quotas, fields=("guarantee", "limit"))
-        for r in [*limits, *budgets]:
-            r.setdefault("path", scope_path(r["id"], now_paths, names))
     if project:
         keys = [k for k in keys if project in (k["project_id"], paths.get(k["project_id"], ("", ""))[1])]
     # Pages of rows, not the book: at 10,000 keys and a budget per project the page stays small and fast.
@@ -379,8 +418,9 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
         shown_keys = [
             _mark_key(then_rows.get(i), now_rows.get(i), paths, when) for i in ids if i in then_rows or i in now_rows
         ]
-    limits, limits_paging = paged(sorted(limits, key=lambda r: r["path"]), ctx.query, "limits_page", ROWS_PER_PAGE)
-    budgets, budgets_paging = paged(sorted(budgets, key=lambda r: r["path"]), ctx.query, "budgets_page", ROWS_PER_PAGE)
+    scoped = Scoped(ctx, visible, key_projects, paths, names)
+    limits, limits_paging = await scoped.page("limits", "limits_page", ("rpm", "tpm"))
+    budgets, budgets_paging = await scoped.page("budgets", "budgets_page", ("usd", "period"))
     for r in budgets:  # the spend of the budgets shown only: one look-up each
         if r.get("_diff") == "added":  # not a budget at the moment shown
             r["spent"], r["share"], r["state"] = None, None, ""
@@ -398,20 +438,24 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
         o
         for o in options
         if o["kind"] == "project"
-        if controls and may(access_need(st, A.CreateKey(project=o["id"], prefix="", secret_sha256="")))
+        if controls and (may.admin or may(access_need(st, A.CreateKey(project=o["id"], prefix="", secret_sha256=""))))
     ]
     limit_options = [
-        o for o in options if controls and may(access_need(st, A.SetLimit(scope=f"{o['kind']}:{o['id']}")))
+        o
+        for o in options
+        if controls and (may.admin or may(access_need(st, A.SetLimit(scope=f"{o['kind']}:{o['id']}"))))
     ]
     quota_options = [
-        o for o in options if controls and may(need_quota(live_tree, Q.ClearQuota(scope=f"{o['kind']}:{o['id']}")))
+        o
+        for o in options
+        if controls and (may.admin or may(need_quota(live_tree, Q.ClearQuota(scope=f"{o['kind']}:{o['id']}"))))
     ]
     create_options = [
         {"kind": kind, "parent": o["path"]}
         for kind, parent_kind in (("team", "org"), ("project", "team"))
         for o in options
         if o["kind"] == parent_kind
-        if controls and may(_by_id(tree_need(T.CreateScope(kind=kind, path=f"{o['path']}/x")), o["id"]))
+        if controls and (may.admin or may(_by_id(tree_need(T.CreateScope(kind=kind, path=f"{o['path']}/x")), o["id"])))
     ]
     may_create_org = controls and may(tree_need(T.CreateScope(kind="org", path="x")))
     for k in shown_keys:
