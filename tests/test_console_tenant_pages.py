@@ -333,6 +333,23 @@ async def test_the_tenants_page_before_a_revocation_shows_the_key_active_and_mar
         assert 'data-state="revoked"' in now.split(f'id="key-{prefix}"')[1].split(">")[0]
 
 
+async def test_a_limit_changed_since_a_moment_shows_its_old_figure_there_marked_changed(console: Fleet) -> None:
+    await tenancy(console, "acme", "acme/ml", "acme/ml/chat")
+    async with aiohttp.ClientSession(cookie_jar=jar()) as s:
+        b = await signed_in(console, s)
+        assert (await b.act("tenants", "limit_set", scope="project:acme/ml/chat", rpm="5"))[0] == 200
+        before = utc_now()
+        assert (await b.act("tenants", "limit_set", scope="project:acme/ml/chat", rpm="9"))[0] == 200
+        assert (await b.act("tenants", "budget_set", scope="team:acme/ml", usd="3"))[0] == 200
+        then = await b.page(f"/console/tenants?at={quote(before.isoformat())}")
+        limit = then.split('id="limit-project-')[1].split("</tr>")[0]
+        assert ">5<" in limit and "diff-changed" in limit, limit
+        budget = then.split('id="budget-team-')[1].split("</tr>")[0]
+        assert "diff-added" in budget, budget  # set after the moment: there now, not then
+        now = await b.page("/console/tenants")
+        assert ">9<" in now.split('id="limit-project-')[1].split("</tr>")[0]
+
+
 def verified(version: str, digest: str) -> E.FileVerified:
     return E.FileVerified(version=version, file="a.gguf", size=4000, sha256=digest * 32)
 
