@@ -121,7 +121,10 @@ def parse_since(value: str, now: datetime) -> datetime:
     m = re.fullmatch(r"(\d+)([smhd])", value.strip())
     if m:
         n, unit = int(m.group(1)), m.group(2)
-        return _utc(now) - timedelta(seconds=n * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit])
+        try:
+            return _utc(now) - timedelta(seconds=n * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit])
+        except OverflowError:  # before the calendar's start: a client's typo, never a 500
+            raise ValueError(f"since {value!r} reaches back past the year 1; give a shorter duration") from None
     try:
         return _utc(datetime.fromisoformat(value.strip()))
     except ValueError:

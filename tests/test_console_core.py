@@ -9,10 +9,14 @@ from datetime import timedelta
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 
 from llmgw.events.schema import people as P
+from llmgw.events.schema import subjects as S
 from llmgw.events.schema.envelope import utc_now
+from llmgw.events.schema.ids import new_id
+from llmgw.events.schema.usage import UsageRecord, usage_subject
 from llmgw.services.console import session as SES
 from llmgw.services.console.app import parse_moment
 from llmgw.services.console.source import marked
@@ -23,7 +27,7 @@ from tests.support import wait_until
 
 @pytest.fixture
 async def console(store, nats, tmp_path: Path) -> AsyncIterator[Fleet]:
-    f = await Fleet(store, nats.url, tmp_path).start(services=("projections", "api", "people", "tenancy"))
+    f = await Fleet(store, nats.url, tmp_path).start(services=("projections", "api", "people", "tenancy", "accountant"))
     try:
         yield f
     finally:
@@ -163,6 +167,8 @@ def test_a_moment_is_an_iso_time_or_a_duration_back_and_never_the_future() -> No
         parse_moment((utc_now() + timedelta(days=1)).isoformat())
     with pytest.raises(ValueError, match="at"):
         parse_moment("yesterday-ish")
+    with pytest.raises(ValueError, match="shorter"):
+        parse_moment("99999999d")  # past the calendar's start: a 400, never a 500
 
 
 def test_rows_as_they_were_are_marked_changed_gone_or_added_against_now() -> None:
@@ -174,3 +180,25 @@ def test_rows_as_they_were_are_marked_changed_gone_or_added_against_now() -> Non
     assert rows["b"]["state"] == "ready"  # shown as it was
     assert rows["c"]["_diff"] == "gone"
     assert rows["d"]["_diff"] == "added"
+
+
+async def test_a_page_that_shows_usage_is_told_once_a_request_s_record_is_in_the_rollups(console: Fleet) -> None:
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as s:
+        await sign_in(s, console.admin_url)
+        r = await s.get(f"{console.admin_url}/console/live?page=usage")
+        seen = ""
+        async with asyncio.timeout(20):
+            while "event: hello" not in seen:
+                seen += (await r.content.readline()).decode()
+        record = UsageRecord(request_id=new_id(), at=utc_now(), status=429, model_asked="m", endpoint="chat")
+        await console.store.js.publish(
+            usage_subject(None), msgspec.json.encode(record), headers={S.HDR_MSG_ID: record.request_id}
+        )
+        seen = ""
+        async with asyncio.timeout(20):
+            while '"aggregate": "usage"' not in seen:
+                seen += (await r.content.readline()).decode()
+        r.close()
+        # Told only once the rollups hold it: a page that fetches itself now counts the request.
+        r = await s.get(f"{console.admin_url}/api/v1/usage?since=1h", headers=console.api_headers())
+        assert (await r.json())["total"]["requests"] == 1

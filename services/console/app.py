@@ -30,6 +30,7 @@ from aiohttp import web
 
 from llmgw.events.commands import roles as R
 from llmgw.events.schema import people as P
+from llmgw.events.schema import subjects as S
 from llmgw.events.schema.envelope import RecordedEvent, utc_now
 from llmgw.events.schema.subjects import EVENTS_ROOT
 from llmgw.projections.usage import parse_since
@@ -48,6 +49,7 @@ log = structlog.get_logger("llmgw.services.console")
 HERE = Path(__file__).parent
 LIVE_HEARTBEAT_S = 15.0  # a comment line keeps proxies from closing a quiet stream
 LIVE_RETRY_MS = 1000  # how soon a browser reconnects after the stream ends (a restart)
+USAGE_EVERY_S = 1.0  # usage changes a live page at most this often
 SESSION_CSRF = web.RequestKey("console_session", str)
 
 
@@ -367,31 +369,57 @@ class Console:
         return response
 
     async def _follow(self, response: web.StreamResponse, after: int, aggregates: set[str]) -> None:
+        """Write one ``change`` per event of ``aggregates`` (all when empty) after ``after``; with ``usage``
+        among them, also one (at most a second) once requests' usage records have been folded into the
+        rollups the page reads — usage records are not events, so they come on their own subject."""
         events = self.api.store.subscribe(f"{EVENTS_ROOT}.>", after=after, follow=True)
+        usage = asyncio.Event()
+        subscription = None
+        if "usage" in aggregates:
+            subscription = await self.api.store.nc.subscribe(f"{S.USAGE_ROOT}.>", cb=_setter(usage))
+        last, usage_sent = after, 0.0
         next_batch: asyncio.Task | None = None
+        usage_seen: asyncio.Task | None = None
         try:
             while not self._closing.is_set():
                 if next_batch is None:
                     next_batch = asyncio.ensure_future(anext(events))
-                done, _ = await asyncio.wait({next_batch}, timeout=LIVE_HEARTBEAT_S)
+                if usage_seen is None and subscription is not None:
+                    usage_seen = asyncio.ensure_future(usage.wait())
+                waiting = {t for t in (next_batch, usage_seen) if t is not None}
+                done, _ = await asyncio.wait(waiting, timeout=LIVE_HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     await response.write(b": still here\n\n")
                     continue
-                batch, next_batch = next_batch.result(), None
                 lines = []
-                for event in batch:
-                    if not isinstance(event, RecordedEvent):
-                        continue
-                    aggregate = event.subject.removeprefix(EVENTS_ROOT + ".").split(".", 1)[0]
-                    if aggregates and aggregate not in aggregates:
-                        continue
-                    data = msgspec.json.encode({"type": event.type, "aggregate": aggregate}).decode()
-                    lines.append(f"id: {event.seq}\nevent: change\ndata: {data}\n\n")
+                if next_batch in done:
+                    batch, next_batch = next_batch.result(), None
+                    for event in batch:
+                        if not isinstance(event, RecordedEvent):
+                            continue
+                        aggregate = event.subject.removeprefix(EVENTS_ROOT + ".").split(".", 1)[0]
+                        if aggregates and aggregate not in aggregates:
+                            continue
+                        last = event.seq
+                        data = msgspec.json.encode({"type": event.type, "aggregate": aggregate}).decode()
+                        lines.append(f"id: {last}\nevent: change\ndata: {data}\n\n")
+                if usage_seen is not None and usage_seen in done:
+                    usage_seen = None
+                    # At most one a second however busy the gateway, and only once the rollups hold them.
+                    await asyncio.sleep(max(0.0, usage_sent + USAGE_EVERY_S - asyncio.get_running_loop().time()))
+                    usage.clear()
+                    await self.api._usage_caught_up()
+                    usage_sent = asyncio.get_running_loop().time()
+                    lines.append(f'id: {last}\nevent: change\ndata: {{"aggregate": "usage"}}\n\n')
                 if lines:
                     await response.write("".join(lines).encode())
         finally:
-            if next_batch is not None:
-                next_batch.cancel()
+            for task in (next_batch, usage_seen):
+                if task is not None:
+                    task.cancel()
+            if subscription is not None:
+                with contextlib.suppress(Exception):
+                    await subscription.unsubscribe()
             with contextlib.suppress(Exception):
                 await events.aclose()
 
@@ -400,6 +428,13 @@ class Console:
         self._closing.set()
         for task in list(self._live):
             task.cancel()
+
+
+def _setter(flag: asyncio.Event) -> Callable[[Any], Awaitable[None]]:
+    async def seen(msg: Any) -> None:
+        flag.set()
+
+    return seen
 
 
 class FormError(ValueError):

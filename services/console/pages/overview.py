@@ -140,6 +140,6 @@ PAGES = [
         title="overview.title",
         template="overview.html",
         gather=gather_overview,
-        live=("node", "model", "replica"),
+        live=("node", "model", "replica", "usage"),
     ),
 ]
