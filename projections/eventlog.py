@@ -16,6 +16,13 @@ _INSERT = (
 )
 
 
+def starting_with(column: str, prefix: str) -> tuple[str, list[str]]:
+    """A filter for rows whose ``column`` starts with ``prefix``, as a range an index can serve
+    (``substr(column, …) = ?`` can use none): ``column >= 'user:' AND column < 'user;'``."""
+    after = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    return f"{column} >= ? AND {column} < ?", [prefix, after]
+
+
 class EventLogProjection(Projection):
     name = "eventlog"
     subject = f"{EVENTS_ROOT}.>"

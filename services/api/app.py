@@ -31,6 +31,7 @@ from llmgw.events.schema.subjects import encode_token, event_subject
 from llmgw.projections.access import scope_path, tenancy_paths
 from llmgw.projections.apply import ProjectionError
 from llmgw.projections.backends import Backend
+from llmgw.projections.eventlog import starting_with
 from llmgw.projections.rebuild import rebuild, verify
 from llmgw.projections.runner import ProjectionRunner
 from llmgw.projections.usage import (
@@ -309,8 +310,9 @@ class AdminApi:
         where, args = [], []
         actor = q.get("actor", "").strip() or "user:"
         if actor.endswith(":"):  # a kind of actor: user:, node:, svc:
-            where.append("substr(actor, 1, ?) = ?")
-            args += [len(actor), actor]
+            clause, bounds = starting_with("actor", actor)
+            where.append(clause)
+            args += bounds
         else:
             where.append("actor = ?")
             args.append(actor)

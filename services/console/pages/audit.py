@@ -21,6 +21,7 @@ from llmgw.events.schema import outcomes as O
 from llmgw.events.schema import people as P
 from llmgw.events.schema.envelope import RecordedEvent, utc_now
 from llmgw.events.schema.subjects import EVENTS_ROOT, decode_token, event_subject
+from llmgw.projections.eventlog import starting_with
 from llmgw.projections.usage import parse_since
 from llmgw.services.console.page import Ctx, Page
 
@@ -99,15 +100,17 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
     args: list[Any] = []
     if actor:
         if actor.endswith(":"):  # a kind of actor: user:, svc:, node:
-            where.append("substr(actor, 1, ?) = ?")
-            args += [len(actor), actor]
+            clause, bounds = starting_with("actor", actor)
+            where.append(clause)
+            args += bounds
         else:
             where.append("actor = ?")
             args.append(actor)
     if etype:
         if etype.endswith("."):  # a family: key., user.
-            where.append("substr(type, 1, ?) = ?")
-            args += [len(etype), etype]
+            clause, bounds = starting_with("type", etype)
+            where.append(clause)
+            args += bounds
         else:
             where.append("type = ?")
             args.append(etype)
@@ -120,8 +123,9 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
             args.append(event_subject(aggregate, instance))
         else:
             prefix = f"{EVENTS_ROOT}.{aggregate}."
-            where.append("substr(subject, 1, ?) = ?")
-            args += [len(prefix), prefix]
+            clause, bounds = starting_with("subject", prefix)
+            where.append(clause)
+            args += bounds
     now = ctx.at or utc_now()
     for name, text, op in (("since", since_text, ">="), ("until", until_text, "<=")):
         if text:
