@@ -80,18 +80,24 @@ def line_chart(
         f'<title id="{t_id}">{escape(title)}</title>',
         f'<desc id="{d_id}">{escape(desc)}</desc>',
     ]
-    for frac in (0, 0.5, 1):  # gridlines and the y axis' figures
+    figures = {frac: fmt(top * frac) for frac in (0, 0.5, 1)}
+    for frac, figure in figures.items():  # gridlines and the y axis' figures
+        if frac == 0.5 and figure in (figures[0], figures[1]):
+            continue  # a half that reads as 0 or the top (counts of 1): no second "0" on the axis
         gy = y(top * frac)
         parts.append(f'<line x1="{LEFT}" y1="{gy:.1f}" x2="{WIDTH - RIGHT}" y2="{gy:.1f}" stroke="#cccccc"/>')
         parts.append(
             f'<text x="{LEFT - 6}" y="{gy + 4:.1f}" text-anchor="end" font-size="11" fill="#333333">'
-            f"{escape(fmt(top * frac))}</text>"
+            f"{escape(figure)}</text>"
         )
     step = max(1, (len(labels) + 5) // 6)  # at most about six labels on the x axis
     for i, label in enumerate(labels):
-        if i % step == 0 or i == len(labels) - 1:
+        last = i == len(labels) - 1
+        if (i % step == 0 and (last or len(labels) - 1 - i >= step / 2)) or last:
+            # Labels never crowd the last one, which ends at the plot's edge rather than running past it.
+            anchor = "end" if i == len(labels) - 1 and len(labels) > 1 else "middle"
             parts.append(
-                f'<text x="{x(i):.1f}" y="{TOP + plot_h + 16}" text-anchor="middle" font-size="11" '
+                f'<text x="{x(i):.1f}" y="{TOP + plot_h + 16}" text-anchor="{anchor}" font-size="11" '
                 f'fill="#333333">{escape(label)}</text>'
             )
     parts.append(f'<line x1="{LEFT}" y1="{TOP + plot_h}" x2="{WIDTH - RIGHT}" y2="{TOP + plot_h}" stroke="#333333"/>')
