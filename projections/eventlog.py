@@ -23,6 +23,14 @@ def starting_with(column: str, prefix: str) -> tuple[str, list[str]]:
     return f"{column} >= ? AND {column} < ?", [prefix, after]
 
 
+def matching(column: str, value: str, kind_marks: str = ":.") -> tuple[str, list[str]]:
+    """The audit's filter on ``column``: a value ending in one of ``kind_marks`` is a family (``user:``,
+    ``key.``: every value that starts with it), any other is exact."""
+    if value[-1:] and value[-1] in kind_marks:
+        return starting_with(column, value)
+    return f"{column} = ?", [value]
+
+
 class EventLogProjection(Projection):
     name = "eventlog"
     subject = f"{EVENTS_ROOT}.>"

@@ -31,7 +31,7 @@ from llmgw.events.schema.subjects import encode_token, event_subject
 from llmgw.projections.access import scope_path, tenancy_paths
 from llmgw.projections.apply import ProjectionError
 from llmgw.projections.backends import Backend
-from llmgw.projections.eventlog import starting_with
+from llmgw.projections.eventlog import matching
 from llmgw.projections.rebuild import rebuild, verify
 from llmgw.projections.runner import ProjectionRunner
 from llmgw.projections.usage import (
@@ -309,13 +309,9 @@ class AdminApi:
             return error(400, f"limit {q.get('limit')!r} is not a whole number", "invalid")
         where, args = [], []
         actor = q.get("actor", "").strip() or "user:"
-        if actor.endswith(":"):  # a kind of actor: user:, node:, svc:
-            clause, bounds = starting_with("actor", actor)
-            where.append(clause)
-            args += bounds
-        else:
-            where.append("actor = ?")
-            args.append(actor)
+        clause, bounds = matching("actor", actor, ":")  # a kind of actor (user:, node:, svc:) or one
+        where.append(clause)
+        args += bounds
         if q.get("since"):
             try:
                 since = parse_since(q["since"], utc_now())

@@ -21,7 +21,7 @@ from llmgw.events.schema import outcomes as O
 from llmgw.events.schema import people as P
 from llmgw.events.schema.envelope import RecordedEvent, utc_now
 from llmgw.events.schema.subjects import EVENTS_ROOT, decode_token, event_subject
-from llmgw.projections.eventlog import starting_with
+from llmgw.projections.eventlog import matching, starting_with
 from llmgw.projections.usage import parse_since
 from llmgw.services.console.page import Ctx, Page
 
@@ -98,22 +98,11 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
     problems: list[str] = []
     where: list[str] = []
     args: list[Any] = []
-    if actor:
-        if actor.endswith(":"):  # a kind of actor: user:, svc:, node:
-            clause, bounds = starting_with("actor", actor)
+    for column, value, marks in (("actor", actor, ":"), ("type", etype, ".")):
+        if value:  # a kind of actor (user:, svc:) or a family of types (key., user.), else one
+            clause, bounds = matching(column, value, marks)
             where.append(clause)
             args += bounds
-        else:
-            where.append("actor = ?")
-            args.append(actor)
-    if etype:
-        if etype.endswith("."):  # a family: key., user.
-            clause, bounds = starting_with("type", etype)
-            where.append(clause)
-            args += bounds
-        else:
-            where.append("type = ?")
-            args.append(etype)
     if scope:
         aggregate, dot, instance = scope.partition(".")
         if dot and instance:
