@@ -19,7 +19,7 @@ from llmgw.events.schema.ids import new_id
 from llmgw.events.schema.usage import UsageRecord, usage_subject
 from llmgw.services.console import session as SES
 from llmgw.services.console.app import parse_moment
-from llmgw.services.console.source import marked
+from llmgw.services.console.source import Moments, marked
 from tests.fleet import Fleet
 from tests.signin import PASSWORD, TESTER, tester_hash
 from tests.support import wait_until
@@ -202,3 +202,26 @@ async def test_a_page_that_shows_usage_is_told_once_a_request_s_record_is_in_the
         # Told only once the rollups hold it: a page that fetches itself now counts the request.
         r = await s.get(f"{console.admin_url}/api/v1/usage?since=1h", headers=console.api_headers())
         assert (await r.json())["total"]["requests"] == 1
+
+
+async def test_pages_at_one_moment_share_one_replay_and_an_older_one_is_closed_for_a_new_one(console: Fleet) -> None:
+    await console.client.send(
+        P.SERVICE, "user.add", P.AddUser(name="earlier", password_hash=tester_hash()), actor="user:test", timeout=20
+    )
+    first = utc_now()
+    await console.client.send(
+        P.SERVICE, "user.add", P.AddUser(name="later", password_hash=tester_hash()), actor="user:test", timeout=20
+    )
+    second = utc_now()
+    moments = Moments(console.store, size=1)
+    try:
+        a = await moments.get(first)
+        again = await moments.get(first + timedelta(microseconds=1))  # no event between: the same moment
+        assert again is a
+        b = await moments.get(second)
+        assert b.position > a.position
+        assert list(moments._kept) == [b.position]  # the first was closed to make room
+        async with b.using:
+            assert await b.backend.query("tenancy", "SELECT COUNT(*) FROM {scopes}") is not None
+    finally:
+        await moments.close()

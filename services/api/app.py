@@ -262,6 +262,7 @@ class AdminApi:
                     "name": p.name,
                     "display_name": p.display_name,
                     "disabled": p.disabled,
+                    "language": p.language or None,  # the console's language they chose (None: their browser's)
                     "added_at": p.added_at.isoformat(),
                     "roles": [{"role": role, "scope": self._signin().label(scope)} for role, scope in p.roles],
                     "tokens": [

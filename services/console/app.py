@@ -39,7 +39,7 @@ from llmgw.services.api.signin import Identity, Refused
 from llmgw.services.console import session as SES
 from llmgw.services.console.i18n import LANGUAGES, Catalog, Formats, negotiate
 from llmgw.services.console.page import Ctx, Page
-from llmgw.services.console.source import Source, live_source, source_at
+from llmgw.services.console.source import Moments, Source, live_source, source_at
 
 if TYPE_CHECKING:
     from llmgw.services.api.app import AdminApi
@@ -71,6 +71,7 @@ class Console:
             lstrip_blocks=True,
         )
         self._live: set[asyncio.Task] = set()  # the event streams being served
+        self.moments = Moments(api.store)  # the time slider's last moments, kept replayed
         self._closing = asyncio.Event()
 
     # -- routes ------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ class Console:
         if at is None:
             data = await page.gather(ctx)
             return self.render(page.template, **base, ctx=ctx, nav=self.nav(ctx), idem=new_idem, **data)
-        async with source_at(self.api, at) as then:
+        async with source_at(self.api, at, self.moments) as then:
             ctx.source = then
             data = await page.gather(ctx)
             return self.render(page.template, **base, ctx=ctx, nav=self.nav(ctx), idem=new_idem, **data)
@@ -428,6 +429,7 @@ class Console:
         self._closing.set()
         for task in list(self._live):
             task.cancel()
+        await self.moments.close()
 
 
 def _setter(flag: asyncio.Event) -> Callable[[Any], Awaitable[None]]:

@@ -10,20 +10,24 @@ rollups, the event log's index, the mirror) a page reads live and bounds by :att
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from llmgw.events.folds.people import People
 from llmgw.events.folds.tenancy import TenancyTree
+from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import people as P
 from llmgw.events.schema import tenancy as T
 from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.subjects import EVENTS_ROOT, event_subject
 from llmgw.projections.access import tenancy_paths
 from llmgw.projections.backends import Backend
-from llmgw.services.api.replay import replayed
+from llmgw.projections.replay import position_at
+from llmgw.services.api.replay import Replayed, replayed
 from llmgw.services.api.views import ACCESS_COLUMNS, FLEET_COLUMNS
 
 if TYPE_CHECKING:
@@ -100,10 +104,91 @@ async def live_source(api: AdminApi) -> Source:
 
 
 @contextlib.asynccontextmanager
-async def source_at(api: AdminApi, when: datetime) -> AsyncIterator[Source]:
-    """The read models as they were at ``when``, open while the block lasts (a scratch database)."""
-    async with replayed(api.store, when) as moment:
-        yield Source(api, moment.backend, at=when, position=moment.position)
+async def source_at(api: AdminApi, when: datetime, moments: Moments | None = None) -> AsyncIterator[Source]:
+    """The read models as they were at ``when``, open while the block lasts: from ``moments`` (kept
+    replays) when given, else a scratch database folded for this block alone."""
+    if moments is not None:
+        moment = await moments.get(when)
+        async with moment.using:
+            yield Source(api, moment.backend, at=when, position=moment.position)
+        return
+    async with replayed(api.store, when) as replay:
+        yield Source(api, replay.backend, at=when, position=replay.position)
+
+
+class Moment:
+    """One replayed moment kept open: its scratch database, and who is reading it."""
+
+    def __init__(self, replay: Replayed, stack: contextlib.AsyncExitStack) -> None:
+        self.backend = replay.backend
+        self.position = replay.position
+        self.stack = stack
+        self.used_at = time.monotonic()
+        self.readers = 0
+        self.using = _Using(self)
+
+
+class _Using:
+    def __init__(self, moment: Moment) -> None:
+        self.moment = moment
+
+    async def __aenter__(self) -> Moment:
+        self.moment.readers += 1
+        self.moment.used_at = time.monotonic()
+        return self.moment
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.moment.readers -= 1
+
+
+class Moments:
+    """The last few moments the time slider showed, kept replayed: someone looking at the fleet as it
+    was when an incident began goes from page to page at that moment, and each page after the first
+    reads the kept replay instead of folding the log again (docs/benchmarks.md, "Console pages at
+    scale"). Keyed by the log's position at the moment — two times with no event between them are one
+    moment. At most ``size`` are kept, each for ``keep_s`` after it was last read; one is folded at a
+    time, so a burst of slider moves costs one replay each, never several at once."""
+
+    def __init__(self, store: EventStore, *, size: int = 2, keep_s: float = 300.0) -> None:
+        self.store = store
+        self.size = size
+        self.keep_s = keep_s
+        self._kept: dict[int, Moment] = {}
+        self._folding = asyncio.Lock()
+
+    async def get(self, when: datetime) -> Moment:
+        position, _ = await position_at(self.store, when)
+        async with self._folding:
+            found = self._kept.get(position)
+            if found is not None:
+                found.used_at = time.monotonic()
+                return found
+            await self._evict(room_for=1)
+            stack = contextlib.AsyncExitStack()
+            try:
+                replay = await stack.enter_async_context(replayed(self.store, when))
+            except BaseException:
+                await stack.aclose()
+                raise
+            moment = self._kept[replay.position] = Moment(replay, stack)
+            return moment
+
+    async def _evict(self, room_for: int = 0) -> None:
+        """Close the moments nobody reads that are stale, and the least recently read beyond the size."""
+        now = time.monotonic()
+        idle = sorted((m for m in self._kept.values() if m.readers == 0), key=lambda m: m.used_at)
+        over = len(self._kept) + room_for - self.size
+        for moment in idle:
+            if over > 0 or now - moment.used_at > self.keep_s:
+                over -= 1
+                self._kept.pop(moment.position, None)
+                await moment.stack.aclose()
+
+    async def close(self) -> None:
+        async with self._folding:
+            for moment in list(self._kept.values()):
+                await moment.stack.aclose()
+            self._kept.clear()
 
 
 def marked(
