@@ -123,6 +123,7 @@ class PageFigure(msgspec.Struct, kw_only=True):
     median_ms: float
     p95_ms: float
     bytes: int
+    first_ms: float = 0.0  # the warm-up: for a past moment, the one that folds the replay the others reuse
 
 
 class World(msgspec.Struct, kw_only=True):
@@ -398,7 +399,7 @@ async def time_pages(url: str, pages: list[tuple[str, str]], runs: int, echo: Ec
     async with aiohttp.ClientSession(cookie_jar=jar, timeout=timeout) as session:
         await sign_in(session, url)
         for name, path in pages:
-            times, status, size = [], 0, 0
+            times, status, size, first = [], 0, 0, 0.0
             # A past moment is a replay of the log each time: seconds, so fewer of them.
             count = min(runs, PAST_RUNS) if name.endswith(PAST) else runs
             for i in range(count + 1):  # the first is a warm-up
@@ -406,8 +407,11 @@ async def time_pages(url: str, pages: list[tuple[str, str]], runs: int, echo: Ec
                 async with session.get(f"{url}{path}", allow_redirects=False) as r:
                     body = await r.read()
                     status, size = r.status, len(body)
+                took = (time.perf_counter() - started) * 1000
                 if i:
-                    times.append((time.perf_counter() - started) * 1000)
+                    times.append(took)
+                else:
+                    first = took
             p95 = statistics.quantiles(times, n=20)[18] if len(times) >= 2 else times[0]
             figure = PageFigure(
                 name=name,
@@ -417,6 +421,7 @@ async def time_pages(url: str, pages: list[tuple[str, str]], runs: int, echo: Ec
                 median_ms=statistics.median(times),
                 p95_ms=p95,
                 bytes=size,
+                first_ms=first,
             )
             echo(f"  {name:<28} {figure.median_ms:8.1f} ms median  {figure.p95_ms:8.1f} ms p95  ({status})")
             figures.append(figure)
@@ -564,7 +569,7 @@ def console_text(report: ConsoleReport) -> str:
         f"each page {report.runs} times after a warm-up; ms from request to last byte on loopback",
         "",
         f"{'page':<30}{'small median':>13}{'large median':>13}{'large p95':>11}{'× small':>9}{'large KB':>10}  "
-        f"target ≤ {TARGET_MS:.0f} ms (median)",
+        f"target ≤ {TARGET_MS:.0f} ms (median); a past moment's first fetch folds the replay the next reuse",
     ]
     for f in report.large.pages:
         base = small.get(f.name)
@@ -575,6 +580,7 @@ def console_text(report: ConsoleReport) -> str:
         lines.append(
             f"{f.name:<30}{(base.median_ms if base else float('nan')):>13.1f}{f.median_ms:>13.1f}{f.p95_ms:>11.1f}"
             f"{ratio}{f.bytes / 1000:>10,.0f}  {verdict}"
+            + (f"  (first fetch {f.first_ms:,.0f} ms)" if f.name.endswith(PAST) else "")
         )
     m = report.machine
     lines += ["", f"machine: {m['cpus']} CPUs, load average {m['load_average']}, Python {m['python']}"]
