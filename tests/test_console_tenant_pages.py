@@ -346,6 +346,10 @@ async def test_a_limit_changed_since_a_moment_shows_its_old_figure_there_marked_
         assert ">5<" in limit and "diff-changed" in limit, limit
         budget = then.split('id="budget-team-')[1].split("</tr>")[0]
         assert "diff-added" in budget, budget  # set after the moment: there now, not then
+        await tenancy(console, "acme/web")  # a team made since: in the tree now, marked added there
+        then = await b.page(f"/console/tenants?at={quote(before.isoformat())}")
+        team = then.split('data-path="acme/web"')[1].split("</tr>")[0]
+        assert "diff-added" in team, team
         now = await b.page("/console/tenants")
         assert ">9<" in now.split('id="limit-project-')[1].split("</tr>")[0]
 

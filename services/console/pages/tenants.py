@@ -429,6 +429,10 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
         r["share"] = r["spent"] / r["usd"] if r["usd"] else None
         r["state"] = "over" if r["usd"] is not None and r["spent"] >= r["usd"] else "within"
     live_tree = await ctx.now.tree()
+    open_team = (ctx.query.get("team") or "").strip()
+    tree = tree_rows(tree, visible, live_keys, open_team)
+    if ctx.at is not None:  # scopes renamed, deleted or made since, marked in words
+        tree = marked(tree, tree_rows(live_tree, visible, {}, open_team), fields=("name", "path"))
     controls = ctx.at is None
     may = May(ctx)
     options = _tenant_options(live_tree) if controls else []
@@ -471,7 +475,7 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
     for q in quotas:
         q["may_clear"] = controls and q["id"].partition(":")[2] in clearable
     return {
-        "tree": tree_rows(tree, visible, live_keys, (ctx.query.get("team") or "").strip()),
+        "tree": tree,
         "keys": shown_keys,
         "keys_total": len(keys),
         "keys_paging": keys_paging,
