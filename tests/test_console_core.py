@@ -21,7 +21,8 @@ from llmgw.services.console import session as SES
 from llmgw.services.console.app import parse_moment
 from llmgw.services.console.source import Moments, marked
 from tests.fleet import Fleet
-from tests.signin import PASSWORD, TESTER, tester_hash
+from tests.signin import PASSWORD, TESTER
+from tests.signin import tester_hash as hashed_password
 from tests.support import wait_until
 
 
@@ -147,9 +148,8 @@ async def test_the_live_stream_sends_each_event_by_its_sequence_and_resumes_afte
         head = await console.store.stream_last_seq()
         r = await s.get(f"{console.admin_url}/console/live", headers={"Last-Event-ID": str(head)})
         assert r.headers["Content-Type"].startswith("text/event-stream")
-        await console.client.send(
-            P.SERVICE, "user.add", P.AddUser(name="watched", password_hash=tester_hash()), actor="user:test", timeout=20
-        )
+        add = P.AddUser(name="watched", password_hash=hashed_password())
+        await console.client.send(P.SERVICE, "user.add", add, actor="user:test", timeout=20)
         seen = ""
         async with asyncio.timeout(20):
             while "event: change" not in seen:
@@ -206,11 +206,11 @@ async def test_a_page_that_shows_usage_is_told_once_a_request_s_record_is_in_the
 
 async def test_pages_at_one_moment_share_one_replay_and_an_older_one_is_closed_for_a_new_one(console: Fleet) -> None:
     await console.client.send(
-        P.SERVICE, "user.add", P.AddUser(name="earlier", password_hash=tester_hash()), actor="user:test", timeout=20
+        P.SERVICE, "user.add", P.AddUser(name="earlier", password_hash=hashed_password()), actor="user:test", timeout=20
     )
     first = utc_now()
     await console.client.send(
-        P.SERVICE, "user.add", P.AddUser(name="later", password_hash=tester_hash()), actor="user:test", timeout=20
+        P.SERVICE, "user.add", P.AddUser(name="later", password_hash=hashed_password()), actor="user:test", timeout=20
     )
     second = utc_now()
     moments = Moments(console.store, size=1)
