@@ -6,6 +6,8 @@ causation is this one, or this command), then reads the event itself from the st
 
 from __future__ import annotations
 
+from typing import Any
+
 from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.subjects import EVENTS_ROOT
 from llmgw.projections.base import Projection, Tx
@@ -16,18 +18,17 @@ _INSERT = (
 )
 
 
-def starting_with(column: str, prefix: str) -> tuple[str, list[str]]:
-    """A filter for rows whose ``column`` starts with ``prefix``, as a range an index can serve
-    (``substr(column, …) = ?`` can use none): ``column >= 'user:' AND column < 'user;'``."""
-    after = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-    return f"{column} >= ? AND {column} < ?", [prefix, after]
-
-
-def matching(column: str, value: str, kind_marks: str = ":.") -> tuple[str, list[str]]:
+def matching(column: str, value: str, kind_marks: str = ":.") -> tuple[str, list[Any]]:
     """The audit's filter on ``column``: a value ending in one of ``kind_marks`` is a family (``user:``,
-    ``key.``: every value that starts with it), any other is exact."""
+    ``key.``: every value that starts with it), any other is exact.
+
+    An exact value is served by the ``(column, seq)`` index: newest first, only its own rows. A family
+    is deliberately not (``substr`` hides the column from the planner): families are common (most
+    events a person caused are ``user:``), and walking the ``seq`` index back from the newest finds a
+    page of them at once, where the range over ``(actor, seq)`` would read them all to sort them
+    (1.7 s against 0.05 s at a million events, `llmgw bench console`)."""
     if value[-1:] and value[-1] in kind_marks:
-        return starting_with(column, value)
+        return f"substr({column}, 1, ?) = ?", [len(value), value]
     return f"{column} = ?", [value]
 
 
@@ -39,7 +40,7 @@ class EventLogProjection(Projection):
         "actor TEXT NOT NULL, at TEXT NOT NULL, causation TEXT, correlation TEXT",
     }
     primary_keys = {"events": ["id"]}
-    # (type, seq) and (actor, seq): the audit filtered by a type or an actor, newest first, reads only its
+    # (type, seq) and (actor, seq): the audit filtered by one type or one actor, newest first, reads only its
     # own rows (without them SQLite walks the seq index back through every event: 1.7 s at a million).
     indexes = {"events": [["causation"], ["correlation"], ["seq"], ["type", "seq"], ["actor", "seq"]]}
     handlers = {}

@@ -21,7 +21,7 @@ from llmgw.events.schema import outcomes as O
 from llmgw.events.schema import people as P
 from llmgw.events.schema.envelope import RecordedEvent, utc_now
 from llmgw.events.schema.subjects import EVENTS_ROOT, decode_token, event_subject
-from llmgw.projections.eventlog import matching, starting_with
+from llmgw.projections.eventlog import matching
 from llmgw.projections.usage import parse_since
 from llmgw.services.console.page import Ctx, Page
 
@@ -112,9 +112,8 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
             args.append(event_subject(aggregate, instance))
         else:
             prefix = f"{EVENTS_ROOT}.{aggregate}."
-            clause, bounds = starting_with("subject", prefix)
-            where.append(clause)
-            args += bounds
+            where.append("substr(subject, 1, ?) = ?")  # a family of aggregates: see matching()
+            args += [len(prefix), prefix]
     now = ctx.at or utc_now()
     for name, text, op in (("since", since_text, ">="), ("until", until_text, "<=")):
         if text:
