@@ -37,6 +37,7 @@ from llmgw.projections.usage import parse_since
 from llmgw.services.api.act import Outcome, act
 from llmgw.services.api.signin import Identity, Refused
 from llmgw.services.console import session as SES
+from llmgw.services.console.forms import BadInput, refused
 from llmgw.services.console.i18n import LANGUAGES, Catalog, Formats, negotiate
 from llmgw.services.console.page import Ctx, Page
 from llmgw.services.console.source import Moments, Source, live_source, source_at
@@ -308,14 +309,8 @@ class Console:
         ctx = self._ctx(request, who, token, lang, now, now, page)
         try:
             outcome = await handler(ctx, form)
-        except FormError as exc:
-            outcome = Outcome(
-                command="",
-                kind=f"{page.name}.{request.match_info['action']}",
-                outcome="refused",
-                message=str(exc),
-                code="invalid",
-            )
+        except BadInput as exc:  # a form a person filled in wrongly: a refusal saying what to give
+            outcome = refused(f"{page.name}.{request.match_info['action']}", str(exc))
         return self._outcome_page(request, who, token, lang, outcome)
 
     def _outcome_page(
@@ -437,10 +432,6 @@ def _setter(flag: asyncio.Event) -> Callable[[Any], Awaitable[None]]:
         flag.set()
 
     return seen
-
-
-class FormError(ValueError):
-    """A form a person filled in wrongly: the message says which field and what to give."""
 
 
 def parse_moment(text: str) -> datetime | None:

@@ -49,10 +49,15 @@ class Source:
     def live(self) -> bool:
         return self.at is None
 
+    async def caught_up(self, projection: str) -> None:
+        """Now: wait (bounded) until ``projection`` has read the log as far as the page shows it. The past
+        is a replay folded to its position already."""
+        if self.live:
+            await self.api._caught_up(projection, self.position)
+
     async def fleet(self, table: str, sql_tail: str = "", *args: Any) -> list[dict[str, Any]]:
         """Rows of the fleet projection (nodes, models, replicas) as dicts of :data:`FLEET_COLUMNS`."""
-        if self.live:
-            await self.api._caught_up("fleet", self.position)
+        await self.caught_up("fleet")
         cols = FLEET_COLUMNS[table]
         rows = await self.backend.query("fleet", f"SELECT {', '.join(cols)} FROM {{{table}}} {sql_tail}", *args)
         return [dict(zip(cols, r, strict=True)) for r in rows]
@@ -64,7 +69,7 @@ class Source:
         if self.live:
             tree_seq = await self.api.store.last_seq(event_subject(T.AGGREGATE, T.TREE_ID))
             await self.api._caught_up("tenancy", tree_seq)
-            await self.api._caught_up("access", self.position)
+            await self.caught_up("access")
         cols = ACCESS_COLUMNS[table]
         rows = await self.backend.query("access", f"SELECT {', '.join(cols)} FROM {{{table}}} {sql_tail}", *args)
         return [dict(zip(cols, r, strict=True)) for r in rows], await tenancy_paths(self.backend)

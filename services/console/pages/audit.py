@@ -133,7 +133,7 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
             args.append(int(before))
         except ValueError:
             where.pop()
-    await ctx.api._caught_up("eventlog", ctx.now.position)
+    await ctx.now.caught_up("eventlog")
     tail = f"WHERE {' AND '.join(where)}" if where else ""
     found = _rows(
         await backend.query(

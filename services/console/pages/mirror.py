@@ -17,8 +17,8 @@ from llmgw.events.folds.mirror import FETCHING, PRESENT, MirrorState
 from llmgw.events.schema import mirror as E
 from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of
 from llmgw.services.api.act import Outcome
+from llmgw.services.console.forms import refused
 from llmgw.services.console.page import Ctx, Page
-from llmgw.services.console.pages.tenants import refused
 from llmgw.services.console.source import marked
 
 

@@ -30,8 +30,9 @@ from llmgw.events.schema.envelope import RecordedEvent
 from llmgw.events.schema.subjects import EVENTS_ROOT, aggregate_of
 from llmgw.services.api.act import Outcome
 from llmgw.services.api.views import ACTIVE_STATES, shape_model
+from llmgw.services.console.forms import BadInput, refused
 from llmgw.services.console.page import Ctx, Page
-from llmgw.services.console.pages.nodes import active_clause, fleet_sql, paged, refused
+from llmgw.services.console.pages.nodes import active_clause, fleet_sql, paged
 from llmgw.services.console.source import Source, marked
 from llmgw.services.jobs.rules import STEPS
 
@@ -43,10 +44,6 @@ MODEL_FIELDS = ("standing", "status", "ready", "starting", "min_replicas", "max_
 REPLICA_FIELDS = ("state", "node_id", "port", "reason")
 STANDINGS = ("satisfied", "short", "parked", "stopped")
 MOST = 1_000_000  # the largest number a form field takes: past it, a typing slip (and past 2**63, unencodable)
-
-
-class BadInput(ValueError):
-    """A form field that cannot become the command's field; its message says what to give."""
 
 
 def standing(m: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from llmgw.events.schema.agent_rpc import LogsReply, LogsRequest, logs_subject
 from llmgw.events.schema.subjects import encode_token
 from llmgw.services.api.act import Outcome
 from llmgw.services.api.views import ACTIVE_STATES, shape_node
+from llmgw.services.console.forms import refused
 from llmgw.services.console.page import Ctx, Page
 from llmgw.services.console.source import Source, marked
 
@@ -32,11 +33,6 @@ MAX_GRACE_S = 7 * 86400.0  # a week: longer is a typing slip
 PER_PAGE = 100  # rows of a list page drawn at once
 NODE_FIELDS = ("state", "cordoned", "draining", "cpus", "memory_total_bytes", "replicas")
 REPLICA_FIELDS = ("state", "model", "node_id", "port")
-
-
-def refused(kind: str, message: str) -> Outcome:
-    """What an action answers for input it cannot send (never a 500): refused as invalid, saying what to give."""
-    return Outcome(command="", kind=kind, outcome="refused", message=message, code="invalid")
 
 
 def active_clause() -> str:
@@ -58,8 +54,7 @@ def node_state(n: dict[str, Any]) -> str:
 async def fleet_sql(src: Source, sql: str, *args: Any) -> list[tuple[Any, ...]]:
     """Rows of a query over the fleet projection (``{nodes}``, ``{models}``, ``{replicas}``) as ``src`` shows
     it; now, once the projection has read the log as far as the page shows it (as :meth:`Source.fleet`)."""
-    if src.live:
-        await src.api._caught_up("fleet", src.position)
+    await src.caught_up("fleet")
     return [tuple(r) for r in await src.backend.query("fleet", sql, *args)]
 
 

@@ -8,7 +8,6 @@ role within what it may view.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -18,8 +17,9 @@ from llmgw.events.folds.people import People
 from llmgw.events.folds.tenancy import TenancyTree
 from llmgw.events.schema import people as P
 from llmgw.services.api.act import Outcome
+from llmgw.services.console.forms import BadInput, refused
 from llmgw.services.console.page import Ctx, Page
-from llmgw.services.console.pages.tenants import KINDS, BadInput, May, Visible, choices, refused, whole
+from llmgw.services.console.pages.tenants import KINDS, May, Visible, choices, whole
 from llmgw.services.console.source import marked
 from llmgw.services.people.rules import need as people_need
 
@@ -116,7 +116,7 @@ async def gather(ctx: Ctx) -> dict[str, Any]:
 
 async def add_user(ctx: Ctx, form: Mapping[str, str]) -> Outcome:
     """Add a person: the password is checked and hashed here (argon2id, off the event loop), never sent."""
-    from llmgw.services.people.passwords import hash_password, password_problem
+    from llmgw.services.people.passwords import password_problem
 
     kind = f"{P.SERVICE}.user.add"
     name = (form.get("name") or "").strip()
@@ -128,7 +128,9 @@ async def add_user(ctx: Ctx, form: Mapping[str, str]) -> Outcome:
     problem = password_problem(password)
     if problem is not None:
         return refused(kind, problem)
-    password_hash = await asyncio.to_thread(hash_password, password)
+    signin = ctx.api.signin
+    assert signin is not None  # a signed-in page has one
+    password_hash = await signin.checker.hash(password)  # bounded with the sign-ins, at low priority
     add = P.AddUser(name=name, password_hash=password_hash, display_name=(form.get("display_name") or "").strip())
     return await ctx.act(P.SERVICE, "user.add", add)
 

@@ -30,6 +30,7 @@ from llmgw.services.access.rules import need as access_need
 from llmgw.services.api.act import Outcome
 from llmgw.services.api.replay import quota_holdings
 from llmgw.services.api.views import ACCESS_COLUMNS, ACTIVE_STATES, key_expired, shape_key, shape_model
+from llmgw.services.console.forms import BadInput, refused
 from llmgw.services.console.page import Ctx, Page
 from llmgw.services.console.source import Source, marked
 from llmgw.services.tenancy.quotas import need_quota
@@ -46,15 +47,6 @@ KINDS = ("org", "team", "project")
 
 
 # -- small pieces the other pages of this area share ------------------------------------------------
-
-
-def refused(kind: str, message: str, code: str = "invalid") -> Outcome:
-    """A refusal made before any command was sent: the form's input cannot be one (never a 500)."""
-    return Outcome(command="", kind=kind, outcome="refused", message=message, code=code)
-
-
-class BadInput(ValueError):
-    """A form field that cannot be read; the message says what to write."""
 
 
 def whole(form: Mapping[str, str], name: str, *, minimum: int = 0) -> int | None:
