@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
@@ -37,5 +38,17 @@ async def test_password_checks_run_on_threads_at_the_lowest_priority_and_the_eve
         nices = _nices()
         assert checking and {nices[tid] for tid in checking} == {CHECK_NICE}, nices
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_nice
+    finally:
+        checker.close()
+
+
+async def test_new_passwords_are_hashed_in_the_checks_slots_so_a_burst_stays_within_the_bound() -> None:
+    checker = PasswordChecker(concurrent=2)
+    try:
+        passwords = [f"a long enough passphrase {i}" for i in range(5)]
+        hashes = await asyncio.gather(*(checker.hash(p) for p in passwords))
+        assert all(await asyncio.gather(*(checker.verify(h, p) for h, p in zip(hashes, passwords, strict=True))))
+        # Hashing and checking share the slots: never more than two argon2id at once, whichever they are.
+        assert 1 <= checker.most_running <= 2
     finally:
         checker.close()

@@ -145,7 +145,13 @@ class AdminApi:
         app.router.add_get("/api/v1/requests/{id}", self.request_usage)
         app.router.add_get(OPENAPI_PATH, self.openapi)
         # Every command the CLI sends, signed with the caller's token (services/api/manage.py).
-        Manage(self.store, lambda request: request[IDENTITY].name, self._token, self._may).routes(app)
+        Manage(
+            self.store,
+            lambda request: request[IDENTITY].name,
+            self._token,
+            self._may,
+            hash_password=lambda password: self._signin().checker.hash(password),
+        ).routes(app)
         return app
 
     @web.middleware

@@ -41,7 +41,6 @@ from llmgw.events.schema import tenancy as T
 from llmgw.services.api.act import BadIdempotencyKey, Outcome, act, command_id_for
 
 ROUTE_PREFIX = "manage."  # the aiohttp route names of the management endpoints (app.py's _authorize reads it)
-HASHING_AT_ONCE = 2  # argon2id hashes of new passwords computed at once (64 MiB and a core's second each)
 # A time with its zone: the services compare it with the aware "now" (a naive one could not be).
 AwareDatetime = Annotated[datetime, msgspec.Meta(tz=True)]
 
@@ -202,7 +201,7 @@ async def _hashed(manage: Manage, request: web.Request, draft: P.AddUser | P.Set
     """``draft`` with the argon2id hash of ``password``; unhashed when the person may not send it (the
     service refuses it, forbidden, before it looks at the hash: an argon2id hash costs 64 MiB and a
     core's second, not to be spent on a refusal)."""
-    from llmgw.services.people.passwords import hash_password, password_problem  # argon2: only when one is set
+    from llmgw.services.people.passwords import password_problem  # argon2: only when one is set
     from llmgw.services.people.rules import need
 
     problem = password_problem(password)
@@ -211,8 +210,7 @@ async def _hashed(manage: Manage, request: web.Request, draft: P.AddUser | P.Set
     needed = need(f"user:{manage.person_of(request)}", draft)
     if needed is not None and manage.may is not None and not manage.may(request, needed):
         return Made(payload=draft)
-    async with manage.hashing:  # a burst of these must not take every core and the memory
-        digest = await asyncio.to_thread(hash_password, password)
+    digest = await manage.hash_password(password)  # the sign-in's bounded, low-priority slots
     return Made(payload=msgspec.structs.replace(draft, password_hash=digest))
 
 
@@ -404,6 +402,13 @@ def bearer_token(request: web.Request) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
+async def _hash_now(password: str) -> str:
+    """A password's hash off the event loop, for a Manage without the sign-in's bounded checker."""
+    from llmgw.services.people.passwords import hash_password  # argon2: only when one is set
+
+    return await asyncio.to_thread(hash_password, password)
+
+
 class Manage:
     """The management endpoints of one admin API: each sends its command as the request's person."""
 
@@ -413,12 +418,13 @@ class Manage:
         person_of: Callable[[web.Request], str],
         token_of: Callable[[web.Request], str] = bearer_token,
         may: MayHint | None = None,
+        hash_password: Callable[[str], Awaitable[str]] | None = None,
     ) -> None:
         self.store = store
         self.person_of = person_of  # the authenticated person's name (the admin API's middleware set it)
         self.token_of = token_of  # the token that authenticated the request: the command is signed with it
         self.may = may
-        self.hashing = asyncio.Semaphore(HASHING_AT_ONCE)
+        self.hash_password = hash_password or _hash_now
 
     def routes(self, app: web.Application) -> None:
         for ep in ENDPOINTS:

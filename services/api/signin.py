@@ -171,7 +171,13 @@ class SignIn:
         except CommandError as exc:
             raise Refused(503, "unavailable", f"the session could not be recorded: {exc}; try again") from exc
         # Usable on return: the fold reads the token within milliseconds of its recording.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(VISIBLE_WAIT_S), self._folded:
-                await self._folded.wait_for(lambda: prefix in self.people.by_prefix)
+        await self.folded(lambda: prefix in self.people.by_prefix)
         return token, expires
+
+    async def folded(self, condition: Callable[[], bool], deadline_s: float = VISIBLE_WAIT_S) -> bool:
+        """Wait (bounded) until the people as folded meet ``condition`` — a change the caller just made,
+        read back before it answers — woken by each batch the fold applies; whether they do."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(deadline_s), self._folded:
+                await self._folded.wait_for(condition)
+        return condition()

@@ -274,17 +274,11 @@ class Console:
             self.api.store, token, P.SERVICE, "user.language", P.SetLanguage(name=who.name, language=chosen)
         )
         if outcome.applied:
-            await self._until_folded(lambda: _language_of(self.api, who.name) == chosen)
+            if self.api.signin is not None:  # the next page is in the language chosen
+                await self.api.signin.folded(lambda: _language_of(self.api, who.name) == chosen)
             raise web.HTTPSeeOther(location=SES.safe_next(form.get("next")))
         lang = self.lang_of(request, who)
         return self._outcome_page(request, who, token, lang, outcome)
-
-    async def _until_folded(self, condition: Callable[[], bool], deadline_s: float = 5.0) -> None:
-        """Wait (bounded) until the sign-in fold shows a change this request made, so the next page shows it."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(deadline_s):
-                while not condition():
-                    await asyncio.sleep(0.02)
 
     # -- acting --------------------------------------------------------------------------------
 
@@ -355,7 +349,6 @@ class Console:
         if task is not None:
             self._live.add(task)
         try:
-            await response.write(f"retry: {LIVE_RETRY_MS}\nid: {after}\nevent: hello\ndata: {{}}\n\n".encode())
             await self._follow(response, after, aggregates)
         except (ConnectionResetError, asyncio.CancelledError):
             pass
@@ -373,10 +366,13 @@ class Console:
         subscription = None
         if "usage" in aggregates:
             subscription = await self.api.store.nc.subscribe(f"{S.USAGE_ROOT}.>", cb=_setter(usage))
+            await self.api.store.nc.flush()  # the server has it: no record after the hello goes unseen
         last, usage_sent = after, 0.0
         next_batch: asyncio.Task | None = None
         usage_seen: asyncio.Task | None = None
         try:
+            # Hello once following: whatever is written after the browser reads it reaches the browser.
+            await response.write(f"retry: {LIVE_RETRY_MS}\nid: {after}\nevent: hello\ndata: {{}}\n\n".encode())
             while not self._closing.is_set():
                 if next_batch is None:
                     next_batch = asyncio.ensure_future(anext(events))

@@ -19,10 +19,14 @@ import functools
 import os
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
+
+T = TypeVar("T")
 
 MIN_LENGTH = 12
 CHECK_NICE = 19  # the checks' threads yield to everything else in the process (and on the machine)
@@ -84,14 +88,23 @@ class PasswordChecker:
         self.most_running = 0  # the most checks that ran at once (what the bound holds to)
 
     async def verify(self, password_hash: str | None, password: str) -> bool:
+        return await self._run(verify_now, password_hash, password)
+
+    async def _run(self, work: Callable[..., T], *args: Any) -> T:
+        """``work`` on the checkers' threads, within the bound: checks and new hashes alike."""
         async with self._slots:
             self.running += 1
             self.most_running = max(self.most_running, self.running)
             try:
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self._pool, verify_now, password_hash, password)
+                return await asyncio.get_running_loop().run_in_executor(self._pool, work, *args)
             finally:
                 self.running -= 1
+
+    async def hash(self, password: str) -> str:
+        """The argon2id hash of a new password, made in the same bounded, low-priority slots as the checks:
+        a password set over HTTP costs what a sign-in costs, and a burst of either cannot take the
+        cores and the memory the gateway needs."""
+        return await self._run(hash_password, password)
 
     def close(self) -> None:
         """Let the idle threads go (a check under way finishes first)."""
