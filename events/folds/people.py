@@ -26,6 +26,7 @@ class Token(msgspec.Struct, kw_only=True):
     issued_at: datetime
     expires_at: datetime | None = None
     signing_key: str = ""  # the public key its commands are checked with; "" for a token made before signing
+    method: str = ""  # how a session's holder signed in (password, oidc:NAME, ldap:NAME, device:NAME)
 
 
 class Person(msgspec.Struct, kw_only=True):
@@ -38,11 +39,23 @@ class Person(msgspec.Struct, kw_only=True):
     tokens: dict[str, Token] = {}  # token id -> token (revoked ones are dropped)
     roles: list[tuple[str, str]] = []  # (role, scope on the log), each once, in the order granted
     language: str = ""  # the console's language they chose ("" : their browser's)
+    source: str = ""  # "" : added here; ``idp:NAME`` / ``scim``: made by that provider (no password here)
+    login: str = ""  # their user name at the provider ("" : the name)
+    email: str = ""
+    external_id: str = ""
+    groups: dict[str, tuple[str, ...]] = {}  # provider -> the groups it last said they are in
+    # "role scope" -> (provider, group, mapping id) of a binding a provider's group mapping granted
+    granted_by: dict[str, tuple[str, str, str]] = {}
+
+    def via(self, role: str, scope: str) -> tuple[str, str, str] | None:
+        """Which provider, group and mapping granted ``role`` over ``scope``; None: granted by hand."""
+        return self.granted_by.get(f"{role} {scope}")
 
 
 class People(msgspec.Struct, kw_only=True):
     by_name: dict[str, Person] = {}
     by_prefix: dict[str, tuple[str, str]] = {}  # token prefix -> (person, token id)
+    by_login: dict[str, str] = {}  # a provider's user name, lower case -> the person's name
     position: int = 0
 
     def apply(self, event: RecordedEvent) -> None:
@@ -57,7 +70,17 @@ class People(msgspec.Struct, kw_only=True):
         p = event.payload
         person = self.by_name.get(name)
         if isinstance(p, P.UserAdded):
-            self.by_name[name] = Person(name=name, display_name=p.display_name, added_at=event.envelope.at)
+            self.by_name[name] = Person(
+                name=name,
+                display_name=p.display_name,
+                added_at=event.envelope.at,
+                source=p.source,
+                login=p.login,
+                email=p.email,
+                external_id=p.external_id,
+            )
+            if p.source:
+                self.by_login[(p.login or name).lower()] = name
         elif person is None:
             return  # an event of someone never added: nothing to attach it to
         elif isinstance(p, P.PasswordSet):
@@ -69,8 +92,25 @@ class People(msgspec.Struct, kw_only=True):
         elif isinstance(p, P.RoleGranted):
             if (p.role, p.scope) not in person.roles:
                 person.roles.append((p.role, p.scope))
+                if p.provider:
+                    person.granted_by[f"{p.role} {p.scope}"] = (p.provider, p.group, p.mapping)
         elif isinstance(p, P.RoleRevoked):
             person.roles = [b for b in person.roles if b != (p.role, p.scope)]
+            person.granted_by.pop(f"{p.role} {p.scope}", None)
+        elif isinstance(p, P.ProfileSet):
+            if person.login and self.by_login.get(person.login.lower()) == name:
+                del self.by_login[person.login.lower()]
+            person.login, person.display_name = p.login, p.display_name
+            person.email, person.external_id = p.email, p.external_id
+            self.by_login[(p.login or name).lower()] = name
+        elif isinstance(p, P.GroupsSeen):
+            person.groups[p.provider] = p.groups
+        elif isinstance(p, P.UserRemoved):
+            del self.by_name[name]
+            for token in person.tokens.values():
+                self.by_prefix.pop(token.prefix, None)
+            if self.by_login.get((person.login or name).lower()) == name:
+                del self.by_login[(person.login or name).lower()]
         elif isinstance(p, P.LanguageSet):
             person.language = p.language
         elif isinstance(p, P.TokenIssued):
@@ -83,12 +123,18 @@ class People(msgspec.Struct, kw_only=True):
                 issued_at=event.envelope.at,
                 expires_at=p.expires_at,
                 signing_key=p.signing_key,
+                method=p.method,
             )
             self.by_prefix[p.prefix] = (name, p.token_id)
         elif isinstance(p, P.TokenRevoked):
             gone = person.tokens.pop(p.token_id, None)
             if gone is not None:
                 self.by_prefix.pop(gone.prefix, None)
+
+    def by_provider_login(self, login: str) -> Person | None:
+        """The person a provider's user name stands for (case-insensitive), if any was made or linked."""
+        name = self.by_login.get(login.strip().lower())
+        return self.by_name.get(name) if name else None
 
     def find_token(self, person: Person, token: str) -> Token | None:
         """One of ``person``'s tokens by id or prefix."""

@@ -6,6 +6,7 @@ import msgspec
 
 from llmgw.events.schema import (
     access,
+    identity,
     jobs,
     mirror,
     models,
@@ -19,7 +20,7 @@ from llmgw.events.schema import (
 )
 from llmgw.events.schema.registry import EventRegistry, EventType
 
-MODULES = (outcomes, tenancy, access, people, models, nodes, replicas, scheduler, mirror, jobs, quotas)
+MODULES = (outcomes, tenancy, access, people, identity, models, nodes, replicas, scheduler, mirror, jobs, quotas)
 
 
 def all_event_types() -> list[EventType]:

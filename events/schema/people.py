@@ -26,7 +26,8 @@ from llmgw.events.schema.registry import EventType
 
 AGGREGATE = "user"
 SERVICE = "people"
-NAME_RE = re.compile(r"^[a-z][a-z0-9._-]{0,62}$")
+NAME_RE = re.compile(r"^[a-z][a-z0-9._@-]{0,62}$")
+LOCAL = ""  # the source of a person added here, with a password
 TOKEN_KINDS = ("session", "personal")
 _TOKEN_TAGS = {"session": "ses", "personal": "pat"}
 # The languages the console speaks (services/console/i18n.py reads them here, so the rules that check a
@@ -37,6 +38,34 @@ LANGUAGES = ("en", "de")
 class UserAdded(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     display_name: str = ""
+    source: str = LOCAL  # "": added here, with a password; ``idp:NAME`` / ``scim``: made by that provider
+    login: str = ""  # the user name at the provider, exactly as it says it ("" : the name)
+    email: str = ""
+    external_id: str = ""  # the provider's own id for them (SCIM externalId)
+
+
+class ProfileSet(msgspec.Struct, frozen=True, kw_only=True):
+    """What a provider now says of a person it made (SCIM replace or patch, a sign-in's claims)."""
+
+    name: str
+    login: str
+    display_name: str = ""
+    email: str = ""
+    external_id: str = ""
+
+
+class UserRemoved(msgspec.Struct, frozen=True, kw_only=True):
+    """A person deleted by their provider (SCIM DELETE): gone with their tokens; the log keeps their past."""
+
+    name: str
+
+
+class GroupsSeen(msgspec.Struct, frozen=True, kw_only=True):
+    """The groups a provider said a person is in, at a sign-in or a SCIM change."""
+
+    name: str
+    provider: str
+    groups: tuple[str, ...] = ()
 
 
 class PasswordSet(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,12 +86,16 @@ class RoleGranted(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     role: str  # one of ROLES
     scope: str  # ``cluster``, or ``org:<id>`` / ``team:<id>`` / ``project:<id>`` (ids: renames keep it)
+    provider: str = ""  # "" : granted by hand; else the provider whose group mapping granted it…
+    group: str = ""  # …the group…
+    mapping: str = ""  # …and the mapping's id (events/schema/identity.py)
 
 
 class RoleRevoked(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     role: str
     scope: str
+    provider: str = ""  # the provider whose groups no longer grant it ("" : revoked by hand)
 
 
 class TokenIssued(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,6 +107,7 @@ class TokenIssued(msgspec.Struct, frozen=True, kw_only=True):
     label: str = ""
     expires_at: datetime | None = None
     signing_key: str = ""  # the Ed25519 public key the token's commands are checked with (events/commands/signing.py)
+    method: str = ""  # how its holder signed in: password, oidc:NAME, ldap:NAME, device:NAME ("" : not a sign-in)
 
 
 class TokenRevoked(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,6 +135,9 @@ EVENTS = (
     EventType(
         "user.language_set", 1, LanguageSet, "The language a person reads the console in (empty: the browser's)."
     ),
+    EventType("user.profile_set", 1, ProfileSet, "What a provider says of a person it made: login, name, email."),
+    EventType("user.removed", 1, UserRemoved, "A person deleted by their provider; their tokens go with them."),
+    EventType("user.groups_seen", 1, GroupsSeen, "The groups a provider said a person is in (sign-in or SCIM)."),
 )
 
 
@@ -132,6 +169,7 @@ class IssueToken(msgspec.Struct, frozen=True, kw_only=True, tag="token-issue", f
     label: str = ""
     expires_at: datetime | None = None
     signing_key: str = ""  # events/signing.token_public_key of the token
+    method: str = ""  # how the person signed in, for a session (password, oidc:NAME, ldap:NAME, device:NAME)
 
 
 class RevokeToken(msgspec.Struct, frozen=True, kw_only=True, tag="token-revoke", forbid_unknown_fields=True):
@@ -157,9 +195,67 @@ class SetLanguage(msgspec.Struct, frozen=True, kw_only=True, tag="user-language"
     language: str  # one of LANGUAGES, or "" to follow the browser's
 
 
+class ProvisionUser(msgspec.Struct, frozen=True, kw_only=True, tag="user-provision", forbid_unknown_fields=True):
+    """A person as a provider says they are: made when new (no password), their profile kept up to date,
+    disabled or enabled with ``active``. ``name`` empty: the one made from ``login`` (person_name)."""
+
+    source: str  # idp:NAME or scim
+    login: str
+    name: str = ""
+    display_name: str = ""
+    email: str = ""
+    external_id: str = ""
+    active: bool = True
+
+
+class RemoveUser(msgspec.Struct, frozen=True, kw_only=True, tag="user-remove", forbid_unknown_fields=True):
+    name: str
+
+
+class MappedGrant(msgspec.Struct, frozen=True, kw_only=True):
+    role: str
+    scope: str  # as the log keeps it
+    group: str
+    mapping: str
+
+
+class SyncRoles(msgspec.Struct, frozen=True, kw_only=True, tag="user-sync-roles", forbid_unknown_fields=True):
+    """A person's roles made to follow their groups at a provider: the grants their groups map to are
+    held, and what that provider's mappings granted before and no longer do is revoked. Roles granted
+    by hand are never touched."""
+
+    name: str
+    provider: str
+    groups: tuple[str, ...] = ()
+    grants: tuple[MappedGrant, ...] = ()
+
+
 PeopleCommand = (
-    AddUser | SetPassword | DisableUser | EnableUser | GrantRole | RevokeRole | IssueToken | RevokeToken | SetLanguage
+    AddUser
+    | SetPassword
+    | DisableUser
+    | EnableUser
+    | GrantRole
+    | RevokeRole
+    | IssueToken
+    | RevokeToken
+    | SetLanguage
+    | ProvisionUser
+    | RemoveUser
+    | SyncRoles
 )
+
+
+def person_name(login: str) -> str:
+    """The name here of a person a provider calls ``login``: lower case, other characters as '-', starting
+    with a letter (pure; the people service makes it unique when two logins come to the same name)."""
+    text = "".join(c if c in _NAME_CHARS else "-" for c in login.strip().lower())
+    if not text or not text[0].isalpha() or not text[0].isascii():
+        text = "u" + text
+    return text[:63]
+
+
+_NAME_CHARS = frozenset(string.ascii_lowercase + string.digits + "._@-")
 
 
 # -- the token format, shared by whoever makes tokens and the admin API that checks them ----------
@@ -174,7 +270,13 @@ def make_token(kind: str) -> tuple[str, str, str]:
 
 
 def issue(
-    name: str, kind: str, *, label: str = "", expires_at: datetime | None = None, token: str | None = None
+    name: str,
+    kind: str,
+    *,
+    label: str = "",
+    expires_at: datetime | None = None,
+    token: str | None = None,
+    method: str = "",
 ) -> tuple[str, IssueToken]:
     """A new token of ``kind`` for ``name`` (or ``token``, made before) and the command that records it:
     its prefix, its hash and the public key its commands are checked with, never the token."""
@@ -191,6 +293,7 @@ def issue(
         label=label,
         expires_at=expires_at,
         signing_key=signing.token_public_key(token),
+        method=method,
     )
 
 
