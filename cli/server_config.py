@@ -26,6 +26,7 @@ ALL_SERVICES = (
     "tenancy",
     "access",
     "people",
+    "identity",
     "catalog",
     "fleet",
     "scheduler",

@@ -115,6 +115,8 @@ class Fleet:
         With the admin API, the people service runs too, and ``admin_token`` signs the tests in."""
         if "api" in services and "people" not in services:
             services = (*services, "people")
+        if "api" in services and "identity" not in services:
+            services = (*services, "identity")
         if "mirror" in services:
             config_fields.setdefault("mirror_dir", str(self.base / "mirror"))
             config_fields.setdefault("mirror_port", free_port())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from datetime import datetime
 
+import msgspec
+
 from llmgw.events.commands import roles as R
 from llmgw.events.commands import signing
 from llmgw.events.commands.shell import Decision
@@ -35,6 +37,12 @@ def decide(state: PeopleAndTree, c: P.PeopleCommand, now: datetime) -> Decision:
             return _add(people, c)
         case P.SetPassword():
             person = _person(people, c.name)
+            if person.source:
+                raise Rejected(
+                    f"{person.name} signs in through {person.source}, which keeps their password; "
+                    "a person from a provider has no password here",
+                    "provider_account",
+                )
             _check_hash(c.password_hash)
             return _decision(person, [P.PasswordSet(name=person.name, password_hash=c.password_hash)], "password set")
         case P.DisableUser():
@@ -55,7 +63,7 @@ def decide(state: PeopleAndTree, c: P.PeopleCommand, now: datetime) -> Decision:
             return _decision(person, [P.UserEnabled(name=person.name)], f"{person.name} may sign in again")
         case P.GrantRole():
             person = _person(people, c.name)
-            scope, label = _role_scope(c.role, c.scope, tree)
+            scope, label = role_scope(c.role, c.scope, tree)
             if (c.role, scope) in person.roles:
                 return Decision(message=f"{person.name} is {R.needs(c.role, label)} already")
             return _decision(
@@ -65,7 +73,7 @@ def decide(state: PeopleAndTree, c: P.PeopleCommand, now: datetime) -> Decision:
             )
         case P.RevokeRole():
             person = _person(people, c.name)
-            scope, label = _role_scope(c.role, c.scope, tree)
+            scope, label = role_scope(c.role, c.scope, tree)
             if (c.role, scope) not in person.roles:
                 held = ", ".join(f"{r} of {s}" for r, s in person.roles) or "none"
                 raise Rejected(
@@ -95,6 +103,17 @@ def decide(state: PeopleAndTree, c: P.PeopleCommand, now: datetime) -> Decision:
             )
         case P.IssueToken():
             return _issue(people, c, now)
+        case P.ProvisionUser():
+            return _provision(people, c)
+        case P.RemoveUser():
+            person = _person(people, c.name)
+            return _decision(
+                person,
+                [P.UserRemoved(name=person.name)],
+                f"{person.name} removed: {len(person.tokens)} token(s) stop working at once; the log keeps their past",
+            )
+        case P.SyncRoles():
+            return _sync_roles(people, tree, c)
         case P.RevokeToken():
             person = _person(people, c.name)
             token = people.find_token(person, c.token.strip())
@@ -134,6 +153,130 @@ def _add(people: People, c: P.AddUser) -> Decision:
     )
 
 
+def _provision(people: People, c: P.ProvisionUser) -> Decision:
+    """A person as their provider says they are: made on first sight (without a password), else their
+    profile and whether they may sign in brought in line. A person added here is never taken over."""
+    source, login = c.source.strip(), c.login.strip()
+    if not (source.startswith("idp:") or source == "scim") or len(source) > 40:
+        raise Rejected(f"a provisioned person's source is idp:NAME or scim, not {source[:40]!r}", "invalid_source")
+    if not login or len(login) > 256 or not login.isprintable():
+        raise Rejected("the provider's user name must be 1 to 256 printable characters", "invalid_login")
+    for what, value in (("display name", c.display_name), ("email", c.email), ("external id", c.external_id)):
+        _check_text(what, value, 256 if what != "display name" else MAX_DISPLAY)
+    person = people.by_name.get(c.name.strip()) if c.name.strip() else people.by_provider_login(login)
+    if person is not None and not person.source:
+        raise Rejected(
+            f"{person.name} was added here with a password, so no provider may sign them in or change them; "
+            f"sign in as {person.name} with the password, or remove the clash at the provider",
+            "local_account",
+        )
+    if person is not None and person.login.lower() != login.lower() and c.name.strip():
+        clash = people.by_provider_login(login)
+        if clash is not None and clash.name != person.name:
+            raise Rejected(f"the user name {login!r} belongs to {clash.name} already", "exists")
+    if person is None:
+        return _new_provisioned(people, c, source, login)
+    payloads: list[msgspec.Struct] = []
+    profile = P.ProfileSet(
+        name=person.name, login=login, display_name=c.display_name, email=c.email, external_id=c.external_id
+    )
+    if (person.login, person.display_name, person.email, person.external_id) != (
+        login,
+        c.display_name,
+        c.email,
+        c.external_id,
+    ):
+        payloads.append(profile)
+    if c.active and person.disabled:
+        payloads.append(P.UserEnabled(name=person.name))
+    elif not c.active and not person.disabled:
+        payloads.append(P.UserDisabled(name=person.name, reason=f"deactivated by {source}"))
+    if not payloads:
+        return Decision(message=f"{person.name} is so already", result={"user": person.name})
+    what = "deactivated" if not c.active and not person.disabled else "updated"
+    tokens = f": {len(person.tokens)} token(s) stop working at once" if what == "deactivated" else ""
+    return _decision(person, payloads, f"{person.name} {what} by {source}{tokens}")
+
+
+def _new_provisioned(people: People, c: P.ProvisionUser, source: str, login: str) -> Decision:
+    name = c.name.strip() or P.person_name(login)
+    if not P.NAME_RE.match(name):
+        raise Rejected(f"{name[:40]!r} cannot be a user name here", "invalid_name")
+    base, n = name, 2
+    while name in people.by_name:  # two logins that come to one name: the later gets a number
+        if c.name.strip():
+            raise Rejected(f"user {name} exists", "exists")
+        name = f"{base[:60]}-{n}"
+        n += 1
+    payloads: list[msgspec.Struct] = [
+        P.UserAdded(
+            name=name,
+            display_name=c.display_name,
+            source=source,
+            login=login,
+            email=c.email,
+            external_id=c.external_id,
+        )
+    ]
+    if not c.active:
+        payloads.append(P.UserDisabled(name=name, reason=f"deactivated by {source}"))
+    return Decision(
+        subject=event_subject(P.AGGREGATE, name),
+        payloads=payloads,
+        message=f"user {name} made by {source} (no password here)",
+        result={"user": name, "created": True},
+    )
+
+
+def _sync_roles(people: People, tree: TenancyTree, c: P.SyncRoles) -> Decision:
+    """The person's roles from ``c.provider``'s mappings become exactly ``c.grants``; roles granted by
+    hand, or by another provider's mappings, stay as they are."""
+    person = _person(people, c.name)
+    provider = c.provider.strip()
+    if not provider:
+        raise Rejected("say which provider's groups these are", "invalid_provider")
+    wanted = {(g.role, g.scope): g for g in c.grants}
+    for role, scope in wanted:
+        if role not in R.RANKS or R.kind_of(scope) not in R.BINDABLE[role]:
+            raise Rejected(f"{role} cannot be bound to {scope}", "invalid_scope")
+    payloads: list[msgspec.Struct] = []
+    groups = tuple(c.groups)
+    if person.groups.get(provider) != groups:
+        payloads.append(P.GroupsSeen(name=person.name, provider=provider, groups=groups))
+    for (role, scope), grant in wanted.items():
+        if (role, scope) not in person.roles:
+            payloads.append(
+                P.RoleGranted(
+                    name=person.name,
+                    role=role,
+                    scope=scope,
+                    provider=provider,
+                    group=grant.group,
+                    mapping=grant.mapping,
+                )
+            )
+    revoked = []
+    for role, scope in person.roles:
+        via = person.via(role, scope)
+        if via is not None and via[0] == provider and (role, scope) not in wanted:
+            payloads.append(P.RoleRevoked(name=person.name, role=role, scope=scope, provider=provider))
+            revoked.append(R.needs(role, tree.label(scope)))
+    if not payloads:
+        return Decision(message=f"{person.name}'s roles follow their groups already", result={"user": person.name})
+    granted = [R.needs(g.role, tree.label(g.scope)) for g in c.grants if (g.role, g.scope) not in person.roles]
+    said = "; ".join(
+        part
+        for part in (
+            f"granted {', '.join(granted)}" if granted else "",
+            f"revoked {', '.join(revoked)}" if revoked else "",
+        )
+        if part
+    )
+    return _decision(
+        person, payloads, f"{person.name}'s roles follow their groups at {provider}: {said or 'groups seen'}"
+    )
+
+
 def _issue(people: People, c: P.IssueToken, now: datetime) -> Decision:
     person = _person(people, c.name)
     if person.disabled:
@@ -167,6 +310,7 @@ def _issue(people: People, c: P.IssueToken, now: datetime) -> Decision:
                 label=c.label,
                 expires_at=c.expires_at,
                 signing_key=c.signing_key,
+                method=c.method,
             )
         ],
         f"{c.kind} token {c.prefix} issued to {person.name}",
@@ -174,7 +318,7 @@ def _issue(people: People, c: P.IssueToken, now: datetime) -> Decision:
     )
 
 
-def _role_scope(role: str, text: str, tree: TenancyTree) -> tuple[str, str]:
+def role_scope(role: str, text: str, tree: TenancyTree) -> tuple[str, str]:
     """(the scope as the log keeps it, as a person reads it) for binding ``role`` to ``text``."""
     if role not in R.RANKS:
         raise Rejected(f"there is no role {role!r}: the roles are {', '.join(R.ROLES)}", "invalid_role")
@@ -245,6 +389,9 @@ _VERBS = {
     P.IssueToken: "issuing a token to",
     P.RevokeToken: "revoking a token of",
     P.SetLanguage: "setting the language of",
+    P.ProvisionUser: "provisioning user",
+    P.RemoveUser: "removing user",
+    P.SyncRoles: "syncing the roles of",
 }
 
 
@@ -266,4 +413,4 @@ def need(actor: str, c: P.PeopleCommand) -> R.Need | None:
                 return R.cluster_admin(what)
             role = max(_GRANTED_BY[kind], c.role, key=lambda r: R.RANKS[r])
             return R.Need(role=role, what=what, kind=kind, tenant=tenant)
-    return R.cluster_admin(f"{_VERBS[type(c)]} {c.name}")
+    return R.cluster_admin(f"{_VERBS[type(c)]} {c.name or getattr(c, 'login', '')}")
