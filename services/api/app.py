@@ -90,6 +90,14 @@ def error(status: int, message: str, code: str = "error") -> web.Response:
     return web.json_response({"error": {"message": message, "code": code}}, status=status)
 
 
+def _via(granted: tuple[str, str, str] | None) -> dict[str, str] | None:
+    """Which provider's group mapping granted a role (None: granted by hand)."""
+    if granted is None:
+        return None
+    provider, group, mapping = granted
+    return {"provider": provider, "group": group, "mapping": mapping}
+
+
 class AdminApi:
     def __init__(
         self, store: EventStore, backend: Backend, runner: ProjectionRunner, registry: CollectorRegistry
@@ -270,12 +278,20 @@ class AdminApi:
                     "disabled": p.disabled,
                     "language": p.language or None,  # the console's language they chose (None: their browser's)
                     "added_at": p.added_at.isoformat(),
-                    "roles": [{"role": role, "scope": self._signin().label(scope)} for role, scope in p.roles],
+                    # "" : added here, with a password; idp:NAME or scim: made by that provider
+                    "source": p.source,
+                    "login": p.login or None,
+                    "email": p.email or None,
+                    "roles": [
+                        {"role": role, "scope": self._signin().label(scope), "via": _via(p.via(role, scope))}
+                        for role, scope in p.roles
+                    ],
                     "tokens": [
                         {
                             "id": t.token_id,
                             "prefix": t.prefix,
                             "kind": t.kind,
+                            "method": t.method or None,
                             "label": t.label,
                             "expires_at": t.expires_at.isoformat() if t.expires_at else None,
                         }
