@@ -21,6 +21,29 @@ if ! command -v chromium >/dev/null 2>&1; then
     echo "note: chromium not found; install Debian's 'chromium' package (or set LLMGW_TEST_CHROMIUM to a Chromium or Chrome binary) to run the console's browser tests"
   fi
 fi
+# Node (Debian's `nodejs` and `npm`) runs the test OpenID provider (tests/idp: the `oidc-provider` package
+# pinned in its package.json and package-lock.json), installed by `npm ci` when its node_modules is missing.
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
+  else
+    SUDO=none
+  fi
+  if [ "$SUDO" != none ]; then
+    echo "installing node (Debian's nodejs and npm) for the OpenID Connect tests"
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends nodejs npm >/dev/null 2>&1 \
+      || { $SUDO apt-get update >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends nodejs npm >/dev/null 2>&1; } \
+      || echo "warning: could not install nodejs and npm; the OpenID Connect tests will be skipped"
+  else
+    echo "note: node not found; install Debian's 'nodejs' and 'npm' packages to run the OpenID Connect tests"
+  fi
+fi
+IDP_DIR="$(dirname "$0")/../tests/idp"
+if command -v npm >/dev/null 2>&1 && [ -f "$IDP_DIR/package-lock.json" ] && [ ! -d "$IDP_DIR/node_modules/oidc-provider" ]; then
+  echo "installing the test OpenID provider's npm packages (tests/idp)"
+  npm ci --prefix "$IDP_DIR" --no-audit --no-fund >/dev/null 2>&1 \
+    || echo "warning: npm ci in tests/idp failed; the OpenID Connect tests will be skipped"
+fi
 command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 && exit 0
 if command -v apt-get >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
