@@ -44,6 +44,23 @@ if command -v npm >/dev/null 2>&1 && [ -f "$IDP_DIR/package-lock.json" ] && [ ! 
   npm ci --prefix "$IDP_DIR" --no-audit --no-fund >/dev/null 2>&1 \
     || echo "warning: npm ci in tests/idp failed; the OpenID Connect tests will be skipped"
 fi
+# OpenLDAP (Debian's `slapd` and `ldap-utils`) is the directory the LDAP sign-in tests run themselves
+# (tests/ldapd/: their own config on a free port; the package's own instance is never used).
+if ! { command -v slapd >/dev/null 2>&1 || [ -x /usr/sbin/slapd ]; } || ! command -v ldapmodify >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
+  else
+    SUDO=none
+  fi
+  if [ "$SUDO" != none ]; then
+    echo "installing slapd and ldap-utils (Debian's OpenLDAP) for the LDAP sign-in tests"
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends slapd ldap-utils >/dev/null 2>&1 \
+      || { $SUDO apt-get update >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends slapd ldap-utils >/dev/null 2>&1; } \
+      || echo "warning: could not install slapd and ldap-utils; the LDAP sign-in tests will be skipped"
+  else
+    echo "note: slapd not found; install Debian's 'slapd' and 'ldap-utils' packages to run the LDAP sign-in tests"
+  fi
+fi
 command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 && exit 0
 if command -v apt-get >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi
