@@ -27,7 +27,10 @@ from llmgw.services.people.rules import need as people_need
 def _rows(people: People, tree: TenancyTree, ctx: Ctx, visible: Visible) -> list[dict[str, Any]]:
     out = []
     for p in sorted(people.by_name.values(), key=lambda p: p.name):
-        roles = [{"role": role, "scope": scope, "label": tree.label(scope)} for role, scope in p.roles]
+        roles = [
+            {"role": role, "scope": scope, "label": tree.label(scope), "via": p.via(role, scope)}
+            for role, scope in p.roles
+        ]
         mine = f"user:{p.name}" == ctx.who.actor
         if not (visible.everything or mine or any(visible(*_split(r["scope"])) for r in roles)):
             continue
@@ -38,6 +41,8 @@ def _rows(people: People, tree: TenancyTree, ctx: Ctx, visible: Visible) -> list
                 "display_name": p.display_name,
                 "disabled": p.disabled,
                 "disabled_reason": p.disabled_reason,
+                "source": p.source,  # "" : added here with a password; idp:NAME, scim: made by that provider
+                "login": p.login,
                 "state": "disabled" if p.disabled else "active",
                 "added_at": p.added_at,
                 "roles": roles,
@@ -49,6 +54,7 @@ def _rows(people: People, tree: TenancyTree, ctx: Ctx, visible: Visible) -> list
                             "prefix": t.prefix,
                             "kind": t.kind,
                             "label": t.label,
+                            "method": t.method,
                             "issued_at": t.issued_at,
                             "expires_at": t.expires_at,
                         }
