@@ -203,9 +203,11 @@ async def test_a_cycle_in_groups_ends_the_walk_with_each_group_once(slapd: Slapd
     assert carol.groups == (group("everyone"), group("loop-a"), group("loop-b"))
 
 
-async def test_dave_in_no_group_signs_in_with_none(slapd: Slapd) -> None:
+async def test_a_person_in_no_group_signs_in_with_none_and_dave_with_his_one(slapd: Slapd) -> None:
+    erin = await LdapDirectory("corp", over_ldaps(slapd)).authenticate("erin", PASSWORDS["erin"])
+    assert erin.groups == ()
     dave = await LdapDirectory("corp", over_ldaps(slapd)).authenticate("dave", PASSWORDS["dave"])
-    assert dave.groups == ()
+    assert dave.groups == (group("contractors"),)
 
 
 async def test_start_tls_upgrades_plain_ldap_and_verifies_the_certificate(slapd: Slapd) -> None:

@@ -40,6 +40,7 @@ PASSWORDS = {
     "bob": "bob-Builds-2",
     "carol": "carol-Marvel-3",
     "dave": "dave-Dwarf-4",
+    "erin": "erin-Nogroup-6",
     "smith, jo": "jo-Comma-5",
 }
 
