@@ -111,6 +111,16 @@ def test_the_group_walk_ends_at_a_cycle_and_at_its_depth_bound_nearest_groups_fi
         (LdapSettings(url="ldaps://dir.example"), "misconfigured", "neither user_dn nor user_base"),
         (LdapSettings(url="ldaps://dir.example", user_dn="uid=x,o=x"), "misconfigured", "has no {user}"),
         (LdapSettings(url="ldaps://dir.example", user_base="o=x", user_filter="(uid=*)"), "misconfigured", "{user}"),
+        (
+            LdapSettings(url="ldaps://dir.example", user_base="o=x", group_filter="objectClass=group"),
+            "misconfigured",
+            "group_filter 'objectClass=group' is not one filter in parentheses",
+        ),
+        (
+            LdapSettings(url="ldaps://dir.example", user_base="o=x", user_filter="(uid={user}))("),
+            "misconfigured",
+            "one",
+        ),
     ],
 )
 def test_a_directory_set_up_wrong_is_refused_before_connecting_saying_what_to_do(

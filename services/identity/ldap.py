@@ -29,10 +29,13 @@ from urllib.parse import urlsplit
 
 import ldap3
 import msgspec
+import structlog
 from ldap3.core import exceptions as lx
 from ldap3.utils.dn import parse_dn
 
 from llmgw.events.schema.identity import ExternalIdentity, LdapSettings
+
+log = structlog.get_logger("llmgw.services.identity.ldap")
 
 CODES = ("invalid_login", "unavailable", "insecure", "misconfigured")
 INVALID_LOGIN = "the user name or the password is wrong"
@@ -191,7 +194,28 @@ def check_settings(name: str, settings: LdapSettings) -> Transport:
                 f"the LDAP provider {name}'s user_filter {settings.user_filter!r} has no {{user}}: "
                 "e.g. (uid={user}) or (sAMAccountName={user})",
             )
+    for what, text in (("user_filter", settings.user_filter), ("group_filter", settings.group_filter)):
+        if not balanced_filter(text):
+            raise LdapError(
+                "misconfigured",
+                f"the LDAP provider {name}'s {what} {text!r} is not one filter in parentheses: "
+                "e.g. (uid={user}) or (objectClass=groupOfNames)",
+            )
     return transport
+
+
+def balanced_filter(text: str) -> bool:
+    """Whether ``text`` is one parenthesised filter, its parentheses balanced (an RFC 4515 shape check;
+    the directory judges the rest)."""
+    text = text.strip()
+    if not (text.startswith("(") and text.endswith(")")):
+        return False
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += 1 if ch == "(" else -1 if ch == ")" else 0
+        if depth < 0 or (depth == 0 and i != len(text) - 1):
+            return False
+    return depth == 0
 
 
 def domain_of(dn: str) -> str:
@@ -302,7 +326,16 @@ class LdapDirectory:
                 f"the LDAP provider {self.name} searches as {self.settings.bind_dn} but has no password for it: "
                 f"set {env} where the server runs",
             )
-        return await asyncio.to_thread(self._authenticate, transport, user, password)
+        try:
+            return await asyncio.to_thread(self._authenticate, transport, user, password)
+        except LdapError:
+            raise
+        except Exception as exc:  # ldap3 raising outside its own hierarchy: the directory's trouble, never a 500
+            log.exception("the LDAP sign-in failed unexpectedly", provider=self.name, url=self.settings.url)
+            raise LdapError(
+                "unavailable",
+                f"the directory {self.name} at {self.settings.url} could not be asked ({type(exc).__name__}: {exc})",
+            ) from exc
 
     # Everything below runs in a worker thread: ldap3 blocks.
 
@@ -509,14 +542,15 @@ class LdapDirectory:
             return conn
         result = conn.result or {}
         _close(conn)
-        if result.get("result") == 49:  # invalidCredentials
-            if searching:
-                env = s.bind_password_env or "the bind password's environment variable"
-                raise LdapError(
-                    "misconfigured",
-                    f"the directory {self.name} refused the search account {s.bind_dn or '(anonymous)'}: "
-                    f"check bind_dn and the password in {env}",
-                )
+        code = result.get("result")
+        if searching and code == 49:  # invalidCredentials
+            env = s.bind_password_env or "the bind password's environment variable"
+            raise LdapError(
+                "misconfigured",
+                f"the directory {self.name} refused the search account {s.bind_dn or '(anonymous)'}: "
+                f"check bind_dn and the password in {env}",
+            )
+        if not searching and code in (34, 49):  # 34 invalidDNSyntax: a name the template made into no DN is nobody
             raise LdapError("invalid_login", INVALID_LOGIN)
         if searching and not s.bind_dn and result.get("result") in (48, 50, 53):
             raise LdapError(
