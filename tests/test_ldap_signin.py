@@ -110,7 +110,7 @@ async def log_of(store: EventStore, name: str) -> list[Any]:
 
 
 async def test_alice_signs_in_with_her_directory_password_and_gets_the_roles_her_nested_groups_map_to(
-    fleet: Fleet, slapd: Slapd, monkeypatch: pytest.MonkeyPatch
+    slapd: Slapd, fleet: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ids = await directory_with_mappings(fleet, slapd, monkeypatch)
     session = await signed_in(fleet, "alice")
@@ -138,7 +138,7 @@ async def test_alice_signs_in_with_her_directory_password_and_gets_the_roles_her
 
 
 async def test_the_wrong_password_is_refused_like_an_unknown_name_and_nobody_is_made(
-    fleet: Fleet, slapd: Slapd, monkeypatch: pytest.MonkeyPatch
+    slapd: Slapd, fleet: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await directory_with_mappings(fleet, slapd, monkeypatch)
     await signed_in(fleet, "bob")  # the directory and its mappings are folded: refusals below are the directory's
@@ -152,7 +152,7 @@ async def test_the_wrong_password_is_refused_like_an_unknown_name_and_nobody_is_
 
 
 async def test_a_person_whose_groups_map_to_no_role_is_refused_naming_the_groups_to_map(
-    fleet: Fleet, slapd: Slapd, monkeypatch: pytest.MonkeyPatch
+    slapd: Slapd, fleet: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await directory_with_mappings(fleet, slapd, monkeypatch)
     await signed_in(fleet, "bob")
@@ -170,7 +170,7 @@ async def test_a_person_whose_groups_map_to_no_role_is_refused_naming_the_groups
 
 
 async def test_leaving_a_group_in_the_directory_revokes_its_role_at_the_next_sign_in(
-    fleet: Fleet, slapd: Slapd, monkeypatch: pytest.MonkeyPatch
+    slapd: Slapd, fleet: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await directory_with_mappings(fleet, slapd, monkeypatch)
     await signed_in(fleet, "alice")
