@@ -34,6 +34,7 @@ SUBCOMMAND_MODULES = {
         "uncordon",
         "weights",
     ),
+    "llmgw.cli.identity_cmd": ("ldap", "scim", "sso"),
     "llmgw.cli.jobs_cmd": ("job", "model"),  # `ctl job` and `ctl model serve`
     "llmgw.cli.nats_cmd": ("nats",),
     "llmgw.cli.people_cmd": ("token", "user"),

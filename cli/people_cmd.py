@@ -7,9 +7,11 @@ access token is made here and shown once; only its hash is sent.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from datetime import UTC, datetime, timedelta
+from urllib.parse import quote
 
 import click
 
@@ -199,20 +201,50 @@ def token_revoke(ctx: click.Context, name: str, token_ref: str, reason: str) -> 
 
 
 @click.command("login")
-@click.option("--user", "name", required=True, prompt=True, help="Your user name.")
+@click.option("--user", "name", default="", help="Your user name (asked for when not given).")
 @click.option("--password-stdin", is_flag=True, help="Read the password from stdin (one line) instead of asking.")
+@click.option(
+    "--provider", default="", metavar="NAME", help="An LDAP directory that checks the password (`llmgw ctl sso list`)."
+)
+@click.option(
+    "--sso", default="", metavar="NAME", help="Sign in through an OpenID provider in a browser (the device flow)."
+)
 @click.pass_context
-def login(ctx: click.Context, name: str, password_stdin: bool) -> None:
+def login(ctx: click.Context, name: str, password_stdin: bool, provider: str, sso: str) -> None:
     """Sign in to the admin API: the session token (12 h) is kept for it in your config directory (0600)."""
+    if sso:
+        run(ctx, lambda s: _login_sso(s, sso))
+        return
+    name = name or click.prompt("User")
     password = sys.stdin.readline().rstrip("\n") if password_stdin else click.prompt("Password", hide_input=True)
 
     async def go(s: Session) -> None:
-        got = await s.api("POST", "/api/v1/login", json={"user": name, "password": password})
+        body = {"user": name, "password": password, **({"provider": provider} if provider else {})}
+        got = await s.api("POST", "/api/v1/login", json=body)
         assert s.target.api_url is not None  # s.api answered
         where = save_token(s.target.api_url, got["token"])
         click.echo(f"signed in as {got['user']} until {got['expires_at'][:16]} UTC (token kept in {where})")
 
     run(ctx, go)
+
+
+async def _login_sso(s: Session, provider: str) -> None:
+    """The device flow (RFC 8628) through the admin API: the person signs in at the provider in any browser
+    while this polls at the interval the provider asks for; the client secret stays on the server."""
+    started = await s.api("POST", f"/api/v1/login/sso/{quote(provider, safe='')}/device", json={})
+    click.echo(f"open {started['verification_uri']} and enter the code {started['user_code']}")
+    if started.get("verification_uri_complete"):
+        click.echo(f"or open {started['verification_uri_complete']}")
+    interval = float(started.get("interval") or 5)
+    while True:
+        await asyncio.sleep(interval)  # RFC 8628 §3.5: poll no faster than the interval
+        got = await s.api("POST", "/api/v1/login/sso/device/poll", json={"handle": started["handle"]})
+        if "token" in got:
+            assert s.target.api_url is not None  # s.api answered
+            where = save_token(s.target.api_url, got["token"])
+            click.echo(f"signed in as {got['user']} until {got['expires_at'][:16]} UTC (token kept in {where})")
+            return
+        interval = float(got.get("interval") or interval)
 
 
 @click.command("logout")

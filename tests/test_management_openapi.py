@@ -27,6 +27,7 @@ from schemathesis.specs.openapi.checks import (
 
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import access as A
+from llmgw.events.schema import identity as I
 from llmgw.events.schema import jobs as J
 from llmgw.events.schema import mirror as E
 from llmgw.events.schema import models as M
@@ -86,13 +87,16 @@ def test_every_command_a_service_takes_has_an_endpoint() -> None:
         P.PeopleCommand,
         J.JobCommand,
         E.MirrorCommand,
+        I.IdentityCommand,
     )
-    commands = {c for u in unions for c in (typing.get_args(u) or (u,))}
+    # Sent by the sign-in and the SCIM endpoint for a provider (actor idp:NAME, svc:scim), by no person.
+    services_only = {I.SetScimGroup, I.RemoveScimGroup, P.ProvisionUser, P.SyncRoles, P.RemoveUser}
+    commands = {c for u in unions for c in (typing.get_args(u) or (u,))} - services_only
     assert commands == {ep.payload for ep in ENDPOINTS}
 
 
 def test_every_verb_the_cli_sends_has_an_endpoint() -> None:
-    services = {"M": M, "N": N, "T": T, "A": A, "P": P, "J": J, "E": E}
+    services = {"M": M, "N": N, "T": T, "A": A, "P": P, "J": J, "E": E, "I": I}
     sent = {
         (services[alias].SERVICE, verb)
         for source in CLI.glob("*.py")
@@ -256,6 +260,33 @@ TOUR: list[tuple[str, str, dict[str, str], dict[str, str], Any, set[int]]] = [
     ("POST", "/api/v1/users/{name}/tokens", {"name": "bo"}, {}, {"label": "ci"}, {200}),
     ("POST", "/api/v1/users/{name}/disable", {"name": "bo"}, {}, {"reason": "left"}, {200}),
     ("POST", "/api/v1/users/{name}/enable", {"name": "bo"}, {}, None, {200}),
+    (
+        "POST",
+        "/api/v1/identity/providers",
+        {},
+        {},
+        {"name": "corp", "kind": "oidc", "oidc": {"issuer": "https://idp.example", "client_id": "llmgw"}},
+        {200},
+    ),
+    (
+        "POST",
+        "/api/v1/identity/providers/{provider}/mappings",
+        {"provider": "corp"},
+        {},
+        {"group": "ml-admins", "role": "team-admin", "scope": "team:acme/ml"},
+        {200},
+    ),
+    (
+        "DELETE",
+        "/api/v1/identity/providers/{provider}/mappings/{mapping}",
+        {"provider": "corp", "mapping": "m1"},
+        {},
+        None,
+        {404},
+    ),
+    ("DELETE", "/api/v1/identity/providers/{name}", {"name": "corp"}, {}, None, {200}),
+    ("POST", "/api/v1/scim-tokens", {}, {}, {"label": "okta"}, {200}),
+    ("DELETE", "/api/v1/scim-tokens/{token}", {"token": "nosuchtk"}, {}, None, {404}),
     ("POST", "/api/v1/serve", {}, {}, {"repo": "acme/tiny-GGUF"}, {200}),  # the job starts; it fails later
     ("POST", "/api/v1/mirror", {}, {}, {"model": "tiny", "repo": "acme/tiny-GGUF"}, {409}),  # a loopback hub
     ("DELETE", "/api/v1/mirror/{model}", {"model": "tiny"}, {"version": "v1"}, None, {404}),

@@ -48,6 +48,7 @@ from llmgw.projections.usage import (
     spend,
     usage_totals,
 )
+from llmgw.services.api.identity_views import IdentityViews
 from llmgw.services.api.manage import ROUTE_PREFIX, Manage, bearer_token
 from llmgw.services.api.openapi import OPENAPI_PATH, served
 from llmgw.services.api.replay import cluster_at, parse_keys_cursor
@@ -62,6 +63,8 @@ from llmgw.services.api.views import (
     shape_node,
 )
 from llmgw.services.console import session as SES
+from llmgw.services.identity.sso import OPEN_PREFIX as SSO_OPEN_PREFIX
+from llmgw.services.identity.sso import Sso
 
 log = structlog.get_logger("llmgw.services.api")
 
@@ -73,6 +76,7 @@ IDENTITY = web.RequestKey("identity", Identity)  # who the request was authentic
 class LoginRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     user: str
     password: str
+    provider: str = ""  # an LDAP directory's name: it checks the password ("" : this server does)
 
 
 def _tenant_of(request: web.Request) -> tuple[str, str] | None:
@@ -129,6 +133,7 @@ class AdminApi:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics)
         console.routes(app)
+        Sso(self, console).routes(app)  # signing in through an OpenID provider
         app.router.add_post("/api/v1/login", self.login)
         app.router.add_get("/api/v1/whoami", self.whoami)
         app.router.add_get("/api/v1/users", self.users)
@@ -152,6 +157,7 @@ class AdminApi:
         app.router.add_get("/api/v1/usage/spend", self.usage_spend)
         app.router.add_get("/api/v1/requests/{id}", self.request_usage)
         app.router.add_get(OPENAPI_PATH, self.openapi)
+        IdentityViews(lambda: self._signin().identity, lambda scope: self._signin().label(scope)).routes(app)
         # Every command the CLI sends, signed with the caller's token (services/api/manage.py).
         Manage(
             self.store,
@@ -180,7 +186,8 @@ class AdminApi:
     async def _authenticate(self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
         """Every call under ``/api/v1`` but the login is someone's: no token, no answer (401), before
         anything is read or done. Health and metrics stay open (probes and Prometheus)."""
-        if not request.path.startswith("/api/v1/") or request.path in OPEN_PATHS:
+        open_path = request.path in OPEN_PATHS or request.path.startswith(SSO_OPEN_PREFIX)
+        if not request.path.startswith("/api/v1/") or open_path:
             return await handler(request)
         who = self._identity(request)
         if isinstance(who, web.Response):
@@ -251,7 +258,9 @@ class AdminApi:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return error(400, f'send {{"user": NAME, "password": PASSWORD}} as JSON: {exc}', "invalid_request")
         try:
-            token, expires = await self._signin().login(body.user, body.password, request.remote or "unknown")
+            token, expires = await self._signin().login(
+                body.user, body.password, request.remote or "unknown", provider=body.provider
+            )
         except Refused as exc:
             resp = error(exc.status, exc.message, exc.code)
             if exc.retry_after_s:

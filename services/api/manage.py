@@ -30,6 +30,7 @@ from aiohttp import web
 from llmgw.events.commands.roles import Need as RoleNeed
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import access as A
+from llmgw.events.schema import identity as I
 from llmgw.events.schema import jobs as J
 from llmgw.events.schema import mirror as E
 from llmgw.events.schema import models as M
@@ -90,6 +91,12 @@ class AddUserBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 class SetPasswordBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     password: str
+
+
+class IssueScimTokenBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A SCIM bearer token for an identity provider; the server makes it (answered once) and sends only its hash."""
+
+    label: str = ""
 
 
 class Invalid(Exception):
@@ -225,6 +232,13 @@ async def _make_password(manage: Manage, request: web.Request, body: msgspec.Str
     return await _hashed(manage, request, P.SetPassword(name=values["name"], password_hash=""), body.password)
 
 
+async def _make_scim_token(manage: Manage, request: web.Request, body: msgspec.Struct, values: dict[str, Any]) -> Made:
+    assert isinstance(body, IssueScimTokenBody)
+    secret, prefix, digest = I.make_scim_token()
+    issue = I.IssueScimToken(prefix=prefix, secret_sha256=digest, label=body.label)
+    return Made(payload=issue, secret=secret, prefix=prefix)
+
+
 V = "/api/v1"
 ENDPOINTS: tuple[Endpoint, ...] = (
     # the catalog
@@ -355,6 +369,52 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         P.RevokeToken,
         "Revoke a token (id or prefix).",
         query=("reason",),
+    ),
+    # the company's identity: providers, their groups' roles, SCIM tokens (cluster admins')
+    Endpoint(
+        "POST",
+        f"{V}/identity/providers",
+        I.SERVICE,
+        "idp.set",
+        I.SetProvider,
+        "Add or change an identity provider (OIDC or LDAP); a secret only by its environment variable's name.",
+    ),
+    Endpoint(
+        "DELETE", f"{V}/identity/providers/{{name}}", I.SERVICE, "idp.remove", I.RemoveProvider, "Remove a provider."
+    ),
+    Endpoint(
+        "POST",
+        f"{V}/identity/providers/{{provider}}/mappings",
+        I.SERVICE,
+        "idp.map",
+        I.MapGroup,
+        "Map a provider's group (or `scim`'s) to a role over a scope.",
+    ),
+    Endpoint(
+        "DELETE",
+        f"{V}/identity/providers/{{provider}}/mappings/{{mapping}}",
+        I.SERVICE,
+        "idp.unmap",
+        I.UnmapGroup,
+        "Remove a group mapping (by its id).",
+    ),
+    Endpoint(
+        "POST",
+        f"{V}/scim-tokens",
+        I.SERVICE,
+        "scim.token-issue",
+        I.IssueScimToken,
+        "Make a SCIM bearer token for an identity provider; it is in `result.secret`, shown this once.",
+        body=IssueScimTokenBody,
+        make=_make_scim_token,
+    ),
+    Endpoint(
+        "DELETE",
+        f"{V}/scim-tokens/{{token}}",
+        I.SERVICE,
+        "scim.token-revoke",
+        I.RevokeScimToken,
+        "Revoke a SCIM token (id or prefix).",
     ),
     # jobs and the mirror
     Endpoint(

@@ -25,6 +25,7 @@ class LoginBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     user: str
     password: str
+    provider: str = ""  # an LDAP directory's name: it checks the password ("" : this server does)
 
 
 # The reads: path -> (summary, query parameters, whether the answer is a list). Each answers a JSON object.
@@ -48,6 +49,9 @@ READS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "/api/v1/usage": ("Usage sums over the per-minute rollups.", ("scope", "since", "by"), False),
     "/api/v1/usage/spend": ("What a scope spent in its budget period.", ("scope", "period"), False),
     "/api/v1/requests/{id}": ("One request's usage record.", (), False),
+    "/api/v1/identity/providers": ("Identity providers (OIDC, LDAP) and their settings, never a secret.", (), True),
+    "/api/v1/identity/mappings": ("Groups mapped to roles (`?provider=` one, or `scim`).", ("provider",), True),
+    "/api/v1/scim-tokens": ("The SCIM bearer tokens, by prefix and label (never a hash).", (), True),
 }
 # The projections' own changes: cluster admin only (not commands: they rebuild what the log says).
 PROJECTION_CHANGES = {
@@ -154,6 +158,7 @@ def served() -> bytes:
 def document() -> dict[str, Any]:
     """The OpenAPI 3.1 document of the admin API."""
     _, components = msgspec.json.schema_components([Outcome, ErrorBody, LoginBody, *BODIES.values()], ref_template=REF)
+    components = msgspec.json.decode(msgspec.json.encode(components))  # as served: a default tuple is an array
     paths: dict[str, dict[str, Any]] = {}
     for path, (summary, query, is_list) in READS.items():
         paths.setdefault(path, {})["get"] = _read(summary, path, query, is_list)
