@@ -145,10 +145,12 @@ class Idp:
         *,
         users: dict[str, dict[str, Any]] | None = None,
         keys: list[SigningKey] | None = None,
+        device_interval_s: int = 0,
     ) -> None:
         self.clients = clients
         self.users = users if users is not None else USERS
         self.keys = keys if keys is not None else [SigningKey.rsa("idp-key-1")]
+        self.device_interval_s = device_interval_s
         self.port = 0
         self.issuer = ""
         self.proc: subprocess.Popen[bytes] | None = None
@@ -166,6 +168,7 @@ class Idp:
             "IDP_CLIENTS": json.dumps([c.__dict__ for c in self.clients]),
             "IDP_JWKS": json.dumps({"keys": [k.private_jwk() for k in self.keys]}),
             "IDP_USERS": json.dumps(self.users),
+            "IDP_DEVICE_INTERVAL": str(self.device_interval_s),
         }
         self.proc = subprocess.Popen(
             ["node", str(HERE / "provider.mjs")], cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -301,3 +304,23 @@ async def confirm_device_over_http(
         if "abort" in fields:
             return page
     raise AssertionError(f"the device sign-in did not end: {page[:300]}")
+
+
+async def cancel_over_http(session: aiohttp.ClientSession, url: str, *, stop_at: str) -> str:
+    """Follows ``url`` to the provider's login page and presses Cancel there; returns the redirect back to
+    the client (``stop_at``), which carries ``error=access_denied``."""
+    async with session.get(url) as resp:
+        page, base = await resp.text(), str(resp.url)
+    abort = re.search(r'action="([^"]*/abort)"', page)
+    if abort is None:
+        raise AssertionError(f"no cancel button at {base}: {page[:300]}")
+    target = urljoin(base, abort.group(1))
+    async with session.post(target, allow_redirects=False) as resp:
+        location = resp.headers.get("Location", "")
+    for _ in range(10):
+        target = urljoin(target, location)
+        if target.startswith(stop_at):
+            return target
+        async with session.get(target, allow_redirects=False) as resp:
+            location = resp.headers.get("Location", "")
+    raise AssertionError("the cancelled sign-in never came back to the client")

@@ -6,6 +6,7 @@
 //   IDP_CLIENTS  JSON list of {client_id, client_secret, redirect_uris, grant_types}
 //   IDP_JWKS     JSON {"keys": [private JWKs]}: the signing keys (the harness keeps them to forge tokens)
 //   IDP_USERS    JSON {login: {password, groups, email, name}}
+//   IDP_DEVICE_INTERVAL  seconds between a device's polls, said in the device authorization (unset: 5)
 // It prints "listening <issuer>" once it answers; the harness still waits for discovery to answer.
 import http from 'node:http';
 import Provider from 'oidc-provider';
@@ -22,6 +23,7 @@ const clients = JSON.parse(env('IDP_CLIENTS', '[]')).map((c) => ({
 }));
 const jwks = process.env.IDP_JWKS ? JSON.parse(process.env.IDP_JWKS) : undefined;
 const users = JSON.parse(env('IDP_USERS', '{}'));
+const deviceInterval = Number(env('IDP_DEVICE_INTERVAL', '0')); // the device flow's polling interval (0: unsaid, 5 s)
 
 const escape = (s) => String(s).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
 
@@ -177,6 +179,12 @@ const server = http.createServer((req, res) => {
 server.listen(port, '127.0.0.1', () => {
   const issuer = env('IDP_ISSUER', `http://127.0.0.1:${server.address().port}`);
   provider = new Provider(issuer, configuration);
+  if (deviceInterval > 0) {
+    provider.use(async (ctx, next) => {
+      await next();
+      if (ctx.path === '/device/auth' && ctx.status === 200 && ctx.body) ctx.body = { ...ctx.body, interval: deviceInterval };
+    });
+  }
   callback = provider.callback();
   console.log(`listening ${issuer}`);
 });
