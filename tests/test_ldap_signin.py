@@ -4,6 +4,7 @@ mappings are set by identity commands a cluster admin sends; roles follow the di
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -193,3 +194,32 @@ async def test_leaving_a_group_in_the_directory_revokes_its_role_at_the_next_sig
     assert seen[-1] == (f"cn=engineering,{GROUPS}", EVERYONE)
     sessions = [e.payload.method for e in events if isinstance(e.payload, P.TokenIssued)]
     assert sessions == ["ldap:corp", "ldap:corp"]
+
+
+async def test_a_directory_down_or_missing_its_readers_password_answers_503_saying_what_to_fix(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(READER_ENV, raising=False)
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    down = I.LdapSettings(url=f"ldaps://127.0.0.1:{port}", user_dn=f"uid={{user}},{PEOPLE}", timeout_s=2)
+    unread = I.LdapSettings(
+        url=f"ldaps://127.0.0.1:{port}", user_base=PEOPLE, bind_dn=READER_DN, bind_password_env=READER_ENV
+    )
+    for name, settings in (("down", down), ("unread", unread)):
+        added = await act(
+            fleet.store, fleet.admin_token, I.SERVICE, "idp.set", I.SetProvider(name=name, kind="ldap", ldap=settings)
+        )
+        assert added.applied, added.message
+
+    async def answer(provider: str) -> tuple[int, tuple[str, str]] | None:
+        status, body = await login(fleet, "alice", "a password", provider=provider)
+        return None if error(body)[0] == "unknown_provider" else (status, error(body))
+
+    status, (code, message) = await wait_until(lambda: answer("down"), what="the directory down to be known")
+    assert (status, code) == (503, "unavailable")
+    assert f"the directory down at ldaps://127.0.0.1:{port} cannot be reached" in message
+    status, (code, message) = await wait_until(lambda: answer("unread"), what="the directory unread to be known")
+    assert (status, code) == (503, "misconfigured")
+    assert f"${READER_ENV}, which is not set on this server" in message
