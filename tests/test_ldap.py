@@ -23,6 +23,7 @@ from llmgw.services.identity.ldap import (
     in_chain_filter,
     member_filter,
     walk_groups,
+    whoami_lookup,
 )
 from tests.ldapd import harness
 from tests.ldapd.harness import GROUPS, PASSWORDS, PEOPLE, READER_DN, READER_PASSWORD, Slapd
@@ -99,6 +100,14 @@ def test_the_group_walk_ends_at_a_cycle_and_at_its_depth_bound_nearest_groups_fi
     chain = {f"g{i}": [f"g{i + 1}"] for i in range(100)} | {"u": ["g0"]}
     deep = walk_groups(lambda dns: [g for dn in dns for g in chain[dn]], "u", max_depth=16)
     assert deep == [f"g{i}" for i in range(16)]
+
+
+def test_a_bind_name_that_is_no_dn_is_followed_to_the_entry_the_directory_says_was_bound() -> None:
+    assert whoami_lookup("dn:uid=eve,o=x", "eve@corp") == ("dn", "uid=eve,o=x")
+    # Active Directory's answer: the account name, never the typed name (eve's principal name may be alice@…)
+    assert whoami_lookup("u:CORP\\eve", "alice@corp") == ("filter", "(sAMAccountName=eve)")
+    assert whoami_lookup("u:eve*", "eve*") == ("filter", "(uid=eve\\2a)")
+    assert whoami_lookup("", "alice@corp.example") == ("filter", "(userPrincipalName=alice@corp.example)")
 
 
 @pytest.mark.parametrize(
@@ -206,6 +215,16 @@ async def test_a_user_name_with_a_comma_binds_as_one_escaped_rdn(slapd: Slapd) -
     # an RDN smuggled into the name is one value, not a way to another entry
     refused = await refusal(over_ldaps(slapd), "alice,ou=people", PASSWORDS["alice"])
     assert refused.code == "invalid_login"
+
+
+async def test_a_bind_name_template_that_is_no_dn_finds_the_entry_the_directory_bound(slapd: Slapd) -> None:
+    # user_dn "{user}": people type their bind name whole; who they are is what "Who am I?" answers
+    settings = over_ldaps(slapd, user_dn="{user}")
+    alice = await LdapDirectory("corp", settings).authenticate(person("alice"), PASSWORDS["alice"])
+    assert (alice.subject, alice.username) == (person("alice"), "alice")
+    assert alice.groups == (group("ml-admins"), group("engineering"), group("everyone"))
+    refused = await refusal(settings, person("alice"), PASSWORDS["bob"])
+    assert (refused.code, refused.message) == ("invalid_login", INVALID_LOGIN)
 
 
 async def test_a_cycle_in_groups_ends_the_walk_with_each_group_once(slapd: Slapd) -> None:

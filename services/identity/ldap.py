@@ -1,8 +1,9 @@
 """Sign-in against an LDAP directory or Active Directory (SPEC ID-2): bind as the person, read their groups.
 
 The person is who the directory says after binding with their own password: by a DN template
-(``uid={user},ou=people,dc=example,dc=org``, or ``{user}@corp`` for Active Directory) or by a search
-for exactly one entry (``user_base`` + ``user_filter``) made as ``bind_dn`` (or anonymously). Their
+(``uid={user},ou=people,dc=example,dc=org``), by a bind name (``{user}@corp`` for Active Directory)
+followed to the entry the directory says was bound ("Who am I?", RFC 4532), or by a search for exactly
+one entry (``user_base`` + ``user_filter``) made as ``bind_dn`` (or anonymously). Their
 groups are DNs: Active Directory answers nested membership itself in one search
 (LDAP_MATCHING_RULE_IN_CHAIN); another directory is walked level by level under ``group_base``
 (``member`` / ``uniqueMember``), bounded and cycle-safe; with no ``group_base``, the person's
@@ -187,7 +188,7 @@ def check_settings(name: str, settings: LdapSettings) -> Transport:
             f"the LDAP provider {name} has neither user_dn nor user_base: set a DN template "
             "(uid={user},ou=people,…) or where to search for people",
         )
-    if not settings.user_dn or not _is_dn(settings.user_dn):
+    if not settings.user_dn:
         if "{user}" not in settings.user_filter:
             raise LdapError(
                 "misconfigured",
@@ -216,6 +217,21 @@ def balanced_filter(text: str) -> bool:
         if depth < 0 or (depth == 0 and i != len(text) - 1):
             return False
     return depth == 0
+
+
+def whoami_lookup(answer: str, bind_name: str) -> tuple[str, str]:
+    """How to find the entry a "Who am I?" ``answer`` names: ("dn", DN) for ``dn:…``; ("filter", …) by
+    sAMAccountName for Active Directory's ``u:DOMAIN\\name``, by uid for another ``u:name``; with no
+    answer, the bind name as Active Directory's userPrincipalName."""
+    if answer.startswith("dn:") and answer[3:].strip():
+        return "dn", answer[3:].strip()
+    if answer.startswith("u:") and answer[2:].strip():
+        account = answer[2:].strip()
+        _domain, backslash, name = account.rpartition("\\")
+        if backslash:
+            return "filter", f"(sAMAccountName={escape_filter_value(name)})"
+        return "filter", f"(uid={escape_filter_value(account)})"
+    return "filter", f"(userPrincipalName={escape_filter_value(bind_name)})"
 
 
 def domain_of(dn: str) -> str:
@@ -350,10 +366,11 @@ class LdapDirectory:
                 return self._identity(conn, entry, user)
             finally:
                 _close(conn)
-        if s.user_dn:  # a bind name that is not a DN ({user}@corp): bind, then find the entry it named
-            conn = self._bound(transport, s.user_dn.replace("{user}", user), password)
+        if s.user_dn:  # a bind name that is not a DN ({user}@corp): bind, then find the entry bound as
+            bind_name = s.user_dn.replace("{user}", user)
+            conn = self._bound(transport, bind_name, password)
             try:
-                entry = self._find_person(conn, user, wanted)
+                entry = self._bound_entry(conn, bind_name, wanted)
                 return self._identity(conn, entry, user)
             finally:
                 _close(conn)
@@ -403,10 +420,25 @@ class LdapDirectory:
 
         return walk_groups(direct_of, dn)
 
-    def _find_person(self, conn: ldap3.Connection, user: str, wanted: list[str]) -> tuple[str, dict[str, Any]]:
+    def _bound_entry(self, conn: ldap3.Connection, bind_name: str, wanted: list[str]) -> tuple[str, dict[str, Any]]:
+        """The entry the directory says ``conn`` is bound as ("Who am I?", RFC 4532), never one found by the
+        typed name alone: another account's user principal name may be someone else's account name."""
+        try:
+            answer = conn.extend.standard.who_am_i() or ""
+        except lx.LDAPException:
+            answer = ""
+        kind, value = whoami_lookup(answer if isinstance(answer, str) else "", bind_name)
+        if kind == "dn":
+            dn, attributes = self._read(conn, value, wanted)
+            return dn, attributes
+        return self._find_person(conn, "", wanted, query=value)
+
+    def _find_person(
+        self, conn: ldap3.Connection, user: str, wanted: list[str], *, query: str = ""
+    ) -> tuple[str, dict[str, Any]]:
         s = self.settings
         base = s.user_base or self._default_base(conn)
-        query = s.user_filter.replace("{user}", escape_filter_value(user))
+        query = query or s.user_filter.replace("{user}", escape_filter_value(user))
         found = self._search(conn, base, query, wanted, size_limit=2)
         if not found:
             raise LdapError("invalid_login", INVALID_LOGIN)
