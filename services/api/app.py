@@ -63,6 +63,8 @@ from llmgw.services.api.views import (
     shape_node,
 )
 from llmgw.services.console import session as SES
+from llmgw.services.identity.scim import PREFIX as SCIM_PREFIX
+from llmgw.services.identity.scim import ScimApi
 from llmgw.services.identity.sso import OPEN_PREFIX as SSO_OPEN_PREFIX
 from llmgw.services.identity.sso import Sso
 
@@ -166,6 +168,8 @@ class AdminApi:
             self._may,
             hash_password=lambda password: self._signin().checker.hash(password),
         ).routes(app)
+        # SCIM 2.0 for identity providers: outside /api/v1, so its own bearer tokens, not people's, let it in.
+        app.add_subapp(SCIM_PREFIX, ScimApi(self.store, lambda: self.signin).app())
         return app
 
     @web.middleware
