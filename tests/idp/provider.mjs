@@ -45,8 +45,8 @@ const configuration = {
       // Plain pages of our own (the package's defaults load a web font from the internet).
       async userCodeInputSource(ctx, form, _out, err) {
         const message = err ? `<p role="alert" id="error">${err.userCode ? 'The code is not valid.' : 'Something went wrong.'}</p>` : '';
-        ctx.body = page('Enter the code', `${message}${form}
-<label>Code <input name="user_code" id="user_code" form="op.deviceInputForm" autofocus></label>
+        // The package's form holds the code's input (name="user_code").
+        ctx.body = page('Enter the code', `${message}<label for="user_code">Code</label>${form}
 <button type="submit" id="submit" form="op.deviceInputForm">Continue</button>`);
       },
       async userCodeConfirmSource(ctx, form, client, _deviceInfo, userCode) {
