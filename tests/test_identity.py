@@ -313,6 +313,13 @@ async def test_a_person_a_provider_vouches_for_is_made_given_their_mapped_roles_
     assert token2 is None
     assert caught.value.code == "no_mapped_group"
     assert caught.value.message == "alice is in no group mapped to a role: ask an administrator to map one of everyone"
+    # …and the role her group granted went first: leaving every mapped group leaves her nothing.
+    await signin.folded(lambda: signin.people.by_name["alice"].roles == [])
+    assert signin.people.by_name["alice"].roles == []
+    revoked = [
+        e for e in await fleet.store.read(event_subject(P.AGGREGATE, "alice")) if isinstance(e.payload, P.RoleRevoked)
+    ]
+    assert [(e.payload.role, e.payload.provider) for e in revoked] == [("viewer", "corp")]
 
 
 async def test_leaving_a_mapped_group_revokes_its_role_at_the_next_sign_in(fleet: Fleet) -> None:

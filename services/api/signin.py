@@ -279,7 +279,12 @@ class SignIn:
         if person is not None and person.disabled:
             raise Refused(403, "user_disabled", f"user {person.name} is disabled" + _why(person.disabled_reason))
         if not grants and not _roles_besides(person, provider.name):
-            raise Refused(403, "no_mapped_group", no_role_refusal(who.username, provider.shown, who.groups, mappings))
+            refusal = Refused(
+                403, "no_mapped_group", no_role_refusal(who.username, provider.shown, who.groups, mappings)
+            )
+            if person is not None and person.roles:  # out of every mapped group: what the groups granted goes first
+                await self._sync_roles(person.name, provider.name, who, (), source)
+            raise refusal
         try:
             if person is None or (person.source == source and _profile_changed(person, who)):
                 done = await self.client.send(
@@ -299,19 +304,30 @@ class SignIn:
                 await self.folded(lambda: name in self.people.by_name)
             else:
                 name = person.name
-            await self.client.send(
-                P.SERVICE,
-                "user.sync-roles",
-                P.SyncRoles(name=name, provider=provider.name, groups=tuple(who.groups), grants=grants),
-                actor=source,
-            )
         except CommandRejectedError as exc:
             status = 409 if exc.code in ("local_account", "exists") else 403 if exc.code == "disabled" else 503
             raise Refused(status, exc.code, exc.reason) from exc
         except CommandError as exc:
             raise Refused(503, "unavailable", f"the sign-in could not be recorded: {exc}; try again") from exc
+        await self._sync_roles(name, provider.name, who, grants, source)
         token, expires = await self._session(name, address, method)
         return token, expires, name
+
+    async def _sync_roles(
+        self, name: str, provider: str, who: I.ExternalIdentity, grants: tuple[P.MappedGrant, ...], source: str
+    ) -> None:
+        """Make ``name``'s roles from ``provider``'s mappings exactly ``grants`` (the log names the provider)."""
+        try:
+            await self.client.send(
+                P.SERVICE,
+                "user.sync-roles",
+                P.SyncRoles(name=name, provider=provider, groups=tuple(who.groups), grants=grants),
+                actor=source,
+            )
+        except CommandRejectedError as exc:
+            raise Refused(503, exc.code, exc.reason) from exc
+        except CommandError as exc:
+            raise Refused(503, "unavailable", f"the sign-in could not be recorded: {exc}; try again") from exc
 
     def _person_for(self, who: I.ExternalIdentity, source: str) -> Person | None:
         """The person ``who`` is here: the one their provider (or SCIM) made with that user name; a person
