@@ -40,6 +40,7 @@ from llmgw.services.console import session as SES
 from llmgw.services.console.forms import BadInput, refused
 from llmgw.services.console.i18n import LANGUAGES, Catalog, Formats, negotiate
 from llmgw.services.console.page import Ctx, Page
+from llmgw.services.console.pages.identity import login_choices
 from llmgw.services.console.source import Moments, Source, live_source, source_at
 
 if TYPE_CHECKING:
@@ -214,12 +215,14 @@ class Console:
         if self.identify(request) is not None:
             raise web.HTTPSeeOther(location=SES.safe_next(request.query.get("next")))
         lang = self.lang_of(request, None)
-        return self.render("login.html", **self._bare(request, lang), next=SES.safe_next(request.query.get("next")))
+        base = {**self._bare(request, lang), **login_choices(self.api.signin)}
+        return self.render("login.html", **base, next=SES.safe_next(request.query.get("next")))
 
     async def login(self, request: web.Request) -> web.StreamResponse:
         form = await _form(request)
         lang = self.lang_of(request, None)
-        base = self._bare(request, lang)
+        provider = form.get("provider", "").strip()  # an LDAP directory's name ("" : this server's password)
+        base = {**self._bare(request, lang), **login_choices(self.api.signin), "provider": provider}
         target = SES.safe_next(form.get("next"))
         user, password = form.get("user", "").strip(), form.get("password", "")
         if self.api.signin is None:
@@ -227,7 +230,7 @@ class Console:
         if not user or not password:
             return self.render("login.html", 400, **base, next=target, user=user, error=base["t"]("core.login.empty"))
         try:
-            token, expires = await self.api.signin.login(user, password, request.remote or "unknown")
+            token, expires = await self.api.signin.login(user, password, request.remote or "unknown", provider=provider)
         except Refused as exc:
             response = self.render(
                 "login.html",

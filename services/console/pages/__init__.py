@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llmgw.services.console.page import Page
-from llmgw.services.console.pages import audit, mirror, models, nodes, overview, people, tenants, usage
+from llmgw.services.console.pages import audit, identity, mirror, models, nodes, overview, people, tenants, usage
 
 PAGES: list[Page] = [
     *overview.PAGES,
@@ -11,6 +11,7 @@ PAGES: list[Page] = [
     *models.PAGES,
     *tenants.PAGES,
     *people.PAGES,
+    *identity.PAGES,
     *usage.PAGES,
     *audit.PAGES,
     *mirror.PAGES,
