@@ -1,4 +1,4 @@
-"""What the SCIM tests share: a fleet serving /scim/v2, and a SCIM token made as `llmgw ctl scim token create` makes it."""
+"""What the SCIM tests share: the services a fleet runs for /scim/v2, and a SCIM token made as the CLI makes it."""
 
 from __future__ import annotations
 

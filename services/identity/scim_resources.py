@@ -82,6 +82,7 @@ _USER_IGNORED = frozenset(
     ).split()
 )
 _READ_ONLY = frozenset(("id", "meta", "schemas"))
+_SPELLED = {"username": "userName", "displayname": "displayName", "externalid": "externalId"}
 
 
 class ScimError(Exception):
@@ -528,21 +529,22 @@ def _patch_user_one(s: UserFields, op: Operation) -> UserFields:
     if not _check_schema(path, USER_SCHEMA):
         return s
     attr, remove, value = path.attr, op.op == "remove", op.value
+    shown = _SPELLED.get(attr, attr)
     if attr in _READ_ONLY or attr == "groups":
         where = " (set them through /Groups)" if attr == "groups" else ""
         raise ScimError(400, f"{attr} is read only{where}", "mutability")
     if attr in ("username", "active"):
         if path.value_filter is not None or path.sub:
-            raise ScimError(400, f"{attr} has no sub-attributes", "invalidPath")
+            raise ScimError(400, f"{shown} has no sub-attributes", "invalidPath")
         if remove:
-            raise ScimError(400, f"{attr} is required: replace it instead of removing it", "invalidValue")
+            raise ScimError(400, f"{shown} is required: replace it instead of removing it", "invalidValue")
         if attr == "username":
             return msgspec.structs.replace(s, user_name=_text("userName", value, required=True))
         return msgspec.structs.replace(s, active=_bool("active", value))
     if attr in ("displayname", "externalid"):
         if path.value_filter is not None or path.sub:
-            raise ScimError(400, f"{attr} has no sub-attributes", "invalidPath")
-        text = "" if remove else _text(attr, value)
+            raise ScimError(400, f"{shown} has no sub-attributes", "invalidPath")
+        text = "" if remove else _text(shown, value)
         return msgspec.structs.replace(s, **{"display_name" if attr == "displayname" else "external_id": text})
     if attr == "emails":
         return _patch_email(s, op, path)
