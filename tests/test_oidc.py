@@ -4,6 +4,7 @@ with the provider's key (one thing changed) or with keys of their own."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -289,10 +290,15 @@ async def test_a_key_the_provider_rotated_in_is_fetched_once_and_made_up_kids_do
                     sign_jwt(idp.id_claims(CLIENT_ID), SigningKey.ec256(f"made-up-{n}")), nonce=None
                 )
         assert counted.count("/jwks") == 2
+        clock.now += 31  # past the refetch interval: a flood at once reads the JWKS once, not once per token
+        flood = [sign_jwt(idp.id_claims(CLIENT_ID), SigningKey.ec256(f"flood-{n}")) for n in range(20)]
+        refused = await asyncio.gather(*(c.verify_id_token(t, nonce=None) for t in flood), return_exceptions=True)
+        assert all(isinstance(r, OidcError) and r.code == "unknown_key" for r in refused)
+        assert counted.count("/jwks") == 3
         clock.now += 31  # past the refetch interval: one more read for an unknown kid, no more
         with pytest.raises(OidcError, match="fetched 0 s ago"):
             await c.verify_id_token(sign_jwt(idp.id_claims(CLIENT_ID), SigningKey.ec256("later")), nonce=None)
-        assert counted.count("/jwks") == 3
+        assert counted.count("/jwks") == 4
     finally:
         idp.restart([old])
 

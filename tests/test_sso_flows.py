@@ -315,3 +315,42 @@ async def test_llmgw_login_sso_for_a_person_in_no_mapped_group_says_why_and_keep
     assert got.rc == 2, got.out
     assert "carol is in no group at corp" in got.out
     assert not (tmp_path / "config" / "llmgw" / "credentials.json").exists()
+
+
+async def test_an_answer_naming_another_issuer_is_refused_as_a_mix_up(world: World) -> None:
+    async with browser() as b:
+        async with b.get(f"{world.url}/console/sso/corp", allow_redirects=False) as r:
+            to_provider = r.headers["Location"]
+        back = await sign_in_over_http(b, to_provider, "bob", USERS["bob"]["password"], stop_at=world.callback)
+        query = {k: v[0] for k, v in parse_qs(urlsplit(back).query).items()}
+        assert query["iss"] == world.idp.issuer  # RFC 9207: the provider names itself in its answer
+        mixed = f"{world.callback}?{urlencode({**query, 'iss': 'https://evil.example.org'})}"
+        async with b.get(mixed, allow_redirects=False) as r:
+            assert r.status == 502
+            assert "the sign-in&#39;s answer came from &#39;https://evil.example.org&#39;" in await r.text()
+        assert session_cookie(b) == ""
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/console/sso/%00%ff..", None),
+        ("GET", "/console/sso/corp?next=javascript:alert(1)", None),
+        ("GET", "/console/sso/corp/callback", None),
+        ("GET", "/console/sso/corp/callback?state=&code=", None),
+        ("GET", "/console/sso/corp/callback?state=x&error=%3Cscript%3E&error_description=" + "x" * 5000, None),
+        ("POST", "/api/v1/login/sso/nope/device", b""),
+        ("POST", "/api/v1/login/sso/corp/device", b"\xff\xfe not json at all"),
+        ("POST", "/api/v1/login/sso/device/poll", b"[]"),
+        ("POST", "/api/v1/login/sso/device/poll", b'{"handle": 5}'),
+        ("POST", "/api/v1/login/sso/device/poll", b'{"handle": "x", "more": 1}'),
+        ("POST", "/api/v1/login/sso/device/poll", b'{"handle": "' + b"h" * 100_000 + b'"}'),
+    ],
+)
+async def test_whatever_a_client_sends_the_sign_in_answers_without_a_server_error(
+    world: World, method: str, path: str, body: bytes | None
+) -> None:
+    async with aiohttp.ClientSession() as s, s.request(method, world.url + path, data=body, allow_redirects=False) as r:
+        text = await r.text()
+        assert r.status < 500, (r.status, text[:300])
+        assert "<script>" not in text

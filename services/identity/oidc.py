@@ -10,6 +10,7 @@ Every refusal is an ``OidcError`` whose message says what happened and what to d
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import ipaddress
@@ -399,6 +400,7 @@ class OidcClient:
         self._discovered_at = 0.0
         self._jwks: list[dict[str, Any]] = []
         self._jwks_fetched_at: float | None = None
+        self._jwks_lock = asyncio.Lock()
         # Nonces of ID tokens already accepted, until their tokens expire: a token shown twice is refused.
         self._used_nonces: OrderedDict[str, float] = OrderedDict()
         self._nonce_memory = nonce_memory
@@ -485,15 +487,15 @@ class OidcClient:
 
     async def key_for(self, header: Mapping[str, Any]) -> dict[str, Any]:
         """The JWKS key an ID token names; the JWKS is read again for a kid it lacks, at most once per
-        ``jwks_refetch_s``."""
-        now = self.clock()
-        stale = self._jwks_fetched_at is None or now - self._jwks_fetched_at >= JWKS_TTL_S
-        if stale:
-            await self._fetch_jwks()
-        key = select_key(header, self._jwks)
-        if key is None and not stale and now - (self._jwks_fetched_at or 0.0) >= self.jwks_refetch_s:
-            await self._fetch_jwks()
+        ``jwks_refetch_s`` (one read for many tokens at once: they wait on the same lock)."""
+        async with self._jwks_lock:
+            fetched = self._jwks_fetched_at
+            if fetched is None or self.clock() - fetched >= JWKS_TTL_S:
+                await self._fetch_jwks()
             key = select_key(header, self._jwks)
+            if key is None and self.clock() - (self._jwks_fetched_at or 0.0) >= self.jwks_refetch_s:
+                await self._fetch_jwks()
+                key = select_key(header, self._jwks)
         if key is None:
             ago = self.clock() - (self._jwks_fetched_at or 0.0)
             kid = header.get("kid")

@@ -103,8 +103,10 @@ def _status_of(exc: OidcError) -> int:
         return 400
     if exc.code in ("access_denied", "expired_token"):
         return 403 if exc.code == "access_denied" else 410
-    if exc.code in ("unavailable",):
+    if exc.code == "unavailable":
         return 503
+    if exc.code == "no_device_flow":
+        return 409
     return 502  # the provider answered something llmgw may not accept (a token that fails a check)
 
 
