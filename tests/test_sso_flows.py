@@ -354,3 +354,9 @@ async def test_whatever_a_client_sends_the_sign_in_answers_without_a_server_erro
         text = await r.text()
         assert r.status < 500, (r.status, text[:300])
         assert "<script>" not in text
+
+
+async def test_a_refused_sign_in_shows_the_sign_in_page_with_the_button_to_try_again(world: World) -> None:
+    async with browser() as b, b.get(f"{world.url}/console/sso/corp/callback?state=gone&code=x") as r:
+        assert r.status == 400
+        assert 'id="sso-corp"' in await r.text()

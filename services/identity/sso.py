@@ -190,7 +190,10 @@ class Sso:
             return web.Response(text=body, status=status, content_type="text/html", charset="utf-8")
         lang = self.console.lang_of(request, None)
         shown = self.console.catalog.refusal(lang, code, message) if code else message
-        bare = self.console._bare(request, lang)  # the same variables the console's own sign-in page has
+        from llmgw.services.console.pages.identity import login_choices  # the console loads only where served
+
+        # The same variables the console's own sign-in page has: its buttons to try again among them.
+        bare = {**self.console._bare(request, lang), **login_choices(self.api.signin)}
         return self.console.render("login.html", status, **bare, next=next_path, error=shown)
 
     async def begin(self, request: web.Request) -> web.StreamResponse:
