@@ -128,11 +128,22 @@ class Client:
 
 
 def unavailable_reason() -> str | None:
-    """Why the provider cannot run here (no node, its packages not installed), or None."""
+    """Why the provider cannot run here, or None. Its npm packages are installed (``npm ci``, from the
+    committed lock file) when missing and npm is there, as ops/install-test-tools.sh does."""
     if shutil.which("node") is None:
-        return "node is not installed (ops/install-test-tools.sh installs Debian's nodejs)"
-    if not (HERE / "node_modules" / "oidc-provider").is_dir():
-        return "tests/idp's npm packages are not installed: run ops/install-test-tools.sh (npm ci --prefix tests/idp)"
+        return "node is not installed: install Debian's nodejs and npm (sh ops/install-test-tools.sh does)"
+    if (HERE / "node_modules" / "oidc-provider").is_dir():
+        return None
+    if shutil.which("npm") is None:
+        return "npm is not installed, so tests/idp's packages are not: install Debian's npm (ops/install-test-tools.sh)"
+    try:
+        done = subprocess.run(
+            ["npm", "ci", "--prefix", str(HERE), "--no-audit", "--no-fund"], capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired:
+        return "npm ci in tests/idp did not finish within 300 s (no registry reachable?)"
+    if done.returncode != 0 or not (HERE / "node_modules" / "oidc-provider").is_dir():
+        return f"npm ci in tests/idp failed (no registry reachable?): {done.stderr.strip()[-300:]}"
     return None
 
 
