@@ -227,6 +227,8 @@ class ScimApi:
             return msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:
             raise R.ScimError(400, f"the body is not JSON: {exc}", "invalidSyntax") from exc
+        except RecursionError as exc:  # msgspec's answer to JSON nested thousands deep
+            raise R.ScimError(400, "the body nests too deep to be a SCIM resource", "invalidSyntax") from exc
 
     async def send(self, service: str, verb: str, payload: msgspec.Struct) -> int:
         """Send one command as svc:scim; the log position of its last event (0: it changed nothing)."""

@@ -19,8 +19,10 @@ groups             read only: the SCIM groups whose members hold the person
 
 A SCIM Group is a group of events/folds/identity.py (displayName, externalId, members by the
 people's ids). A member is published with its ``value`` and ``$ref`` only: its display name would be
-a second copy of the person's. Attributes of RFC 7643's User schema (or its enterprise extension)
-that are not kept are accepted and ignored; an attribute of no SCIM schema is refused.
+a second copy of the person's (and scim2-tester, rightly, finds a read-only value it did not write).
+Attributes of RFC 7643's User schema (or its enterprise extension) that are not kept are accepted
+and ignored, so an identity provider's default mappings go through; an attribute of no schema, or of
+another schema, is refused naming what is kept.
 """
 
 from __future__ import annotations
@@ -490,11 +492,13 @@ def _spread(op: Operation) -> list[Operation]:
         return [op]
     out: list[Operation] = []
     for key, value in op.value.items():
-        if key.lower() == "schemas" or (":" in key and isinstance(value, Mapping)):
-            schema = key
-            if schema in (ENTERPRISE_SCHEMA, USER_SCHEMA, GROUP_SCHEMA) and isinstance(value, Mapping):
-                if schema != ENTERPRISE_SCHEMA:  # a core schema's attributes nested under its URN
-                    out.extend(_spread(Operation(op.op, None, value)))
+        if key.lower() in _READ_ONLY:
+            continue  # read only, sent back as read (Okta's group rename carries the id): ignored, RFC 7644 §3.5.2
+        if ":" in key and isinstance(value, Mapping):  # attributes nested under their schema's URN
+            if key in (USER_SCHEMA, GROUP_SCHEMA):
+                out.extend(_spread(Operation(op.op, None, value)))
+            elif key != ENTERPRISE_SCHEMA:
+                raise ScimError(400, f"this server keeps no attributes of the schema {key[:100]}", "invalidPath")
             continue
         try:
             out.append(Operation(op.op, parse_path(key), value))
