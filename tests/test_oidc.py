@@ -77,6 +77,9 @@ class Counted:
         return self.paths.count(path)
 
 
+Http = tuple[aiohttp.ClientSession, Counted]
+
+
 @pytest.fixture
 async def http() -> AsyncIterator[tuple[aiohttp.ClientSession, Counted]]:
     counted = Counted()
@@ -92,7 +95,7 @@ def client(idp: Idp, session: aiohttp.ClientSession, clock: Clock | None = None,
     return OidcClient(settings(idp), name="corp", client_secret=SECRET, session=session, clock=clock or time.time, **kw)  # type: ignore[arg-type]
 
 
-async def test_discovery_names_the_providers_endpoints_and_its_device_flow(idp: Idp, http) -> None:
+async def test_discovery_names_the_providers_endpoints_and_its_device_flow(idp: Idp, http: Http) -> None:
     session, _ = http
     found = await client(idp, session).discovery()
     assert found.issuer == idp.issuer
@@ -100,7 +103,7 @@ async def test_discovery_names_the_providers_endpoints_and_its_device_flow(idp: 
     assert found.device_authorization_endpoint == idp.issuer + "/device/auth"
 
 
-async def test_discovery_is_read_once_and_kept(idp: Idp, http) -> None:
+async def test_discovery_is_read_once_and_kept(idp: Idp, http: Http) -> None:
     session, counted = http
     c = client(idp, session)
     await c.discovery()
@@ -108,7 +111,7 @@ async def test_discovery_is_read_once_and_kept(idp: Idp, http) -> None:
     assert counted.count("/.well-known/openid-configuration") == 1
 
 
-async def test_an_issuer_that_differs_even_by_a_trailing_slash_is_refused_at_discovery(idp: Idp, http) -> None:
+async def test_an_issuer_that_differs_even_by_a_trailing_slash_is_refused_at_discovery(idp: Idp, http: Http) -> None:
     session, _ = http
     c = OidcClient(settings(idp, issuer=idp.issuer + "/"), name="corp", client_secret=SECRET, session=session)
     with pytest.raises(OidcError) as refused:
@@ -127,7 +130,7 @@ def test_a_plain_http_issuer_is_refused_unless_it_is_on_a_loopback_address() -> 
         OidcClient(OidcSettings(issuer="http://10.0.0.1", client_id="x"))
 
 
-async def test_a_person_signed_in_at_the_providers_page_comes_back_with_their_groups(idp: Idp, http) -> None:
+async def test_a_person_signed_in_at_the_providers_page_comes_back_with_their_groups(idp: Idp, http: Http) -> None:
     session, _ = http
     c = client(idp, session)
     logins = PendingLogins()
@@ -145,7 +148,7 @@ async def test_a_person_signed_in_at_the_providers_page_comes_back_with_their_gr
     assert taken.next == "/console/usage"
 
 
-async def test_the_code_is_refused_without_the_pkce_verifier_that_made_its_challenge(idp: Idp, http) -> None:
+async def test_the_code_is_refused_without_the_pkce_verifier_that_made_its_challenge(idp: Idp, http: Http) -> None:
     session, _ = http
     c = client(idp, session)
     state, pending, pkce = PendingLogins().begin("corp", REDIRECT, "/console")
@@ -158,7 +161,7 @@ async def test_the_code_is_refused_without_the_pkce_verifier_that_made_its_chall
     assert refused.value.code == "invalid_grant"
 
 
-async def test_a_token_the_provider_signed_is_accepted_with_its_groups_claim(idp: Idp, http) -> None:
+async def test_a_token_the_provider_signed_is_accepted_with_its_groups_claim(idp: Idp, http: Http) -> None:
     session, _ = http
     token = sign_jwt(idp.id_claims(CLIENT_ID, nonce="n-1"), idp.key)
     who = await client(idp, session).verify_id_token(token, nonce="n-1")
@@ -167,7 +170,7 @@ async def test_a_token_the_provider_signed_is_accepted_with_its_groups_claim(idp
 
 
 async def test_an_id_token_signed_with_another_key_is_refused_naming_its_kid_and_when_the_jwks_was_read(
-    idp: Idp, http
+    idp: Idp, http: Http
 ) -> None:
     session, _ = http
     clock = Clock()
@@ -181,14 +184,14 @@ async def test_an_id_token_signed_with_another_key_is_refused_naming_its_kid_and
     assert "the identity provider's signing key kid=abc is not in its JWKS (fetched 12 s ago)" in refused.value.message
 
 
-async def test_a_token_with_the_providers_kid_but_another_keys_signature_is_refused(idp: Idp, http) -> None:
+async def test_a_token_with_the_providers_kid_but_another_keys_signature_is_refused(idp: Idp, http: Http) -> None:
     session, _ = http
     forger = SigningKey.rsa(idp.key.kid)  # claims to be the provider's key
     with pytest.raises(OidcError, match=f"does not verify with the identity provider's key kid={idp.key.kid}"):
         await client(idp, session).verify_id_token(sign_jwt(idp.id_claims(CLIENT_ID), forger), nonce=None)
 
 
-async def test_an_expired_id_token_is_refused_with_its_expiry_and_the_skew_allowed(idp: Idp, http) -> None:
+async def test_an_expired_id_token_is_refused_with_its_expiry_and_the_skew_allowed(idp: Idp, http: Http) -> None:
     session, _ = http
     clock = Clock()
     expired_at = int(clock.now) - 3600
@@ -200,14 +203,14 @@ async def test_an_expired_id_token_is_refused_with_its_expiry_and_the_skew_allow
     assert f"the ID token expired at {when} (clock skew allowed: 60 s)" in refused.value.message
 
 
-async def test_a_token_expired_less_than_the_skew_ago_is_still_accepted(idp: Idp, http) -> None:
+async def test_a_token_expired_less_than_the_skew_ago_is_still_accepted(idp: Idp, http: Http) -> None:
     session, _ = http
     clock = Clock()
     token = sign_jwt(idp.id_claims(CLIENT_ID, exp=int(clock.now) - 30), idp.key)
     assert (await client(idp, session, clock).verify_id_token(token, nonce=None)).username == "alice"
 
 
-async def test_a_token_issued_for_another_client_is_refused_naming_both(idp: Idp, http) -> None:
+async def test_a_token_issued_for_another_client_is_refused_naming_both(idp: Idp, http: Http) -> None:
     session, _ = http
     token = sign_jwt(idp.id_claims(CLIENT_ID, aud="another-app"), idp.key)
     with pytest.raises(OidcError) as refused:
@@ -217,7 +220,7 @@ async def test_a_token_issued_for_another_client_is_refused_naming_both(idp: Idp
     )
 
 
-async def test_a_token_for_several_audiences_needs_llmgw_as_its_authorized_party(idp: Idp, http) -> None:
+async def test_a_token_for_several_audiences_needs_llmgw_as_its_authorized_party(idp: Idp, http: Http) -> None:
     session, _ = http
     c = client(idp, session)
     shared = sign_jwt(idp.id_claims(CLIENT_ID, aud=[CLIENT_ID, "other"], azp="other"), idp.key)
@@ -227,7 +230,7 @@ async def test_a_token_for_several_audiences_needs_llmgw_as_its_authorized_party
     assert (await c.verify_id_token(ours, nonce=None)).subject == "alice"
 
 
-async def test_a_token_from_another_issuer_is_refused(idp: Idp, http) -> None:
+async def test_a_token_from_another_issuer_is_refused(idp: Idp, http: Http) -> None:
     session, _ = http
     token = sign_jwt(idp.id_claims(CLIENT_ID, iss="https://evil.example.org"), idp.key)
     with pytest.raises(OidcError, match=r"issued by 'https://evil\.example\.org', not by the configured issuer") as r:
@@ -235,7 +238,7 @@ async def test_a_token_from_another_issuer_is_refused(idp: Idp, http) -> None:
     assert r.value.code == "wrong_issuer"
 
 
-async def test_a_replayed_nonce_is_refused_the_second_time(idp: Idp, http) -> None:
+async def test_a_replayed_nonce_is_refused_the_second_time(idp: Idp, http: Http) -> None:
     session, _ = http
     c = client(idp, session)
     token = sign_jwt(idp.id_claims(CLIENT_ID, nonce="once"), idp.key)
@@ -245,14 +248,14 @@ async def test_a_replayed_nonce_is_refused_the_second_time(idp: Idp, http) -> No
     assert refused.value.code == "replayed_nonce"
 
 
-async def test_a_nonce_other_than_the_one_sent_is_refused(idp: Idp, http) -> None:
+async def test_a_nonce_other_than_the_one_sent_is_refused(idp: Idp, http: Http) -> None:
     session, _ = http
     token = sign_jwt(idp.id_claims(CLIENT_ID, nonce="theirs"), idp.key)
     with pytest.raises(OidcError, match="the sign-in's nonce does not match the one this server sent"):
         await client(idp, session).verify_id_token(token, nonce="ours")
 
 
-async def test_an_unsigned_token_is_refused_whatever_it_claims(idp: Idp, http) -> None:
+async def test_an_unsigned_token_is_refused_whatever_it_claims(idp: Idp, http: Http) -> None:
     session, _ = http
     unsigned = sign_jwt(idp.id_claims(CLIENT_ID), None)
     with pytest.raises(OidcError, match="alg='none'") as refused:
@@ -260,7 +263,7 @@ async def test_an_unsigned_token_is_refused_whatever_it_claims(idp: Idp, http) -
     assert refused.value.code == "bad_alg"
 
 
-async def test_a_token_signed_by_hmac_with_the_providers_public_key_is_refused(idp: Idp, http) -> None:
+async def test_a_token_signed_by_hmac_with_the_providers_public_key_is_refused(idp: Idp, http: Http) -> None:
     session, _ = http
     head = b64url_encode(json.dumps({"alg": "HS256", "kid": idp.key.kid}).encode())
     body = b64url_encode(json.dumps(idp.id_claims(CLIENT_ID)).encode())
@@ -270,7 +273,9 @@ async def test_a_token_signed_by_hmac_with_the_providers_public_key_is_refused(i
         await client(idp, session).verify_id_token(f"{head}.{body}.{b64url_encode(mac)}", nonce=None)
 
 
-async def test_a_key_the_provider_rotated_in_is_fetched_once_and_made_up_kids_do_not_hammer_it(idp: Idp, http) -> None:
+async def test_a_key_the_provider_rotated_in_is_fetched_once_and_made_up_kids_do_not_hammer_it(
+    idp: Idp, http: Http
+) -> None:
     session, counted = http
     clock = Clock()
     c = client(idp, session, clock, jwks_refetch_s=30)
@@ -336,7 +341,7 @@ def test_a_state_is_taken_once_and_forgotten_after_its_time_or_when_too_many_wai
     assert logins.take(states[3]).provider == "corp"
 
 
-async def test_the_device_flow_is_pending_until_the_person_confirms_then_names_them(idp: Idp, http) -> None:
+async def test_the_device_flow_is_pending_until_the_person_confirms_then_names_them(idp: Idp, http: Http) -> None:
     session, _ = http
     c = client(idp, session)
     start = await c.start_device()
@@ -348,7 +353,7 @@ async def test_the_device_flow_is_pending_until_the_person_confirms_then_names_t
     assert who is not None and who.username == "bob" and who.groups == ("everyone",)
 
 
-async def test_a_device_sign_in_cancelled_at_the_provider_is_refused_as_access_denied(idp: Idp, http) -> None:
+async def test_a_device_sign_in_cancelled_at_the_provider_is_refused_as_access_denied(idp: Idp, http: Http) -> None:
     session, _ = http
     c = client(idp, session)
     start = await c.start_device()

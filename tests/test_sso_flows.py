@@ -10,11 +10,11 @@ import os
 import re
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode, urlsplit
 
 import aiohttp
+import msgspec
 import pytest
 
 from llmgw.events.runtime.store import EventStore
@@ -40,8 +40,7 @@ SECRET_ENV = "LLMGW_TEST_CORP_CLIENT_SECRET"
 LLMGW = str(Path(sys.executable).with_name("llmgw"))
 
 
-@dataclass
-class World:
+class World(msgspec.Struct):
     fleet: Fleet
     idp: Idp
 
@@ -257,8 +256,7 @@ async def test_a_device_poll_with_a_handle_never_given_is_a_404_and_bad_json_a_4
             assert r.status == 400
 
 
-@dataclass
-class CliLogin:
+class CliLogin(msgspec.Struct):
     said: str  # what it printed first: where to go and the code
     complete: str  # the address with the code in it
     rc: int

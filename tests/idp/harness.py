@@ -19,12 +19,12 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin
 
 import aiohttp
+import msgspec
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from llmgw.services.identity.oidc import DEVICE_GRANT, b64url_encode
@@ -44,8 +44,7 @@ def _int_b64(n: int) -> str:
     return b64url_encode(n.to_bytes((n.bit_length() + 7) // 8 or 1, "big"))
 
 
-@dataclass
-class SigningKey:
+class SigningKey(msgspec.Struct):
     """A key that signs JWTs: the provider's (in its JWKS) or another one (a forger's)."""
 
     kid: str
@@ -119,12 +118,13 @@ def sign_jwt(claims: dict[str, Any], key: SigningKey | None, *, header: dict[str
     return signing_input.decode() + "." + b64url_encode(signature)
 
 
-@dataclass
-class Client:
+class Client(msgspec.Struct):
+    """A client registered at the provider (llmgw, as the provider knows it)."""
+
     client_id: str
     client_secret: str
-    redirect_uris: list[str] = field(default_factory=list)
-    grant_types: list[str] = field(default_factory=lambda: ["authorization_code", DEVICE_GRANT])
+    redirect_uris: list[str] = msgspec.field(default_factory=list)
+    grant_types: list[str] = msgspec.field(default_factory=lambda: ["authorization_code", DEVICE_GRANT])
 
 
 def unavailable_reason() -> str | None:
@@ -176,7 +176,7 @@ class Idp:
         env = {
             **os.environ,
             "IDP_PORT": str(self.port),
-            "IDP_CLIENTS": json.dumps([c.__dict__ for c in self.clients]),
+            "IDP_CLIENTS": msgspec.json.encode(self.clients).decode(),
             "IDP_JWKS": json.dumps({"keys": [k.private_jwk() for k in self.keys]}),
             "IDP_USERS": json.dumps(self.users),
             "IDP_DEVICE_INTERVAL": str(self.device_interval_s),
