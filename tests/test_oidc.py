@@ -315,6 +315,8 @@ def test_the_id_token_checks_are_pure_over_plain_claims() -> None:
         check_id_token({**claims, "nbf": 1500}, issuer="https://idp", client_id="c", nonce=None, now=1200)
     with pytest.raises(OidcError, match="issued in the future"):
         check_id_token({**claims, "iat": 1300}, issuer="https://idp", client_id="c", nonce=None, now=1200, skew_s=10)
+    with pytest.raises(OidcError, match="nonce does not match"):
+        check_id_token({**claims, "nonce": "é"}, issuer="https://idp", client_id="c", nonce="ü", now=1200)
     with pytest.raises(OidcError, match="no exp time"):
         check_id_token(
             {k: v for k, v in claims.items() if k != "exp"}, issuer="https://idp", client_id="c", nonce=None, now=1200

@@ -178,6 +178,20 @@ async def test_a_callback_replayed_after_it_signed_someone_in_is_refused(world: 
         assert "already used" in await r.text()
 
 
+async def test_a_callback_link_made_in_another_browser_does_not_sign_this_one_in(world: World) -> None:
+    async with browser() as attacker:
+        async with attacker.get(f"{world.url}/console/sso/corp", allow_redirects=False) as r:
+            to_provider = r.headers["Location"]
+        link = await sign_in_over_http(attacker, to_provider, "bob", USERS["bob"]["password"], stop_at=world.callback)
+    async with browser() as victim:
+        async with victim.get(f"{world.url}/console/sso/corp", allow_redirects=False):
+            pass  # the victim's browser has a sign-in of its own under way
+        async with victim.get(link, allow_redirects=False) as r:
+            assert r.status == 400
+            assert "this sign-in was started in another browser" in await r.text()
+        assert session_cookie(victim) == ""
+
+
 async def test_a_next_that_points_at_another_host_lands_on_the_console(world: World) -> None:
     async with browser() as b:
         for target in ("https://evil.example.org/console", "//evil.example.org/console"):
@@ -338,6 +352,7 @@ async def test_an_answer_naming_another_issuer_is_refused_as_a_mix_up(world: Wor
         ("GET", "/console/sso/corp/callback?state=&code=", None),
         ("GET", "/console/sso/corp/callback?state=x&error=%3Cscript%3E&error_description=" + "x" * 5000, None),
         ("POST", "/api/v1/login/sso/nope/device", b""),
+        ("GET", "/console/sso/corp/callback?state=%C3%A9&code=%C3%A9&iss=%C3%A9", None),
         ("POST", "/api/v1/login/sso/corp/device", b"\xff\xfe not json at all"),
         ("POST", "/api/v1/login/sso/device/poll", b"[]"),
         ("POST", "/api/v1/login/sso/device/poll", b'{"handle": 5}'),
@@ -358,3 +373,16 @@ async def test_a_refused_sign_in_shows_the_sign_in_page_with_the_button_to_try_a
     async with browser() as b, b.get(f"{world.url}/console/sso/corp/callback?state=gone&code=x") as r:
         assert r.status == 400
         assert 'id="sso-corp"' in await r.text()
+
+
+async def test_a_browser_cookie_that_is_not_ascii_is_a_refusal_not_a_server_error(world: World) -> None:
+    async with browser() as b:
+        async with b.get(f"{world.url}/console/sso/corp", allow_redirects=False) as r:
+            to_provider = r.headers["Location"]
+        back = await sign_in_over_http(b, to_provider, "bob", USERS["bob"]["password"], stop_at=world.callback)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(back, headers={"Cookie": "llmgw_sso_browser=été"}, allow_redirects=False) as r,
+    ):
+        assert r.status == 400
+        assert "started in another browser" in await r.text()

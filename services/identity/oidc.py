@@ -83,6 +83,7 @@ class PendingLogin(msgspec.Struct, frozen=True, kw_only=True):
     redirect_uri: str
     next: str
     created: float
+    browser: str = ""  # the browser that started it (a cookie's value): only it may finish it
 
 
 # -- pure parts ---------------------------------------------------------------------------------------------
@@ -277,7 +278,7 @@ def check_id_token(
     if isinstance(nbf, int | float) and nbf > now + skew_s:
         raise OidcError("not_yet_valid", f"the ID token is not valid before {_when(nbf)} ({skew}): check the clocks")
     if nonce is not None and not (
-        isinstance(claims.get("nonce"), str) and secrets.compare_digest(claims["nonce"], nonce)
+        isinstance(claims.get("nonce"), str) and secrets.compare_digest(claims["nonce"].encode(), nonce.encode())
     ):
         raise OidcError(
             "wrong_nonce",
@@ -330,7 +331,9 @@ class PendingLogins:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def begin(self, provider: str, redirect_uri: str, next_path: str) -> tuple[str, PendingLogin, Pkce]:
+    def begin(
+        self, provider: str, redirect_uri: str, next_path: str, browser: str = ""
+    ) -> tuple[str, PendingLogin, Pkce]:
         """A new sign-in: its state, what is kept for its callback, and the PKCE pair (the challenge goes out)."""
         self._expire()
         pkce = new_pkce()
@@ -342,6 +345,7 @@ class PendingLogins:
             redirect_uri=redirect_uri,
             next=next_path,
             created=self.clock(),
+            browser=browser,
         )
         self._pending[state] = pending
         while len(self._pending) > self.limit:

@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("llmgw.services.identity.sso")
 
 OPEN_PREFIX = "/api/v1/login/sso/"  # the device flow's calls: made before anyone holds a token
+# Binds a sign-in to the browser that started it, so a callback link made by someone else (their code, their
+# state) cannot sign this browser in as them. SameSite=Lax: it must come along on the provider's redirect back.
+BROWSER_COOKIE = "llmgw_sso_browser"
 DEVICE_LIMIT = 10_000
 SLOW_DOWN_S = 5
 
@@ -203,7 +206,8 @@ class Sso:
         try:
             client = self.client(name)
             redirect_uri = self.redirect_uri(request, name)
-            state, pending, pkce = self.logins.begin(name, redirect_uri, next_path)
+            browser = request.cookies.get(BROWSER_COOKIE) or secrets.token_urlsafe(32)
+            state, pending, pkce = self.logins.begin(name, redirect_uri, next_path, browser=browser[:64])
             url = await client.authorization_url(redirect_uri, state, pending.nonce, pkce.challenge)
         except Refused as exc:
             return self._page(request, exc.status, exc.message, next_path, exc.code)
@@ -214,7 +218,17 @@ class Sso:
                 f"the identity provider {name} cannot sign anyone in: {exc.message}",
                 next_path,
             )
-        raise web.HTTPSeeOther(location=url)
+        response = web.HTTPSeeOther(location=url)
+        response.set_cookie(
+            BROWSER_COOKIE,
+            pending.browser,
+            max_age=int(self.logins.ttl_s),
+            path="/console/sso/",
+            httponly=True,
+            samesite="Lax",
+            secure=request.secure,
+        )
+        raise response
 
     async def callback(self, request: web.Request) -> web.StreamResponse:
         """``GET /console/sso/{provider}/callback?code&state``: the person back from the provider."""
@@ -224,6 +238,13 @@ class Sso:
             pending = self.logins.take(query.get("state", ""))
         except OidcError as exc:
             return self._page(request, 400, exc.message)
+        if not secrets.compare_digest(pending.browser.encode(), request.cookies.get(BROWSER_COOKIE, "")[:64].encode()):
+            return self._page(
+                request,
+                400,
+                "this sign-in was started in another browser (or this one forgot its cookie): start it again here",
+                pending.next,
+            )
         if pending.provider != name:
             return self._page(
                 request, 400, "this sign-in was started with another identity provider: start it again", pending.next
