@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.events.folds.identity import Identity, ScimToken
+from llmgw.events.folds.people import Person
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import identity as I
 from llmgw.events.schema import people as P
@@ -488,6 +489,7 @@ async def test_a_mapped_group_grants_its_members_the_role_and_revokes_it_when_th
 ) -> None:
     mapping = I.MapGroup(provider=I.SCIM, group="ML-Admins", role="viewer", scope="cluster")
     await fleet.client.send(I.SERVICE, "idp.map", mapping, actor="user:tester")
+    await wait_until(lambda: fleet.handles["signin"].identity.mappings_of(I.SCIM), what="the mapping to be read")
     frank, gina = await idp.user("frank"), await idp.user("gina")
     people = fleet.handles["signin"].people
 
@@ -523,6 +525,34 @@ async def test_a_mapped_group_grants_its_members_the_role_and_revokes_it_when_th
         return {"scimgroup.set", "scimgroup.removed", "user.role_granted", "user.role_revoked"} <= kinds
 
     assert await wait_until(logged, what="the groups' changes and the roles they moved, as svc:scim")
+
+
+async def test_a_mapping_made_after_its_group_reaches_the_members_the_next_time_the_group_is_touched(
+    fleet: Fleet, idp: Scim
+) -> None:
+    await idp.user("jo")
+    _, group = await idp.call("POST", "/Groups", {"displayName": "readers", "members": [{"value": "jo"}]})
+    people = fleet.handles["signin"].people
+    assert people.by_name["jo"].roles == [] and people.by_name["jo"].groups == {"scim": ("readers",)}
+    mapping = I.MapGroup(provider=I.SCIM, group="readers", role="viewer", scope="cluster")
+    await fleet.client.send(I.SERVICE, "idp.map", mapping, actor="user:tester")
+    await wait_until(lambda: fleet.handles["signin"].identity.mappings_of(I.SCIM), what="the mapping to be read")
+    touch = {"schemas": [PATCH], "Operations": [{"op": "replace", "path": "externalId", "value": "okta-7"}]}
+    status, _ = await idp.call("PATCH", f"/Groups/{group['id']}", touch)
+    assert status == 200 and people.by_name["jo"].roles == [("viewer", "cluster")]
+
+
+def test_a_persons_roles_lag_their_groups_until_synced_and_roles_granted_by_hand_are_not_theirs_to_sync() -> None:
+    grant = P.MappedGrant(role="viewer", scope="cluster", group="readers", mapping="m1")
+    now = datetime.now(UTC)
+    jo = Person(name="jo", added_at=now, source="scim", groups={"scim": ("readers",)})
+    assert scim.roles_lag(jo, ("readers",), (grant,))  # not held yet
+    jo.roles, jo.granted_by = [("viewer", "cluster")], {"viewer cluster": ("scim", "readers", "m1")}
+    assert not scim.roles_lag(jo, ("readers",), (grant,))
+    assert scim.roles_lag(jo, ("readers", "writers"), (grant,))  # groups changed
+    assert scim.roles_lag(jo, ("readers",), ())  # the mapping went: SCIM's grant must go
+    by_hand = Person(name="kim", added_at=now, source="scim", roles=[("viewer", "cluster")], groups={"scim": ()})
+    assert not scim.roles_lag(by_hand, (), ())
 
 
 async def test_a_group_names_people_only_once_each_name_once(fleet: Fleet, idp: Scim) -> None:

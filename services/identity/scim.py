@@ -121,6 +121,15 @@ def groups_by_person(identity: Identity) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
+def roles_lag(person: Person, groups: tuple[str, ...], grants: Sequence[P.MappedGrant]) -> bool:
+    """Whether ``person``'s roles from SCIM are not yet what ``groups`` grant (pure): the groups last
+    recorded differ, a role granted is not held, or a role SCIM granted is no longer granted."""
+    wanted = {(g.role, g.scope) for g in grants}
+    from_scim = {(r, s) for r, s in person.roles if (person.via(r, s) or ("",))[0] == I.SCIM}
+    held = set(person.roles)
+    return person.groups.get(I.SCIM, ()) != groups or not wanted <= held or not from_scim <= wanted
+
+
 def refused(exc: CommandError) -> R.ScimError:
     """A command's refusal as the SCIM answer a provider can act on."""
     if not isinstance(exc, CommandRejectedError):
@@ -489,9 +498,7 @@ class ScimApi:
         self._check_members(m for m in fields.members if m not in before)
         if old is None or group_fields_of(old) != fields:
             await self._set_group(group_id, fields)
-        renamed = old is not None and old.display_name != fields.display_name
-        moved = set(before) ^ set(fields.members) if not renamed else set(before) | set(fields.members)
-        await self.sync_roles(moved)
+        await self.sync_roles({*before, *fields.members})
         group = self.scim_group(group_id)
         return self.shaped(request, self.group_resource(request, group), 201 if old is None else 200)
 
@@ -516,7 +523,9 @@ class ScimApi:
         return web.Response(status=204)
 
     async def sync_roles(self, names: Iterable[str]) -> None:
-        """Make the roles of each of ``names`` follow their SCIM groups' mappings, as folded now."""
+        """Make the roles of each of ``names`` follow their SCIM groups' mappings, as folded now: those who
+        joined or left a group, those of a group renamed, and any whose roles lag (a sync that failed, a
+        mapping made since), so touching a group heals its members."""
         signin = self.signin()
         identity, people = signin.identity, signin.people
         last = 0
@@ -526,6 +535,8 @@ class ScimApi:
                 continue
             groups = tuple(sorted(g.display_name for g in identity.scim_groups_of(name)))
             grants = grants_for(identity.mappings_of(I.SCIM), groups)
+            if not roles_lag(person, groups, grants):
+                continue
             command = P.SyncRoles(name=name, provider=I.SCIM, groups=groups, grants=grants)
             try:
                 last = max(last, await self.send(P.SERVICE, "user.sync-roles", command))
