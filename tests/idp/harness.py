@@ -9,6 +9,7 @@ own login page with plain HTTP (no browser) and returns where it sends the perso
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import selectors
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -166,6 +168,7 @@ class Idp:
         self.issuer = ""
         self.proc: subprocess.Popen[bytes] | None = None
         self.output: list[str] = []
+        self._drainer: threading.Thread | None = None
 
     @property
     def key(self) -> SigningKey:
@@ -189,7 +192,16 @@ class Idp:
         self.issuer = issuer
         self.port = int(issuer.rsplit(":", 1)[1])
         self._await_discovery(deadline)
+        # Keep reading what it prints (a full pipe would block it), the last lines kept for a failure's report.
+        self._drainer = threading.Thread(target=self._drain, args=(self.proc,), daemon=True)
+        self._drainer.start()
         return self
+
+    def _drain(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        with contextlib.suppress(ValueError, OSError):  # closed by stop()
+            for line in iter(proc.stdout.readline, b""):
+                self.output = [*self.output[-199:], line.decode(errors="replace").rstrip()]
 
     def _await_line(self, pattern: re.Pattern[str], deadline: float) -> str:
         assert self.proc is not None and self.proc.stdout is not None
@@ -243,6 +255,9 @@ class Idp:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._drainer is not None:
+            self._drainer.join(timeout=10)  # it ends at the pipe's end, now the process has
+            self._drainer = None
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self.proc = None
