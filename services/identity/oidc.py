@@ -593,10 +593,7 @@ class OidcClient:
                     f"the identity provider's userinfo names sub={info.get('sub')!r}, "
                     f"not the ID token's {claims['sub']!r}",
                 )
-            merged = {**info, **claims}
-            for name in (self.settings.groups_claim, self.settings.username_claim):
-                if name not in claims and name in info:
-                    merged[name] = info[name]
+            merged = {**info, **claims}  # the signed token's claims win; userinfo fills in the rest
         return identity_from_claims(self.name, self.settings, merged)
 
     def _remember_nonce(self, nonce: str, until: float, now: float) -> None:
