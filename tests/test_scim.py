@@ -4,6 +4,7 @@ groups whose mappings grant and revoke roles, and the refusals an identity provi
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -553,6 +554,43 @@ def test_a_persons_roles_lag_their_groups_until_synced_and_roles_granted_by_hand
     assert scim.roles_lag(jo, ("readers",), ())  # the mapping went: SCIM's grant must go
     by_hand = Person(name="kim", added_at=now, source="scim", roles=[("viewer", "cluster")], groups={"scim": ()})
     assert not scim.roles_lag(by_hand, (), ())
+
+
+async def test_members_added_to_one_group_in_parallel_all_land(fleet: Fleet, idp: Scim) -> None:
+    names = [f"p{i}" for i in range(6)]
+    for name in names:
+        await idp.user(name)
+    _, group = await idp.call("POST", "/Groups", {"displayName": "everyone"})
+
+    def add(name: str) -> dict[str, Any]:
+        return {"schemas": [PATCH], "Operations": [{"op": "add", "path": "members", "value": [{"value": name}]}]}
+
+    # Entra ID sends one PATCH per member, several at once: none may be lost to another's write.
+    answers = await asyncio.gather(*(idp.call("PATCH", f"/Groups/{group['id']}", add(n)) for n in names))
+    assert [status for status, _ in answers] == [200] * len(names)
+    _, got = await idp.call("GET", f"/Groups/{group['id']}")
+    assert sorted(m["value"] for m in got["members"]) == names
+
+
+async def test_a_key_is_locked_for_one_holder_at_a_time_and_forgotten_once_free() -> None:
+    locks, order = scim.KeyedLocks(), []
+
+    async def hold(key: str, tag: str, release: asyncio.Event) -> None:
+        async with locks.hold(key):
+            order.append(f"{tag} in")
+            await release.wait()
+            order.append(f"{tag} out")
+
+    first, second, other = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    tasks = [asyncio.create_task(hold("g", "a", first)), asyncio.create_task(hold("g", "b", second))]
+    tasks.append(asyncio.create_task(hold("h", "c", other)))
+    await wait_until(lambda: order == ["a in", "c in"], what="a and c to hold their keys, b to wait")
+    first.set()
+    await wait_until(lambda: order[-1] == "b in", what="b to get g once a let go")
+    second.set()
+    other.set()
+    await asyncio.gather(*tasks)
+    assert len(locks) == 0
 
 
 async def test_a_group_names_people_only_once_each_name_once(fleet: Fleet, idp: Scim) -> None:

@@ -14,9 +14,11 @@ What is kept and published is in :mod:`.scim_resources`; filters and PATCH paths
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -146,6 +148,30 @@ def refused(exc: CommandError) -> R.ScimError:
 # -- the endpoint --------------------------------------------------------------------------------------
 
 
+class KeyedLocks:
+    """A lock per key, kept only while someone holds or waits for it (so bounded by the requests in flight)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._held.get(key, (asyncio.Lock(), 0))
+        self._held[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._held[key]
+            if users == 1:
+                del self._held[key]
+            else:
+                self._held[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
 class ScimApi:
     """``/scim/v2``: its own bearer tokens, its own error shape, every change sent as svc:scim."""
 
@@ -153,6 +179,9 @@ class ScimApi:
         self.store = store
         self._signin_of = signin
         self.client = CommandClient.for_service(store, SERVICE)
+        # One change at a time per resource in this process: identity providers send changes to one group
+        # in parallel (Entra ID does), and each is read, changed and written whole.
+        self.locks = KeyedLocks()
 
     def app(self) -> web.Application:
         """The sub-application mounted at :data:`PREFIX` (its middlewares answer every error SCIM's way)."""
@@ -367,6 +396,10 @@ class ScimApi:
 
     async def create_user(self, request: web.Request) -> web.Response:
         fields = R.user_fields(await self.body(request))
+        async with self.locks.hold(f"login:{fields.user_name.lower()}"):
+            return await self._create_user(request, fields)
+
+    async def _create_user(self, request: web.Request, fields: R.UserFields) -> web.Response:
         self._clash(fields.user_name, None)
         people = self.signin().people
         local = people.by_name.get(P.person_name(fields.user_name))
@@ -399,21 +432,30 @@ class ScimApi:
         return self.shaped(request, self.user_now(request, person.name))
 
     async def replace_user(self, request: web.Request) -> web.Response:
-        person = self.scim_person(request.match_info["id"])
-        return await self._change_user(request, person, R.user_fields(await self.body(request), user_fields_of(person)))
+        body = await self.body(request)
+        async with self.locks.hold(f"user:{request.match_info['id']}"):
+            person = self.scim_person(request.match_info["id"])
+            return await self._change_user(request, person, R.user_fields(body, user_fields_of(person)))
 
     async def patch_user(self, request: web.Request) -> web.Response:
-        person = self.scim_person(request.match_info["id"])
-        fields = R.patch_user(user_fields_of(person), R.operations(await self.body(request)))
-        return await self._change_user(request, person, fields)
+        ops = R.operations(await self.body(request))
+        async with self.locks.hold(f"user:{request.match_info['id']}"):
+            person = self.scim_person(request.match_info["id"])
+            return await self._change_user(request, person, R.patch_user(user_fields_of(person), ops))
 
     async def delete_user(self, request: web.Request) -> web.Response:
-        person = self.scim_person(request.match_info["id"])
+        async with self.locks.hold(f"user:{request.match_info['id']}"):
+            return await self._delete_user(self.scim_person(request.match_info["id"]))
+
+    async def _delete_user(self, person: Person) -> web.Response:
         identity = self.signin().identity
         # Out of their groups first: a name freed here must not inherit a membership later.
-        for g in identity.scim_groups_of(person.name):
-            members = tuple(m for m in g.members if m != person.name)
-            await self._set_group(g.group_id, msgspec.structs.replace(group_fields_of(g), members=members))
+        for group_id in [g.group_id for g in identity.scim_groups_of(person.name)]:
+            async with self.locks.hold(f"group:{group_id}"):
+                g = identity.scim_groups.get(group_id)
+                if g is not None and person.name in g.members:
+                    members = tuple(m for m in g.members if m != person.name)
+                    await self._set_group(group_id, msgspec.structs.replace(group_fields_of(g), members=members))
         seq = await self.send(P.SERVICE, "user.remove", P.RemoveUser(name=person.name))
         people = self.signin().people
         await self.seen(lambda: person.name not in people.by_name and people.position >= seq, f"removing {person.name}")
@@ -506,20 +548,24 @@ class ScimApi:
         return await self._write_group(request, new_id(), None, R.group_fields(await self.body(request)))
 
     async def replace_group(self, request: web.Request) -> web.Response:
-        old = self.scim_group(request.match_info["id"])
-        return await self._write_group(request, old.group_id, old, R.group_fields(await self.body(request)))
+        fields = R.group_fields(await self.body(request))
+        async with self.locks.hold(f"group:{request.match_info['id']}"):
+            old = self.scim_group(request.match_info["id"])
+            return await self._write_group(request, old.group_id, old, fields)
 
     async def patch_group(self, request: web.Request) -> web.Response:
-        old = self.scim_group(request.match_info["id"])
-        fields = R.patch_group(group_fields_of(old), R.operations(await self.body(request)))
-        return await self._write_group(request, old.group_id, old, fields)
+        ops = R.operations(await self.body(request))
+        async with self.locks.hold(f"group:{request.match_info['id']}"):
+            old = self.scim_group(request.match_info["id"])
+            return await self._write_group(request, old.group_id, old, R.patch_group(group_fields_of(old), ops))
 
     async def delete_group(self, request: web.Request) -> web.Response:
-        group = self.scim_group(request.match_info["id"])
-        identity = self.signin().identity
-        await self.send(I.SERVICE, "scim.group-remove", I.RemoveScimGroup(group_id=group.group_id))
-        await self.seen(lambda: group.group_id not in identity.scim_groups, f"removing group {group.display_name}")
-        await self.sync_roles(group.members)
+        async with self.locks.hold(f"group:{request.match_info['id']}"):
+            group = self.scim_group(request.match_info["id"])
+            identity = self.signin().identity
+            await self.send(I.SERVICE, "scim.group-remove", I.RemoveScimGroup(group_id=group.group_id))
+            await self.seen(lambda: group.group_id not in identity.scim_groups, f"removing group {group.display_name}")
+            await self.sync_roles(group.members)
         return web.Response(status=204)
 
     async def sync_roles(self, names: Iterable[str]) -> None:
