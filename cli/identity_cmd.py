@@ -263,7 +263,7 @@ def ldap_add(
         bind_password_env=bind_password_env,
         group_base=group_base,
         active_directory=active_directory,
-        **more,  # type: ignore[arg-type]
+        **more,
     )
     _send(ctx, "idp.set", I.SetProvider(name=name, kind="ldap", display_name=display_name, ldap=settings))
 
