@@ -39,7 +39,7 @@ from llmgw.services.api.signin import Identity, Refused
 from llmgw.services.console import session as SES
 from llmgw.services.console.forms import BadInput, refused
 from llmgw.services.console.i18n import LANGUAGES, Catalog, Formats, negotiate
-from llmgw.services.console.page import Ctx, Page
+from llmgw.services.console.page import IDEMPOTENCY, Ctx, Page
 from llmgw.services.console.pages.identity import login_choices
 from llmgw.services.console.source import Moments, Source, live_source, source_at
 
@@ -301,7 +301,7 @@ class Console:
                 reason=f"no console action {request.match_info['page']}/{request.match_info['action']}"
             )
         if form.get("idem"):
-            request["console_idem"] = form["idem"]
+            request[IDEMPOTENCY] = form["idem"]
         now = await live_source(self.api)
         ctx = self._ctx(request, who, token, lang, now, now, page)
         try:

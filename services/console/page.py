@@ -22,6 +22,8 @@ from llmgw.services.api.act import Outcome, act, command_id_for
 from llmgw.services.api.signin import Identity
 from llmgw.services.console.source import Source
 
+IDEMPOTENCY = web.RequestKey("console_idem", str)  # the form's ``idem`` field, the command's Idempotency-Key
+
 if TYPE_CHECKING:
     from llmgw.services.api.app import AdminApi
     from llmgw.services.console.i18n import Formats
@@ -87,6 +89,6 @@ class Ctx:
 
     async def act(self, service: str, verb: str, payload: msgspec.Struct) -> Outcome:
         """Send one command as the signed-in person; the form's ``idem`` field is its Idempotency-Key."""
-        idem = self.request.get("console_idem")
+        idem = self.request.get(IDEMPOTENCY)
         command_id = command_id_for(self.who.name, idem) if idem else None
         return await act(self.api.store, self.token, service, verb, payload, command_id=command_id)
