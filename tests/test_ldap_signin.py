@@ -89,7 +89,7 @@ async def signed_in(fleet: Fleet, user: str) -> dict[str, Any]:
     """``user``'s sign-in, once the admin API has folded the directory and its mappings just sent."""
 
     async def attempt() -> dict[str, Any] | None:
-        status, body = await login(fleet, user, PASSWORDS[user])
+        status, body = await login(fleet, user, PASSWORDS[user.lower()])
         # Until the sign-in's fold reads them: "unknown_provider", then "no_mapped_group" (neither records
         # anything); any other refusal is the test's failure, at once.
         if status in (400, 403) and error(body)[0] in ("unknown_provider", "no_mapped_group"):
@@ -114,7 +114,8 @@ async def test_alice_signs_in_with_her_directory_password_and_gets_the_roles_her
     slapd: Slapd, fleet: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ids = await directory_with_mappings(fleet, slapd, monkeypatch)
-    session = await signed_in(fleet, "alice")
+    session = await signed_in(fleet, "ALICE")  # directories match names without case; the answer is her name here
+    assert session["user"] == "alice"
     status, me = await whoami(fleet, session["token"])
     assert (status, me["user"], me["token"]) == (200, "alice", "session")
 

@@ -262,7 +262,7 @@ class AdminApi:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return error(400, f'send {{"user": NAME, "password": PASSWORD}} as JSON: {exc}', "invalid_request")
         try:
-            token, expires = await self._signin().login(
+            token, expires, name = await self._signin().login(
                 body.user, body.password, request.remote or "unknown", provider=body.provider
             )
         except Refused as exc:
@@ -270,7 +270,7 @@ class AdminApi:
             if exc.retry_after_s:
                 resp.headers["Retry-After"] = str(exc.retry_after_s)
             return resp
-        return web.json_response({"token": token, "user": body.user, "expires_at": expires.isoformat()})
+        return web.json_response({"token": token, "user": name, "expires_at": expires.isoformat()})
 
     async def openapi(self, request: web.Request) -> web.Response:
         """This API's OpenAPI 3.1 document (services/api/openapi.py), open to anyone: it holds no data."""

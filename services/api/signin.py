@@ -188,12 +188,12 @@ class SignIn:
     def identify(self, authorization: str) -> Identity | Refused:
         return identify(self.people, authorization, self.now())
 
-    async def login(self, name: str, password: str, address: str, provider: str = "") -> tuple[str, datetime]:
-        """A new session token for ``name`` and when it expires; raises :class:`Refused`. With ``provider``
-        (an LDAP directory's name here) the directory checks the password, else this server does."""
+    async def login(self, name: str, password: str, address: str, provider: str = "") -> tuple[str, datetime, str]:
+        """A new session token, when it expires, and the name of the person signed in (a directory's user
+        name may differ from it: ``ALICE`` is alice); raises :class:`Refused`. With ``provider`` (an LDAP
+        directory's name here) the directory checks the password, else this server does."""
         if provider:
-            token, expires, _ = await self.login_ldap(provider, name, password, address)
-            return token, expires
+            return await self.login_ldap(provider, name, password, address)
         verdict = self.throttle.begin(address, self.clock())
         if not verdict.allowed:
             raise Refused(429, "too_many_logins", verdict.reason, verdict.retry_after_s)
@@ -212,7 +212,8 @@ class SignIn:
         expires = self.now() + timedelta(hours=self.session_hours)
         if self.identity.providers:  # a local password beside the company's sign-in: the break-glass way in
             log.warning("signed in with a local password (break-glass)", user=person.name, address=address)
-        return await self._session(person.name, address, "password")
+        token, expires = await self._session(person.name, address, "password")
+        return token, expires, person.name
 
     async def _session(self, name: str, address: str, method: str) -> tuple[str, datetime]:
         """Issue ``name`` a session token (a command signed for them, so the log says who signed in, when

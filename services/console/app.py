@@ -230,7 +230,9 @@ class Console:
         if not user or not password:
             return self.render("login.html", 400, **base, next=target, user=user, error=base["t"]("core.login.empty"))
         try:
-            token, expires = await self.api.signin.login(user, password, request.remote or "unknown", provider=provider)
+            token, expires, _ = await self.api.signin.login(
+                user, password, request.remote or "unknown", provider=provider
+            )
         except Refused as exc:
             response = self.render(
                 "login.html",
