@@ -36,6 +36,7 @@ class Person(msgspec.Struct, kw_only=True):
     disabled: bool = False
     disabled_reason: str = ""
     added_at: datetime
+    changed_at: datetime | None = None  # the time of their last event (SCIM's lastModified)
     tokens: dict[str, Token] = {}  # token id -> token (revoked ones are dropped)
     roles: list[tuple[str, str]] = []  # (role, scope on the log), each once, in the order granted
     language: str = ""  # the console's language they chose ("" : their browser's)
@@ -69,6 +70,8 @@ class People(msgspec.Struct, kw_only=True):
             return
         p = event.payload
         person = self.by_name.get(name)
+        if person is not None:
+            person.changed_at = event.envelope.at
         if isinstance(p, P.UserAdded):
             self.by_name[name] = Person(
                 name=name,

@@ -339,6 +339,7 @@ class ScimApi:
             name=person.name,
             fields=user_fields_of(person),
             created=person.added_at,
+            modified=person.changed_at,
             groups=groups,
             base=self.base(request),
         )

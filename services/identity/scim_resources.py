@@ -274,6 +274,7 @@ def render_user(
     created: datetime,
     groups: Sequence[tuple[str, str]],
     base: str,
+    modified: datetime | None = None,
 ) -> dict[str, Any]:
     """A person as a SCIM User; ``groups``: (id, displayName) of the SCIM groups holding them."""
     user: dict[str, Any] = {"schemas": [USER_SCHEMA], "id": name}
@@ -289,8 +290,12 @@ def render_user(
         user["groups"] = [
             {"value": gid, "$ref": f"{base}/Groups/{gid}", "display": shown} for gid, shown in sorted(groups)
         ]
-    # A person keeps when they were added, not when last changed: lastModified is left out rather than guessed.
-    user["meta"] = {"resourceType": "User", "created": _iso(created), "location": f"{base}/Users/{name}"}
+    user["meta"] = {
+        "resourceType": "User",
+        "created": _iso(created),
+        "lastModified": _iso(modified or created),
+        "location": f"{base}/Users/{name}",
+    }
     return user
 
 
