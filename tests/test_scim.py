@@ -20,6 +20,7 @@ from llmgw.events.folds.people import Person
 from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import identity as I
 from llmgw.events.schema import people as P
+from llmgw.events.schema.subjects import event_subject
 from llmgw.services.console import session as SES
 from llmgw.services.identity import scim
 from llmgw.services.identity import scim_resources as R
@@ -528,19 +529,25 @@ async def test_a_mapped_group_grants_its_members_the_role_and_revokes_it_when_th
     assert await wait_until(logged, what="the groups' changes and the roles they moved, as svc:scim")
 
 
-async def test_a_mapping_made_after_its_group_reaches_the_members_the_next_time_the_group_is_touched(
+async def test_a_mapping_made_after_its_group_reaches_its_members_at_once_and_its_removal_too(
     fleet: Fleet, idp: Scim
 ) -> None:
     await idp.user("jo")
-    _, group = await idp.call("POST", "/Groups", {"displayName": "readers", "members": [{"value": "jo"}]})
+    await idp.call("POST", "/Groups", {"displayName": "readers", "members": [{"value": "jo"}]})
     people = fleet.handles["signin"].people
     assert people.by_name["jo"].roles == [] and people.by_name["jo"].groups == {"scim": ("readers",)}
     mapping = I.MapGroup(provider=I.SCIM, group="readers", role="viewer", scope="cluster")
-    await fleet.client.send(I.SERVICE, "idp.map", mapping, actor="user:tester")
-    await wait_until(lambda: fleet.handles["signin"].identity.mappings_of(I.SCIM), what="the mapping to be read")
-    touch = {"schemas": [PATCH], "Operations": [{"op": "replace", "path": "externalId", "value": "okta-7"}]}
-    status, _ = await idp.call("PATCH", f"/Groups/{group['id']}", touch)
-    assert status == 200 and people.by_name["jo"].roles == [("viewer", "cluster")]
+    done = await fleet.client.send(I.SERVICE, "idp.map", mapping, actor="user:tester")
+    # Nothing touches the group: the mapping itself reaches jo.
+    await wait_until(lambda: people.by_name["jo"].roles == [("viewer", "cluster")], what="jo to be granted viewer")
+    granted = [
+        e for e in await fleet.store.read(event_subject(P.AGGREGATE, "jo")) if isinstance(e.payload, P.RoleGranted)
+    ]
+    assert [(e.envelope.actor, e.payload.mapping) for e in granted] == [("svc:scim", done.result["mapping"])]
+
+    unmap = I.UnmapGroup(provider=I.SCIM, mapping=str(done.result["mapping"]))
+    await fleet.client.send(I.SERVICE, "idp.unmap", unmap, actor="user:tester")
+    await wait_until(lambda: people.by_name["jo"].roles == [], what="jo's viewer to go with its mapping")
 
 
 def test_a_persons_roles_lag_their_groups_until_synced_and_roles_granted_by_hand_are_not_theirs_to_sync() -> None:

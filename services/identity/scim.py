@@ -207,7 +207,39 @@ class ScimApi:
         r.add_patch("/Groups/{id}", self.patch_group)
         r.add_delete("/Groups/{id}", self.delete_group)
         r.add_post("/.search", self.search_all)
+        app.cleanup_ctx.append(self._following_mappings)
         return app
+
+    async def _following_mappings(self, app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.follow_mappings(), name="scim-mappings")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def follow_mappings(self) -> None:
+        """A SCIM group mapped to a role (or unmapped) reaches its members at once, not at the group's next
+        change: each time the mappings of ``scim`` change, every SCIM member's roles are brought in line.
+        Every admin API process does it; the second to send a sync is answered "so already"."""
+        seen: tuple[str, ...] | None = None
+        while True:
+            signin = self._signin_of()
+            if signin is None:
+                return
+            current = tuple(m.mapping_id for m in signin.identity.mappings_of(I.SCIM))
+            if current != seen:
+                if seen is not None or current:
+                    members = {name for g in signin.identity.scim_groups.values() for name in g.members}
+                    try:
+                        await self.sync_roles(members)
+                    except Exception:  # the next change tries again; a failed sync is healed by touching a group
+                        log.exception("SCIM members' roles could not follow a changed mapping")
+                seen = current
+
+            def changed(then: tuple[str, ...] = current, s: SignIn = signin) -> bool:
+                return tuple(m.mapping_id for m in s.identity.mappings_of(I.SCIM)) != then
+
+            await signin.folded(changed, deadline_s=60.0)
 
     # -- plumbing ----------------------------------------------------------------------------------
 
