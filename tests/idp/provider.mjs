@@ -188,6 +188,9 @@ server.listen(port, '127.0.0.1', () => {
   callback = provider.callback();
   console.log(`listening ${issuer}`);
 });
-const stop = () => server.close(() => process.exit(0));
+const stop = () => {
+  server.close(() => process.exit(0));
+  server.closeAllConnections(); // kept-alive connections would hold close() open (node 18 does not end idle ones)
+};
 process.on('SIGTERM', stop);
 process.on('SIGINT', stop);
