@@ -22,6 +22,8 @@ from llmgw.events.schema import identity as I
 from llmgw.events.schema import people as P
 from llmgw.events.schema.subjects import event_subject
 from llmgw.services.console import session as SES
+from llmgw.services.identity.oidc import DeviceStart
+from llmgw.services.identity.sso import PER_ADDRESS, PendingDevices
 from tests.fleet import Fleet
 from tests.idp.harness import (
     USERS,
@@ -386,3 +388,17 @@ async def test_a_browser_cookie_that_is_not_ascii_is_a_refusal_not_a_server_erro
     ):
         assert r.status == 400
         assert "started in another browser" in await r.text()
+
+
+def test_an_address_may_have_only_so_many_device_sign_ins_under_way_and_finished_ones_free_a_place() -> None:
+    now = [1000.0]
+    devices = PendingDevices(clock=lambda: now[0])
+    start = DeviceStart(
+        device_code="d", user_code="U", verification_uri="https://idp/device", interval=5, expires_in=600
+    )
+    handles = [devices.add("corp", start, "10.0.0.1") for _ in range(PER_ADDRESS)]
+    assert devices.under_way("10.0.0.1") == PER_ADDRESS and devices.under_way("10.0.0.2") == 0
+    devices.drop(handles[0])
+    assert devices.under_way("10.0.0.1") == PER_ADDRESS - 1
+    now[0] += 601  # expired: forgotten
+    assert devices.under_way("10.0.0.1") == 0 and devices.get(handles[1]) is None

@@ -45,6 +45,7 @@ OPEN_PREFIX = "/api/v1/login/sso/"  # the device flow's calls: made before anyon
 # state) cannot sign this browser in as them. SameSite=Lax: it must come along on the provider's redirect back.
 BROWSER_COOKIE = "llmgw_sso_browser"
 DEVICE_LIMIT = 10_000
+PER_ADDRESS = 10  # device sign-ins one address may have under way (each asks the provider for a code)
 SLOW_DOWN_S = 5
 
 
@@ -56,6 +57,7 @@ class DeviceLogin(msgspec.Struct, kw_only=True):
     interval: float
     expires_at: float
     next_poll: float  # not asked of the provider before this
+    address: str = ""  # who started it
 
 
 class PollRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -69,7 +71,12 @@ class PendingDevices:
         self.limit, self.clock = limit, clock
         self._by_handle: OrderedDict[str, DeviceLogin] = OrderedDict()
 
-    def add(self, provider: str, start: DeviceStart) -> str:
+    def under_way(self, address: str) -> int:
+        """How many device sign-ins ``address`` has started that are neither finished nor expired."""
+        self._expire(self.clock())
+        return sum(1 for d in self._by_handle.values() if d.address == address)
+
+    def add(self, provider: str, start: DeviceStart, address: str = "") -> str:
         now = self.clock()
         self._expire(now)
         handle = secrets.token_urlsafe(32)
@@ -79,6 +86,7 @@ class PendingDevices:
             interval=float(max(start.interval, 1)),
             expires_at=now + max(start.expires_in, 1),
             next_poll=now,
+            address=address,
         )
         while len(self._by_handle) > self.limit:
             self._by_handle.popitem(last=False)
@@ -296,6 +304,15 @@ class Sso:
     async def device_start(self, request: web.Request) -> web.Response:
         """``POST /api/v1/login/sso/{provider}/device``: a code for the person to enter at the provider."""
         name = request.match_info["provider"]
+        address = request.remote or "unknown"
+        if self.devices.under_way(address) >= PER_ADDRESS:
+            response = _json_error(
+                429,
+                "too_many_logins",
+                f"{PER_ADDRESS} device sign-ins from this address are under way: finish one, or wait until they expire",
+            )
+            response.headers["Retry-After"] = "60"
+            return response
         try:
             client = self.client(name)
             start = await client.start_device()
@@ -303,7 +320,7 @@ class Sso:
             return _json_error(exc.status, exc.code, exc.message)
         except OidcError as exc:
             return _json_error(_status_of(exc), exc.code, exc.message)
-        handle = self.devices.add(name, start)
+        handle = self.devices.add(name, start, address)
         return web.json_response(
             {
                 "handle": handle,
