@@ -67,6 +67,9 @@ class AdminSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     host: str = "127.0.0.1"  # the address the admin API listens on: loopback unless admin.insecure
     port: Port = 8081  # the admin API's, /healthz's and /metrics' port
     insecure: bool = False  # let the admin API listen beyond loopback with no TLS and no authentication
+    # where people reach the admin API and console, e.g. https://llm.corp.example behind a proxy: OpenID sign-in
+    # redirect URIs are made from it (empty: the address the browser used)
+    public_url: str = ""
 
 
 class TlsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -227,6 +230,7 @@ EXAMPLES: dict[str, Any] = {
     "first_admin_dir": "/var/lib/llmgw",
     "mirror.dir": "/var/lib/llmgw/mirror",
     "router.usage_journal": "/var/lib/llmgw/usage-journal",
+    "admin.public_url": "https://llm.corp.example",
 }
 
 SECRETS = ("hub.token",)  # shown as *** by --print-config
@@ -624,6 +628,12 @@ def server_config(s: Settings, **more: Any) -> ServerConfig:
         raise ConfigError("nats.url: required: give --nats URL, $LLMGW_NATS_URL or nats.url in the config file")
     if not s.db:
         raise ConfigError("db: required: give --db DSN, $LLMGW_DB or db in the config file")
+    public = urlsplit(s.admin.public_url)
+    if s.admin.public_url and (public.scheme not in ("http", "https") or not public.hostname or public.query):
+        raise ConfigError(
+            f"admin.public_url: {s.admin.public_url!r} is not where people reach the console: write its "
+            "scheme and address, e.g. https://llm.corp.example (a path prefix is kept, a query is not allowed)"
+        )
     return ServerConfig(
         nats_url=s.nats.url,
         db_dsn=s.db,
@@ -633,6 +643,7 @@ def server_config(s: Settings, **more: Any) -> ServerConfig:
         admin_host=s.admin.host,
         admin_port=s.admin.port,
         insecure=s.admin.insecure,
+        admin_public_url=s.admin.public_url,
         stream_replicas=s.nats.stream_replicas,
         first_admin_dir=s.first_admin_dir,
         scheduler=s.scheduler,

@@ -76,6 +76,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"  # the gateway's (and the mirror's file server's) address
     port: int = 8080
     admin_host: str = "127.0.0.1"  # the admin API's: loopback unless insecure (services/api/exposure.py)
+    admin_public_url: str = ""  # where people reach the console (OpenID redirect URIs); "" : as the browser did
     admin_port: int = 8081
     insecure: bool = False  # let the admin API listen beyond loopback without TLS or authentication
     stream_replicas: int | None = None  # None: the cluster's size, at most 3 (1 on a single server)

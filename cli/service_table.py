@@ -238,6 +238,7 @@ class Admin(Entry):
             )
             s.handles["signin"] = self.signin
             self.signin.start()
+        s.api.public_url = config.admin_public_url
         self.site = await listen(s.api.app(full=full), config.admin_host, config.admin_port, s.tls.https)
 
     async def stop(self) -> None:

@@ -394,3 +394,14 @@ def test_any_valid_settings_in_a_file_are_taken_as_written_and_read_back_the_sam
             node = getattr(node, part)
         assert node == value, path
     assert msgspec.convert(yaml.safe_load(C.show(loaded)), C.Settings) == loaded
+
+
+@pytest.mark.parametrize(
+    "url", ["llm.corp.example", "ftp://llm.corp.example", "https://", "https://llm.corp.example/?x=1"]
+)
+def test_a_public_url_that_is_not_where_people_reach_the_console_is_refused(url: str) -> None:
+    env = {"LLMGW_NATS_URL": "nats://a:4222", "LLMGW_DB": "x.db", "LLMGW_ADMIN_PUBLIC_URL": url}
+    with pytest.raises(C.ConfigError, match=r"admin.public_url: .* e.g. https://llm.corp.example"):
+        C.server_config(C.load(None, env))
+    env["LLMGW_ADMIN_PUBLIC_URL"] = "https://llm.corp.example/llmgw"
+    assert C.server_config(C.load(None, env)).admin_public_url == "https://llm.corp.example/llmgw"

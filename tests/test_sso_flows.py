@@ -23,7 +23,7 @@ from llmgw.events.schema import people as P
 from llmgw.events.schema.subjects import event_subject
 from llmgw.services.console import session as SES
 from llmgw.services.identity.oidc import DeviceStart
-from llmgw.services.identity.sso import PER_ADDRESS, PendingDevices
+from llmgw.services.identity.sso import PER_ADDRESS, PendingDevices, Sso
 from tests.fleet import Fleet
 from tests.idp.harness import (
     USERS,
@@ -402,3 +402,13 @@ def test_an_address_may_have_only_so_many_device_sign_ins_under_way_and_finished
     assert devices.under_way("10.0.0.1") == PER_ADDRESS - 1
     now[0] += 601  # expired: forgotten
     assert devices.under_way("10.0.0.1") == 0 and devices.get(handles[1]) is None
+
+
+def test_the_redirect_uri_is_made_from_the_public_url_when_one_is_set_else_from_the_browsers_address() -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    request = make_mocked_request("GET", "/console/sso/corp", headers={"Host": "10.0.0.5:8081"})
+    behind_proxy = Sso(api=None, public_url="https://llm.corp.example/")  # type: ignore[arg-type]
+    assert behind_proxy.redirect_uri(request, "corp") == "https://llm.corp.example/console/sso/corp/callback"
+    direct = Sso(api=None)  # type: ignore[arg-type]
+    assert direct.redirect_uri(request, "corp") == "http://10.0.0.5:8081/console/sso/corp/callback"

@@ -119,6 +119,8 @@ class AdminApi:
         self.folds: FollowerRegistry | None = None
         # Signing people in (services/api/signin.py): set where the API runs.
         self.signin: SignIn | None = None
+        # Where people reach this API and the console (admin.public_url): OpenID redirect URIs are made from it.
+        self.public_url = ""
 
     def app(self, *, full: bool = True) -> web.Application:
         """The admin API; with ``full=False`` only ``/healthz`` and ``/metrics``, which every process
@@ -135,7 +137,7 @@ class AdminApi:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics)
         console.routes(app)
-        Sso(self, console).routes(app)  # signing in through an OpenID provider
+        Sso(self, console, public_url=self.public_url).routes(app)  # signing in through an OpenID provider
         app.router.add_post("/api/v1/login", self.login)
         app.router.add_get("/api/v1/whoami", self.whoami)
         app.router.add_get("/api/v1/users", self.users)
