@@ -158,7 +158,8 @@ async def test_schemathesis_finds_no_5xx_and_every_answer_matches_the_served_doc
     assert status == 200 and doc == document()
     schema = schemathesis.openapi.from_dict(doc)
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == len(ENDPOINTS) + len(READS) + 4  # rebuild, verify, login, the document
+    # rebuild, verify, login, the device sign-in (start, poll), the document
+    assert len(operations) == len(ENDPOINTS) + len(READS) + 6
     failures: list[str] = []
     for operation in operations:
         # Hypothesis and schemathesis's client are synchronous; the admin API answers on this loop.

@@ -177,6 +177,47 @@ def document() -> dict[str, Any]:
             },
         }
     }
+    # The CLI's device sign-in (services/identity/sso.py): open, like the login.
+    paths["/api/v1/login/sso/{provider}/device"] = {
+        "post": {
+            "summary": "Start a sign-in through an OpenID provider by the device grant (`llmgw login --sso`).",
+            "security": [],
+            "parameters": [
+                {"name": "provider", "in": "path", "required": True, "schema": {"type": "string"}},
+            ],
+            "responses": {
+                "200": _json(
+                    {"type": "object"},
+                    "A handle to poll with, the code the person enters, where, and how often to poll.",
+                ),
+                "default": _json(_ref("ErrorBody"), "No such provider, too many under way, or the provider failed."),
+            },
+        }
+    }
+    paths["/api/v1/login/sso/device/poll"] = {
+        "post": {
+            "summary": "Poll a device sign-in: pending until the person confirms, then a session token.",
+            "security": [],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {"handle": {"type": "string"}},
+                            "required": ["handle"],
+                            "additionalProperties": False,
+                        }
+                    }
+                },
+            },
+            "responses": {
+                "200": _json({"type": "object"}, "The session token, the person and when it expires."),
+                "202": _json({"type": "object"}, "Still pending: poll again after `retry_after_s`."),
+                "default": _json(_ref("ErrorBody"), "Unknown or expired handle, refused, or denied at the provider."),
+            },
+        }
+    }
     paths[OPENAPI_PATH] = {
         "get": {
             "summary": "This document.",
