@@ -9,6 +9,8 @@ only its hash is sent.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -34,8 +36,30 @@ def _send(ctx: click.Context, verb: str, payload: I.IdentityCommand) -> None:
     run(ctx, go)
 
 
-def _print_json(value: object) -> None:
-    click.echo(json.dumps(value, indent=2))
+def _listing(
+    ctx: click.Context,
+    path: str,
+    *,
+    as_json: bool,
+    empty: str,
+    headers: list[str],
+    row: Callable[[dict[str, Any]], list[Any]],
+    params: dict[str, str] | None = None,
+    right: tuple[int, ...] = (),
+) -> None:
+    """Print what the admin API lists at ``path``: as JSON, as a table, or ``empty`` when there is nothing."""
+
+    async def go(s: Session) -> None:
+        found = await s.api("GET", path, params=params)
+        if as_json:
+            click.echo(json.dumps(found, indent=2))
+        elif not found:
+            click.echo(empty)
+        else:
+            for line in table(headers, [row(item) for item in found], right=right):
+                click.echo(line)
+
+    run(ctx, go)
 
 
 # -- OpenID Connect --------------------------------------------------------------------------------
@@ -103,23 +127,22 @@ def sso_add(
 @click.pass_context
 def sso_list(ctx: click.Context, as_json: bool) -> None:
     """Every provider (OIDC and LDAP): where it is, the variable its secret is read from, its mappings."""
-
-    async def go(s: Session) -> None:
-        providers = await s.api("GET", "/api/v1/identity/providers")
-        if as_json:
-            _print_json(providers)
-            return
-        if not providers:
-            click.echo("no identity providers yet: `llmgw ctl sso add NAME --issuer URL --client-id ID`")
-            return
-        rows = [
-            [p["name"], p["kind"], p["shown"], p["where"], p["secret_env"] and f"${p['secret_env']}", p["mappings"]]
-            for p in providers
-        ]
-        for line in table(["NAME", "KIND", "BUTTON", "ISSUER / URL", "SECRET FROM", "MAPPINGS"], rows, right=(5,)):
-            click.echo(line)
-
-    run(ctx, go)
+    _listing(
+        ctx,
+        "/api/v1/identity/providers",
+        as_json=as_json,
+        empty="no identity providers yet: `llmgw ctl sso add NAME --issuer URL --client-id ID`",
+        headers=["NAME", "KIND", "BUTTON", "ISSUER / URL", "SECRET FROM", "MAPPINGS"],
+        row=lambda p: [
+            p["name"],
+            p["kind"],
+            p["shown"],
+            p["where"],
+            p["secret_env"] and f"${p['secret_env']}",
+            p["mappings"],
+        ],
+        right=(5,),
+    )
 
 
 @sso.command("remove")
@@ -165,21 +188,15 @@ def sso_unmap(ctx: click.Context, provider: str, mapping_id: str) -> None:
 @click.pass_context
 def sso_mappings(ctx: click.Context, provider: str, as_json: bool) -> None:
     """Groups mapped to roles: every provider's, or one's (`scim` for SCIM groups)."""
-
-    async def go(s: Session) -> None:
-        params = {"provider": provider} if provider else None
-        mappings = await s.api("GET", "/api/v1/identity/mappings", params=params)
-        if as_json:
-            _print_json(mappings)
-            return
-        if not mappings:
-            click.echo(f"no group mappings yet: `llmgw ctl sso map {provider or 'PROVIDER'} GROUP --role R --scope S`")
-            return
-        rows = [[m["provider"], m["id"], m["group"], m["role"], m["scope_label"]] for m in mappings]
-        for line in table(["PROVIDER", "ID", "GROUP", "ROLE", "SCOPE"], rows):
-            click.echo(line)
-
-    run(ctx, go)
+    _listing(
+        ctx,
+        "/api/v1/identity/mappings",
+        as_json=as_json,
+        empty=f"no group mappings yet: `llmgw ctl sso map {provider or 'PROVIDER'} GROUP --role R --scope S`",
+        headers=["PROVIDER", "ID", "GROUP", "ROLE", "SCOPE"],
+        row=lambda m: [m["provider"], m["id"], m["group"], m["role"], m["scope_label"]],
+        params={"provider": provider} if provider else None,
+    )
 
 
 # -- LDAP / Active Directory -----------------------------------------------------------------------
@@ -307,20 +324,14 @@ def scim_token_create(ctx: click.Context, label: str) -> None:
 @click.pass_context
 def scim_token_list(ctx: click.Context, as_json: bool) -> None:
     """The SCIM tokens that work, by prefix (the rest of a token is never kept)."""
-
-    async def go(s: Session) -> None:
-        tokens = await s.api("GET", "/api/v1/scim-tokens")
-        if as_json:
-            _print_json(tokens)
-            return
-        if not tokens:
-            click.echo("no SCIM tokens: `llmgw ctl scim token create --label NAME`")
-            return
-        rows = [[t["prefix"], t["id"], t["label"], t["issued_at"][:19]] for t in tokens]
-        for line in table(["PREFIX", "ID", "LABEL", "ISSUED"], rows):
-            click.echo(line)
-
-    run(ctx, go)
+    _listing(
+        ctx,
+        "/api/v1/scim-tokens",
+        as_json=as_json,
+        empty="no SCIM tokens: `llmgw ctl scim token create --label NAME`",
+        headers=["PREFIX", "ID", "LABEL", "ISSUED"],
+        row=lambda t: [t["prefix"], t["id"], t["label"], t["issued_at"][:19]],
+    )
 
 
 @scim_token.command("revoke")
