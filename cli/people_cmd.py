@@ -153,17 +153,24 @@ def user_list(ctx: click.Context, as_json: bool) -> None:
             [
                 p["name"],
                 p["display_name"] or "-",
+                p.get("source") or "here",
                 "disabled" if p["disabled"] else "active",
-                ", ".join(f"{r['role']} of {r['scope']}" for r in p.get("roles", [])) or "-",
+                ", ".join(_role_text(r) for r in p.get("roles", [])) or "-",
                 str(len(p["tokens"])),
                 p["added_at"][:19],
             ]
             for p in people
         ]
-        for line in table(["NAME", "DISPLAY NAME", "STATE", "ROLES", "TOKENS", "ADDED"], rows):
+        for line in table(["NAME", "DISPLAY NAME", "FROM", "STATE", "ROLES", "TOKENS", "ADDED"], rows):
             click.echo(line)
 
     run(ctx, go)
+
+
+def _role_text(role: dict) -> str:
+    """``team-admin of team:acme/ml``, and ``(corp: ml-admins)`` when a provider's group mapping granted it."""
+    via = role.get("via")
+    return f"{role['role']} of {role['scope']}" + (f" ({via['provider']}: {via['group']})" if via else "")
 
 
 @ctl.group()

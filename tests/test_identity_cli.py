@@ -272,3 +272,6 @@ async def test_a_person_signs_in_from_the_cli_with_a_directory_set_up_from_the_c
     assert done.returncode == 0 and "signed in as alice" in done.stdout, done.stderr
     listed = await llmgw(fleet, "ctl", "sso", "list", config=config)
     assert listed.returncode == 0 and "Example directory" in listed.stdout, "alice is a viewer: she may list them"
+    people = await llmgw(fleet, "ctl", "user", "list", config=config)
+    alice = next(line for line in people.stdout.splitlines() if line.startswith("alice "))
+    assert "idp:corp" in alice and "viewer of cluster (corp: ml-admins)" in alice, people.stdout
