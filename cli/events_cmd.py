@@ -54,6 +54,9 @@ def _fit(text: str, width: int) -> str:
     return text[: (keep + 1) // 2] + "…" + text[len(text) - keep // 2 :]
 
 
+UNREAD_FIELDS = frozenset({"secret_sha256", "signing_key", "password_hash"})
+
+
 def one_line(e: RecordedEvent) -> str:
     """One event as `events tail` and `ctl audit` print it: the sequence and the id (either is what
     `events show` takes), time, actor, type, aggregate, what caused it and the thread it is part of
@@ -63,7 +66,10 @@ def one_line(e: RecordedEvent) -> str:
         where = f"{agg}/{agg_id}"
     except ValueError:
         where = e.subject
-    data = msgspec.json.encode(msgspec.json.decode(e.envelope.data)).decode()
+    decoded = msgspec.json.decode(e.envelope.data)
+    if isinstance(decoded, dict):  # digests and public keys say nothing to a person reading a line
+        decoded = {k: v for k, v in decoded.items() if k not in UNREAD_FIELDS}
+    data = msgspec.json.encode(decoded).decode()
     if len(data) > 100:
         data = data[:97] + "..."
     env = e.envelope

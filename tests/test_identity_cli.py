@@ -275,3 +275,16 @@ async def test_a_person_signs_in_from_the_cli_with_a_directory_set_up_from_the_c
     people = await llmgw(fleet, "ctl", "user", "list", config=config)
     alice = next(line for line in people.stdout.splitlines() if line.startswith("alice "))
     assert "idp:corp" in alice and "viewer of cluster (corp: ml-admins)" in alice, people.stdout
+
+    # Every sign-in is on the log with how it was made (a local password's would say "password").
+    async def sign_ins() -> list[dict] | None:
+        done = await llmgw(fleet, "ctl", "audit", "--type", "user.token_issued", "--actor", "user:alice", "--json")
+        assert done.returncode == 0, done.stderr
+        rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        return rows or None
+
+    rows = await wait_until(sign_ins, what="alice's sign-in to reach the audit")
+    assert [row["data"]["method"] for row in rows] == ["ldap:corp"]
+    assert "secret_sha256" in rows[0]["data"]  # the whole data in JSON; a line leaves digests out
+    line = await llmgw(fleet, "ctl", "audit", "--type", "user.token_issued", "--actor", "user:alice")
+    assert "secret_sha256" not in line.stdout and '"prefix"' in line.stdout
