@@ -401,3 +401,30 @@ async def test_a_viewer_may_not_add_an_identity_provider(fleet: Fleet) -> None:
         await fleet.client.send(
             I.SERVICE, "idp.set", I.SetProvider(name="BAD NAME", kind="oidc", oidc=OIDC), actor="user:tester"
         )
+
+
+async def test_a_local_password_still_signs_in_beside_the_providers_and_the_log_says_it_was_a_password(
+    fleet: Fleet,
+) -> None:
+    await provider_with_mapping(fleet)
+    password = "the break-glass password, in the safe"
+    await fleet.client.send(
+        P.SERVICE, "user.add", P.AddUser(name="root", password_hash=hash_password(password)), actor="user:t"
+    )
+    signin = fleet.signin
+    await signin.folded(lambda: "root" in signin.people.by_name and bool(signin.identity.providers))
+    token, _, name = await signin.login("root", password, "10.9.8.7")
+    assert name == "root" and (await whoami(fleet, token))[0] == 200
+    issued = [
+        e for e in await fleet.store.read(event_subject(P.AGGREGATE, "root")) if isinstance(e.payload, P.TokenIssued)
+    ]
+    assert [(e.payload.method, e.envelope.actor, e.payload.label) for e in issued] == [
+        ("password", "user:root", "login from 10.9.8.7")
+    ]
+    # A person a provider made has no password to try: the answer is the same as for a wrong one, with a hint.
+    await signin.sign_in_external(
+        I.ExternalIdentity(provider="corp", subject="s", username="erin", groups=("ml-admins",)), "oidc:corp", "x"
+    )
+    with pytest.raises(Refused) as caught:
+        await signin.login("erin", "any password at all", "10.9.8.7")
+    assert caught.value.code == "invalid_login" and "sign in through it" in caught.value.message
