@@ -40,6 +40,7 @@ SECRETS_BUCKET = "llmgw_secrets"  # events/runtime/secrets.py
 CONTROL_SECRETS_BUCKET = "llmgw_control_secrets"  # events/runtime/secrets.py: the command-signing secret, control only
 BUDGETS_BUCKET = "llmgw_budgets"  # services/router/budgets.py
 LEASES_BUCKET = "llmgw_leases"  # services/scheduler/service.py
+RESPONSES_BUCKET = "llmgw_responses"  # services/router/response_store.py: stored /v1/responses
 SNAPSHOTS_BUCKET = "llmgw_snapshots"  # events/runtime/snapshots.py (an object store)
 LOG_STREAMS = (S.STREAM_EVENTS, S.STREAM_COMMANDS, S.STREAM_USAGE, S.STREAM_TELEMETRY, S.STREAM_QUARANTINE)
 JS = "$JS.API"
@@ -161,6 +162,7 @@ def control() -> Permissions:
                 _FLOW_CONTROL,
                 "$JS.SNAPSHOT.ACK.>",  # the backup service's snapshots (infra/backup.py); restoring is the operator's
                 *(f"$KV.{b}.>" for b in (SECRETS_BUCKET, CONTROL_SECRETS_BUCKET, BUDGETS_BUCKET, LEASES_BUCKET)),
+                f"$KV.{RESPONSES_BUCKET}.>",
                 f"$O.{SNAPSHOTS_BUCKET}.>",
             ),
             deny=tuple(f"{JS}.STREAM.{verb}.{s}" for s in keep for verb in ("DELETE", "PURGE", "MSG.DELETE")),
@@ -185,6 +187,7 @@ def router() -> Permissions:
                 *_stream_reader(S.STREAM_EVENTS),
                 *_kv_reader(SECRETS_BUCKET),
                 *_kv_owner(BUDGETS_BUCKET),
+                *_kv_owner(RESPONSES_BUCKET),
                 *_object_store_owner(SNAPSHOTS_BUCKET),
                 _FLOW_CONTROL,
             ),

@@ -59,10 +59,9 @@ async def test_responses_create_answers_streams_and_is_billed_like_a_chat_reques
     records = await wait_until(two, what="a usage record per response")
     assert {(r.model_served, r.endpoint) for r in records} == {("tiny", "/v1/chat/completions")}
 
-    with pytest.raises(openai.BadRequestError) as refused:
+    with pytest.raises(openai.NotFoundError) as refused:
         await c.responses.create(model="tiny", input="hi", previous_response_id="resp_123")
-    assert refused.value.code == "unsupported_parameter"
-    assert "llmgw keeps no responses; send the earlier turns in input" in refused.value.message
+    assert refused.value.code == "response_not_found" and refused.value.param == "previous_response_id"
 
     with pytest.raises(openai.NotFoundError) as unknown:
         await c.responses.create(model="nope", input="hi")
@@ -101,7 +100,7 @@ def test_a_responses_request_becomes_the_chat_request_that_serves_it() -> None:
     [
         ({"input": "hi"}, "model", "model is required"),
         ({"model": "m"}, "input", "input is required"),
-        ({"model": "m", "input": "hi", "tools": [{"type": "web_search"}]}, "tools", "use /v1/chat/completions"),
+        ({"model": "m", "input": "hi", "tools": [{"type": "web_search"}]}, "tools", "a tool llmgw does not run"),
         ({"model": "m", "input": [{"role": "robot", "content": "x"}]}, "input", "input[0].role must be"),
         (
             {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

@@ -177,7 +177,7 @@ class Router:
         )
         self.upstream.tracing = self.tracing
         self.providers = Providers(self.upstream)  # external models' providers (GW-12)
-        self.responses = ResponsesApi(self.cfg.max_body_bytes)  # /v1/responses, over this router's chat path
+        self.responses = ResponsesApi(self.cfg, store.js, self._authenticate, clock)  # /v1/responses, stored ones
         self.outstanding = self.upstream.outstanding  # replica id -> requests in flight there
         # replica id -> what its engine last reported in its agent's heartbeat (requests waiting, KV
         # usage, slots, unreachable): routing prefers the least loaded by it (GW-6); replicas without a
@@ -366,7 +366,7 @@ class Router:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
-        app.router.add_post("/v1/responses", self.responses.handle)
+        self.responses.routes(app)  # /v1/responses and its stored responses
         return app
 
     async def healthz(self, request: web.Request) -> web.Response:

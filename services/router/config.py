@@ -50,3 +50,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     trace_endpoint: str | None = None
     trace_sample_ratio: float = 1.0
     trace_export_delay_s: float = 2.0  # spans are batched and sent at most this long after they end
+    # how long a stored response of /v1/responses is kept (docs/gateway.md, "The Responses API")
+    response_ttl_s: Annotated[float, msgspec.Meta(gt=0)] = 30 * 86400.0
+    # the most bytes a stored response takes with the conversation before it; a larger one is answered, not stored
+    response_max_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1_000_000)] = 1_000_000
+    # how long a read or write of the stored responses waits for NATS (then 503, or answered unstored)
+    response_store_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
