@@ -36,6 +36,7 @@ SUBCOMMAND_MODULES = {
     ),
     "llmgw.cli.identity_cmd": ("ldap", "scim", "sso"),
     "llmgw.cli.jobs_cmd": ("job", "model"),  # `ctl job` and `ctl model serve`
+    "llmgw.cli.mcp_cmd": ("mcp",),
     "llmgw.cli.nats_cmd": ("nats",),
     "llmgw.cli.people_cmd": ("token", "user"),
     "llmgw.cli.quota_cmd": ("quota",),

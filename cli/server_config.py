@@ -27,6 +27,7 @@ ALL_SERVICES = (
     "access",
     "people",
     "identity",
+    "mcp",
     "catalog",
     "fleet",
     "scheduler",

@@ -39,6 +39,7 @@ from llmgw.services.backup import service as backup_service
 from llmgw.services.catalog.service import CatalogService
 from llmgw.services.fleet.service import FleetService
 from llmgw.services.identity.service import IdentityService
+from llmgw.services.mcp.service import McpService
 from llmgw.services.jobs.service import JobsConfig, JobsService
 from llmgw.services.lifecycle import Loops, Service
 from llmgw.services.mirror.service import MirrorConfig, MirrorService
@@ -378,6 +379,7 @@ TABLE: tuple[tuple[str, Callable[[ServerConfig], bool], Callable[[str, Shared], 
     ("access", _named("access"), _commands(AccessService)),
     ("people", _named("people"), _commands(PeopleService)),
     ("identity", _named("identity"), _commands(IdentityService)),
+    ("mcp", _named("mcp"), _commands(McpService)),
     ("catalog", _named("catalog"), _commands(CatalogService, Catalog)),
     ("fleet", _named("fleet"), _commands(FleetService)),
     ("scheduler", _named("scheduler"), Scheduler),

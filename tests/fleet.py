@@ -117,6 +117,8 @@ class Fleet:
             services = (*services, "people")
         if "api" in services and "identity" not in services:
             services = (*services, "identity")
+        if "api" in services and "mcp" not in services:
+            services = (*services, "mcp")
         if "mirror" in services:
             config_fields.setdefault("mirror_dir", str(self.base / "mirror"))
             config_fields.setdefault("mirror_port", free_port())

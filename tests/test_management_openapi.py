@@ -29,6 +29,7 @@ from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import access as A
 from llmgw.events.schema import identity as I
 from llmgw.events.schema import jobs as J
+from llmgw.events.schema import mcp as MCP
 from llmgw.events.schema import mirror as E
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
@@ -88,6 +89,7 @@ def test_every_command_a_service_takes_has_an_endpoint() -> None:
         J.JobCommand,
         E.MirrorCommand,
         I.IdentityCommand,
+        MCP.McpCommand,
     )
     # Sent by the sign-in and the SCIM endpoint for a provider (actor idp:NAME, svc:scim), by no person.
     services_only = {I.SetScimGroup, I.RemoveScimGroup, P.ProvisionUser, P.SyncRoles, P.RemoveUser}
@@ -288,6 +290,17 @@ TOUR: list[tuple[str, str, dict[str, str], dict[str, str], Any, set[int]]] = [
     ("DELETE", "/api/v1/identity/providers/{name}", {"name": "corp"}, {}, None, {200}),
     ("POST", "/api/v1/scim-tokens", {}, {}, {"label": "okta"}, {200}),
     ("DELETE", "/api/v1/scim-tokens/{token}", {"token": "nosuchtk"}, {}, None, {404}),
+    ("POST", "/api/v1/mcp/servers", {}, {}, {"name": "time", "command": ["python", "-m", "mcp_server_time"]}, {200}),
+    ("POST", "/api/v1/mcp/servers/{server}/grants", {"server": "time"}, {}, {"project": "acme/ml/chat"}, {200}),
+    (
+        "POST",
+        "/api/v1/mcp/servers/{server}/grants/withdraw",
+        {"server": "time"},
+        {},
+        {"project": "acme/ml/chat"},
+        {200},
+    ),
+    ("DELETE", "/api/v1/mcp/servers/{name}", {"name": "time"}, {}, None, {200}),
     ("POST", "/api/v1/serve", {}, {}, {"repo": "acme/tiny-GGUF"}, {200}),  # the job starts; it fails later
     ("POST", "/api/v1/mirror", {}, {}, {"model": "tiny", "repo": "acme/tiny-GGUF"}, {409}),  # a loopback hub
     ("DELETE", "/api/v1/mirror/{model}", {"model": "tiny"}, {"version": "v1"}, None, {404}),

@@ -8,6 +8,7 @@ from llmgw.events.schema import (
     access,
     identity,
     jobs,
+    mcp,
     mirror,
     models,
     nodes,
@@ -20,7 +21,7 @@ from llmgw.events.schema import (
 )
 from llmgw.events.schema.registry import EventRegistry, EventType
 
-MODULES = (outcomes, tenancy, access, people, identity, models, nodes, replicas, scheduler, mirror, jobs, quotas)
+MODULES = (outcomes, tenancy, access, people, identity, models, nodes, replicas, scheduler, mirror, jobs, quotas, mcp)
 
 
 def all_event_types() -> list[EventType]:

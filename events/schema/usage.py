@@ -13,6 +13,16 @@ from datetime import datetime
 import msgspec
 
 
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """An MCP tool call through ``/mcp`` (issue 26): which server's tool, the bytes each way, how it ended."""
+
+    server: str
+    tool: str
+    bytes_in: int = 0  # the client's JSON-RPC request
+    bytes_out: int = 0  # the gateway's answer
+    outcome: str = "ok"  # ok | tool_error | not_allowed | rate_limited | server_down | server_error | timeout
+
+
 class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str  # made by the gateway, never the client's (a client may repeat its own)
     client_request_id: str | None = None  # the client's X-Request-Id, when it sent a plain one
@@ -37,6 +47,7 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     cost_usd: float = 0.0
     error: str | None = None
     router: str = ""
+    tool_call: ToolCall | None = None  # set on an MCP tool call's record (endpoint ``/mcp``)
 
 
 def usage_subject(project_id: str | None) -> str:

@@ -50,6 +50,7 @@ from llmgw.projections.usage import (
 )
 from llmgw.services.api.identity_views import IdentityViews
 from llmgw.services.api.manage import ROUTE_PREFIX, Manage, bearer_token
+from llmgw.services.api.mcp_views import McpViews
 from llmgw.services.api.openapi import OPENAPI_PATH, served
 from llmgw.services.api.replay import cluster_at, parse_keys_cursor
 from llmgw.services.api.signin import Identity, Refused, SignIn
@@ -162,6 +163,7 @@ class AdminApi:
         app.router.add_get("/api/v1/requests/{id}", self.request_usage)
         app.router.add_get(OPENAPI_PATH, self.openapi)
         IdentityViews(lambda: self._signin().identity, lambda scope: self._signin().label(scope)).routes(app)
+        McpViews(self.store, lambda scope: self._signin().label(scope)).routes(app)
         # Every command the CLI sends, signed with the caller's token (services/api/manage.py).
         Manage(
             self.store,

@@ -32,6 +32,7 @@ from llmgw.events.runtime.store import EventStore
 from llmgw.events.schema import access as A
 from llmgw.events.schema import identity as I
 from llmgw.events.schema import jobs as J
+from llmgw.events.schema import mcp as MCP
 from llmgw.events.schema import mirror as E
 from llmgw.events.schema import models as M
 from llmgw.events.schema import nodes as N
@@ -415,6 +416,34 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "scim.token-revoke",
         I.RevokeScimToken,
         "Revoke a SCIM token (id or prefix).",
+    ),
+    # the MCP servers behind /mcp (cluster admins'), and who may use them (a project's team admins')
+    Endpoint(
+        "POST",
+        f"{V}/mcp/servers",
+        MCP.SERVICE,
+        "mcp.add",
+        MCP.AddServer,
+        "Add or change an MCP server (a URL or a command); a header's value only by its environment variable's name.",
+    ),
+    Endpoint(
+        "DELETE", f"{V}/mcp/servers/{{name}}", MCP.SERVICE, "mcp.remove", MCP.RemoveServer, "Remove an MCP server."
+    ),
+    Endpoint(
+        "POST",
+        f"{V}/mcp/servers/{{server}}/grants",
+        MCP.SERVICE,
+        "mcp.allow",
+        MCP.Allow,
+        "Let a project (or one of its keys) use a server's tools: all, or those named (added to its grant).",
+    ),
+    Endpoint(
+        "POST",
+        f"{V}/mcp/servers/{{server}}/grants/withdraw",
+        MCP.SERVICE,
+        "mcp.disallow",
+        MCP.Disallow,
+        "Take tools from a project's (or key's) grant, or the whole grant when none are named.",
     ),
     # jobs and the mirror
     Endpoint(

@@ -52,6 +52,7 @@ READS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "/api/v1/identity/providers": ("Identity providers (OIDC, LDAP) and their settings, never a secret.", (), True),
     "/api/v1/identity/mappings": ("Groups mapped to roles (`?provider=` one, or `scim`).", ("provider",), True),
     "/api/v1/scim-tokens": ("The SCIM bearer tokens, by prefix and label (never a hash).", (), True),
+    "/api/v1/mcp/servers": ("MCP servers behind /mcp and their grants (header variables by name only).", (), True),
 }
 # The projections' own changes: cluster admin only (not commands: they rebuild what the log says).
 PROJECTION_CHANGES = {

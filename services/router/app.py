@@ -49,6 +49,7 @@ from llmgw.services.router.gossip import SUBJECT as GOSSIP_SUBJECT
 from llmgw.services.router.gossip import LimitGossip
 from llmgw.services.router.journal import JournalError
 from llmgw.services.router.limits import Limiter
+from llmgw.services.router.mcp import McpGateway
 from llmgw.services.router.metrics import PoolSaturation, QueueDepth, RouterMetrics, UsageMetrics, pool_loads
 from llmgw.services.router.proxy import Upstream, engine_refusal
 from llmgw.services.router.queue import PROJECT_FULL, ClientLeft, Gate, QueueRefused
@@ -177,6 +178,17 @@ class Router:
         )
         self.upstream.tracing = self.tracing
         self.providers = Providers(self.upstream)  # external models' providers (GW-12)
+        self.mcp = McpGateway(  # /mcp: the MCP servers a key's project may use (issue 26)
+            store,
+            state=lambda: self.state,
+            limiter=self.limiter,
+            note=lambda levels, requests, tokens: self.gossip.note(levels, requests, tokens),
+            usage_put=self.usage.put,
+            usage_refusal=self.usage.refusal,
+            clock=clock,
+            instance=self.instance,
+            folds=folds,
+        )
         self.responses = ResponsesApi(self.cfg, store.js, self._authenticate, clock)  # /v1/responses, stored ones
         self.outstanding = self.upstream.outstanding  # replica id -> requests in flight there
         # replica id -> what its engine last reported in its agent's heartbeat (requests waiting, KV
@@ -297,6 +309,7 @@ class Router:
         self._tasks.append(asyncio.create_task(self._report_queues(), name="router-queue-report"))
         self.heartbeats.start()
         self.gossip_in.start()
+        self.mcp.start()
         await asyncio.wait_for(self._caught_up.wait(), 60)
         # Subscribed before it serves, as before: what the others admit from the first second counts here.
         await asyncio.wait_for(self.gossip_in.subscribed.wait(), 60)
@@ -345,6 +358,7 @@ class Router:
         await self.gate.close()
         report = await self.usage.stop()
         await self.responses.close()
+        await self.mcp.close()
         await self.upstream.close()
         await asyncio.to_thread(self.tracing.shutdown)  # the last spans sent (bounded by the exporter's timeout)
         return report
@@ -366,6 +380,7 @@ class Router:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        self.mcp.routes(app)
         self.responses.routes(app)  # /v1/responses and its stored responses
         return app
 
