@@ -28,7 +28,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from llmgw.events.folds.mcp import Access, McpCatalog, Server
+from llmgw.events.folds.mcp import Access, Grant, McpCatalog, Server
 from llmgw.events.runtime.follower import FollowerRegistry
 from llmgw.events.runtime.followers import Followers
 from llmgw.events.runtime.store import EventStore
@@ -66,13 +66,9 @@ def split_name(name: str) -> tuple[str, str] | None:
     return (server, tool) if sep and server and tool else None
 
 
-def visible(catalog: McpCatalog, key: KeyInfo) -> dict[str, Callable[[str], bool]]:
-    """The servers a key may use, each with which of its tools it may see."""
-    out: dict[str, Callable[[str], bool]] = {}
-    for s in catalog.usable(key.project_id, key.id):
-        grants = catalog.grants_for(s.name, key.project_id, key.id)
-        out[s.name] = lambda tool, grants=grants: any(g.covers(tool) for g in grants)  # type: ignore[misc]
-    return out
+def visible(catalog: McpCatalog, key: KeyInfo) -> dict[str, tuple[Grant, ...]]:
+    """The servers a key may use, each with the grants that say which of its tools it may see."""
+    return {s.name: catalog.grants_for(s.name, key.project_id, key.id) for s in catalog.usable(key.project_id, key.id)}
 
 
 def describe_grants(access: Access, project: str, key: KeyInfo) -> str:
@@ -357,7 +353,7 @@ class McpGateway:
         out: list[dict[str, Any]] = []
         for s, tools in zip(servers, listed, strict=True):
             for tool in tools:
-                if shown[s.name](tool["name"]):
+                if any(g.covers(tool["name"]) for g in shown[s.name]):
                     out.append(
                         {
                             **tool,
