@@ -408,3 +408,30 @@ async def test_a_stdio_server_that_died_is_started_again_and_the_call_it_missed_
     assert missed.is_error and "MCP server time" in _text(missed) and "opened again at the next call" in _text(missed)
     assert not again.is_error and '"timezone": "UTC"' in _text(again).replace("'", '"')
     assert _time_servers() and first not in _time_servers()
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b"[]", -32600),  # a batch: not taken since 2025-06-18
+        (b'"text"', -32600),
+        (b'{"jsonrpc": "1.0", "id": 1, "method": "ping"}', -32600),
+        (b'{"jsonrpc": "2.0", "id": 1, "method": "resources/list"}', -32601),
+        (b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": []}', -32602),
+        (b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": 7}}', -32602),
+        (b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "x", "arguments": 1}}', -32602),
+        (b'{"jsonrpc": "2.0", "id": {"a": 1}, "method": "tools/call", "params": {"name": "nosuch__x"}}', -32602),
+    ],
+)
+async def test_a_malformed_message_is_answered_with_its_json_rpc_error_never_a_500(
+    gateway: Gateway, body: bytes, code: int
+) -> None:
+    import httpx2
+
+    async with httpx2.AsyncClient() as http:
+        answer = await http.post(
+            gateway.url,
+            content=body,
+            headers={"authorization": f"Bearer {gateway.key}", "content-type": "application/json"},
+        )
+    assert answer.status_code == 200 and answer.json()["error"]["code"] == code
