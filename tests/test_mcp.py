@@ -435,3 +435,16 @@ async def test_a_malformed_message_is_answered_with_its_json_rpc_error_never_a_5
             headers={"authorization": f"Bearer {gateway.key}", "content-type": "application/json"},
         )
     assert answer.status_code == 200 and answer.json()["error"]["code"] == code
+
+
+async def test_the_sdks_high_level_client_in_its_default_mode_falls_back_to_the_handshake_and_calls_a_tool(
+    gateway: Gateway,
+) -> None:
+    import httpx2
+    from mcp.client.client import Client
+
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {gateway.key}"}, timeout=60.0) as http:
+        async with Client(streamable_http_client(gateway.url, http_client=http)) as client:  # mode "auto"
+            names = {t.name for t in (await client.list_tools()).tools}
+            echoed = await client.call_tool("notes__echo", {"text": "auto"})
+    assert "notes__echo" in names and not echoed.is_error and _text(echoed) == "echo: auto"
