@@ -29,6 +29,7 @@ from llmgw.agent.engines.commands import (
     choose_threads,
     llamacpp_launch,
     vllm_launch,
+    with_chat_templates,
     with_prompt_cache_bound,
 )
 from llmgw.agent.engines.health import EngineStartError, probe, wait_healthy
@@ -227,6 +228,7 @@ class Supervisor:
                 served_name=placed.model,
                 extra_args=p.args,
                 vllm_binary=self.cfg.vllm_binary,
+                tool_parser=p.tool_parser,
             )
         # The cores placement reserved for it on this node (the profile's, or the threads rule's share).
         threads = choose_threads(placed.cores or p.cpu_cores, self.cfg.llamacpp_threads, self.cpus)
@@ -236,6 +238,7 @@ class Supervisor:
         extra = [a for a in p.args if a not in ("--embeddings", "--embedding")]
         # llama.cpp's prompt cache would otherwise grow to 8 GiB of host memory, whatever was reserved.
         extra = with_prompt_cache_bound(extra, p.min_memory_gb)
+        extra = with_chat_templates(extra)  # tools and tool_choice need the GGUF's Jinja template
         return llamacpp_launch(
             model_path,
             host=self.cfg.host,

@@ -25,6 +25,32 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# A Hermes-style template with tool support (what Qwen 2.5 and Hermes models ship): tools listed in a
+# system turn, calls as <tool_call>{"name": …, "arguments": …}</tool_call>, results in a user turn as
+# <tool_response>. llama.cpp reads the call syntax off the template itself and builds the grammar that
+# holds the model to it, so a tool-capable GGUF needs nothing but this in tokenizer.chat_template.
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Word pieces a tool-capable GGUF adds, so a test can lean its noise weights towards opening a call
+# (logit_bias on one token); as plain pieces, text never tokenizes into them.
+TOOL_PIECES = ("<tool_call>\n", "</tool_call>")
+
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 _SPECIALS = ["<unk>", "<s>", "</s>"]
 _CHATML = ["<|im_start|>", "<|im_end|>"]
@@ -35,7 +61,7 @@ _WORDS = (
 ).split()
 
 
-def _vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
+def _vocab(vocab_size: int, extra_pieces: tuple[str, ...] = ()) -> tuple[list[str], list[float], list[int]]:
     tokens: list[str] = list(_SPECIALS)
     types: list[int] = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
     tokens += [f"<0x{b:02X}>" for b in range(256)]
@@ -43,9 +69,9 @@ def _vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
     tokens += _CHATML
     types += [gguf.TokenType.CONTROL] * len(_CHATML)
     # Word pieces: the space marker, lowercase letters with and without it, then whole words.
-    pieces = ["▁"] + [f"▁{c}" for c in "abcdefghijklmnopqrstuvwxyz"] + list("abcdefghijklmnopqrstuvwxyz")
+    pieces = [*extra_pieces, "▁"] + [f"▁{c}" for c in "abcdefghijklmnopqrstuvwxyz"] + list("abcdefghijklmnopqrstuvwxyz")
     pieces += [f"▁{w}" for w in _WORDS if len(w) > 1]  # one-letter words are already there
-    minimum = len(tokens) + 1
+    minimum = len(tokens) + len(extra_pieces) + 1
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be at least {minimum} (specials + 256 byte tokens + ChatML + '▁')")
     n = 0
@@ -69,13 +95,20 @@ def write_tiny_gguf(
     context_length: int = 512,
     heads: int = 4,
     ffn: int | None = None,
+    chat_template: str = CHAT_TEMPLATE,
+    add_space_prefix: bool | None = None,
+    extra_pieces: tuple[str, ...] = (),
 ) -> Path:
-    """Write a random-weight llama GGUF to ``path`` and return it (about 0.5 MB at the defaults)."""
+    """Write a random-weight llama GGUF to ``path`` and return it (about 0.5 MB at the defaults).
+
+    ``add_space_prefix=False`` stops the tokenizer putting "▁" before text that follows a special
+    token: llama.cpp replays the generation prompt (``<|im_start|>assistant\\n``) through a tool
+    grammar, which a leading space would break. ``None`` leaves the key out (llama.cpp's default)."""
     if width % heads:
         raise ValueError(f"width {width} must be a multiple of heads {heads}")
     ffn = ffn or 2 * width
     head_dim = width // heads
-    tokens, scores, types = _vocab(vocab_size)
+    tokens, scores, types = _vocab(vocab_size, tuple(extra_pieces))
     rng = np.random.default_rng(seed)
 
     def w(*shape: int) -> np.ndarray:
@@ -110,7 +143,9 @@ def write_tiny_gguf(
     writer.add_eos_token_id(EOS_ID)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
+    writer.add_chat_template(chat_template)
 
     writer.add_tensor("token_embd.weight", w(len(tokens), width))
     for i in range(layers):
@@ -131,6 +166,20 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tool_gguf(path: Path, *, seed: int = 0) -> Path:
+    """A tiny GGUF whose chat template supports tools (:data:`TOOL_CHAT_TEMPLATE`), with the
+    :data:`TOOL_PIECES` in its vocabulary and a context long enough for tool definitions (the
+    byte-level vocabulary spends about a token per character of their JSON)."""
+    return write_tiny_gguf(
+        path,
+        seed=seed,
+        context_length=4096,
+        chat_template=TOOL_CHAT_TEMPLATE,
+        add_space_prefix=False,
+        extra_pieces=TOOL_PIECES,
+    )
 
 
 def corrupt_gguf(path: Path) -> Path:

@@ -30,6 +30,10 @@ PROMPT_CACHE_DEFAULT_MIB = 1024  # for a replica that reserves no memory
 PROMPT_CACHE_MIN_MIB = 64
 PROMPT_CACHE_MAX_MIB = 8192
 PROMPT_CACHE_FLAGS = ("--cache-ram", "-cram")
+# Jinja chat templates: the GGUF's own template rendered as the model was trained, tools included,
+# and the grammar that holds a call to the template's syntax (tool_choice "required"). A profile
+# that names either flag keeps its choice.
+JINJA_FLAGS = ("--jinja", "--no-jinja")
 
 
 class EngineLaunch(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +83,24 @@ def with_prompt_cache_bound(extra_args: Sequence[str], min_memory_gb: float | No
     if any(a in PROMPT_CACHE_FLAGS or a.startswith("--cache-ram=") for a in extra):
         return extra
     return [*extra, "--cache-ram", str(prompt_cache_mib(min_memory_gb))]
+
+
+def with_chat_templates(extra_args: Sequence[str]) -> list[str]:
+    """``extra_args`` with ``--jinja`` added, unless the profile says ``--jinja`` or ``--no-jinja``."""
+    extra = list(extra_args)
+    if any(a in JINJA_FLAGS for a in extra):
+        return extra
+    return [*extra, "--jinja"]
+
+
+def vllm_tool_args(tool_parser: str | None, extra_args: Sequence[str]) -> list[str]:
+    """vLLM's flags for tool calls with ``tool_parser`` (``hermes``, ``llama3_json``, ``mistral``…):
+    ``--enable-auto-tool-choice --tool-call-parser NAME``; none without a parser, and none when the
+    profile's own args already name a parser (they win)."""
+    if not tool_parser or any(a == "--tool-call-parser" or a.startswith("--tool-call-parser=") for a in extra_args):
+        return []
+    flags = [] if "--enable-auto-tool-choice" in extra_args else ["--enable-auto-tool-choice"]
+    return [*flags, "--tool-call-parser", tool_parser]
 
 
 def llamacpp_launch(
@@ -147,8 +169,12 @@ def vllm_launch(
     extra_args: Sequence[str] = (),
     max_model_len: int | None = None,
     vllm_binary: str = "vllm",
+    tool_parser: str | None = None,
 ) -> EngineLaunch:
     """A vLLM engine on the assigned GPUs: ``vllm serve PATH … --tensor-parallel-size N``.
+
+    ``tool_parser`` (the profile's) turns on tool calls: vLLM reads calls out of the model's text
+    with that parser (:func:`vllm_tool_args`).
 
     ``CUDA_VISIBLE_DEVICES`` names the assigned GPUs (node indices), so vLLM's device 0 is the
     first of them and it cannot touch another replica's GPUs.
@@ -174,7 +200,7 @@ def vllm_launch(
     ]
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
-    argv += list(extra_args)
+    argv += [*vllm_tool_args(tool_parser, extra_args), *extra_args]
     _check_key(key, argv)
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), VLLM_KEY_ENV: key}
     return EngineLaunch(argv=argv, env=env)

@@ -44,6 +44,7 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     weight: int = 1
     ctx_size: int | None = None
     parallel: int | None = None
+    tool_parser: str | None = None  # vLLM: --tool-call-parser for tool calls (hermes, llama3_json, mistral…)
 
 
 class Scaling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -66,6 +66,7 @@ from llmgw.services.router.routing import (
     slots_of,
 )
 from llmgw.services.router.state import SNAPSHOT_NAME, SNAPSHOT_VERSION, KeyInfo, ModelInfo, ReplicaInfo, RouterState
+from llmgw.services.router.tool_choice import named_tool_as_required
 from llmgw.services.router.tracing import Tracing
 from llmgw.services.router.usage import StopReport, UsageConfig, UsagePublisher
 from llmgw.services.router.usage_record import Call, call_cost, usage_record
@@ -652,6 +653,8 @@ class Router:
         assert call.model is not None
         last: ApiError | None = None
         payload = raw
+        if (narrowed := named_tool_as_required(body)) is not body:
+            body, payload = narrowed, _enc.encode(narrowed)  # llama.cpp takes tool_choice as a string only
         if call.stream:
             # Always ask the engine for usage, so every streamed request is counted.
             body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
