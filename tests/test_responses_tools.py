@@ -5,15 +5,19 @@ another project."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import agents
 import aiohttp
+import gguf
 import openai
 import pytest
 
 from llmgw.events.runtime.store import EventStore
+from llmgw.events.schema import models as M
 from llmgw.services.router.config import RouterConfig
 from llmgw.services.router.response_store import (
     ResponseStore,
@@ -26,6 +30,7 @@ from llmgw.services.router.response_store import (
 from llmgw.services.router.responses import ResponsesError, StreamTranslator, from_chat, to_chat
 from tests.conftest import NatsServer
 from tests.fleet import Fleet
+from tests.gguf_tiny import TOOL_PIECES, write_tool_gguf
 from tests.support import wait_until
 from tests.test_gateway import FAST_ROUTER, GATEWAY, client, gw, make_key, make_tenant, router_caught_up, tiny  # noqa: F401
 
@@ -435,3 +440,149 @@ async def test_an_unreachable_store_fails_reads_naming_what_to_do_and_lets_a_cre
     with pytest.raises(StoreUnavailable) as unreachable:
         await kept.get("p1", "resp_a")
     assert "try again when the gateway's NATS is reachable" in str(unreachable.value)
+
+
+# -- function tools over the real engine ------------------------------------------------------
+
+AGENT_WEATHER = {**WEATHER, "name": "get_weather"}
+
+
+@pytest.fixture
+def tool_model(tmp_path: Path) -> Path:
+    return write_tool_gguf(tmp_path / "tools.gguf")
+
+
+def _leaning_to_a_call(model: Path) -> dict[str, int]:
+    """``logit_bias`` (sent as the SDKs' extra_body) that makes the noise model open a call at once,
+    keep its strings short and end after it; whether the call is well formed is the engine's grammar's
+    and the gateway's work, not the bias's."""
+    tokens = list(gguf.GGUFReader(str(model)).fields["tokenizer.ggml.tokens"].contents())
+    return {str(tokens.index("</s>")): 100, str(tokens.index(TOOL_PIECES[0])): 50, str(tokens.index("<0x22>")): 40}
+
+
+@pytest.fixture
+async def gw_tools(store: EventStore, nats: NatsServer, tmp_path: Path, tool_model: Path) -> AsyncIterator[Fleet]:
+    f = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=FAST_ROUTER)
+    f.agent("n1")
+    # A longer context than Fleet.add_model gives: the tools' JSON costs about a token per character.
+    profile = M.Profile(engine="llamacpp", cpu_cores=1, min_memory_gb=0.05, ctx_size=8192, parallel=2)
+    spec = M.ModelSpec(name="tiny-tools", source=str(tool_model), scaling=M.Scaling(min=1), profiles=[profile])
+    await f.command("add", M.AddModel(spec=spec))
+    await f.wait_ready("tiny-tools", 1)
+    await f.router_caught_up()
+    yield f
+    await f.stop()
+
+
+def _city(call: object) -> str:
+    args = json.loads(call.arguments)  # type: ignore[attr-defined]
+    assert isinstance(args, dict) and set(args) == {"city"} and isinstance(args["city"], str), call
+    return args["city"]
+
+
+@pytest.mark.asyncio
+async def test_a_function_tool_is_called_its_output_goes_back_by_previous_response_id_and_the_model_answers(
+    gw_tools: Fleet, tool_model: Path
+) -> None:
+    gw = gw_tools  # noqa: F811
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant)
+    await gw.router_caught_up()
+    c = client(gw, key)
+    # The noise model's one answer every run, one call in it (else it calls on until max_output_tokens).
+    steady = {
+        "extra_body": {"logit_bias": _leaning_to_a_call(tool_model)},
+        "temperature": 0,
+        "parallel_tool_calls": False,
+    }
+
+    asked = await c.responses.create(
+        model="tiny-tools",
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=120,
+        **steady,
+    )
+    calls = [item for item in asked.output if item.type == "function_call"]
+    assert calls and calls[0].name == "weather" and calls[0].status == "completed", asked.output
+    _city(calls[0])
+
+    answered = await c.responses.create(
+        model="tiny-tools",
+        previous_response_id=asked.id,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 °C"}],
+        tools=[WEATHER],
+        max_output_tokens=5,
+    )
+    assert answered.status in ("completed", "incomplete") and answered.output[0].type == "message"
+    assert answered.previous_response_id == asked.id
+    listed = await c.responses.input_items.list(answered.id)
+    assert [(i.type, i.call_id) for i in listed.data] == [("function_call_output", calls[0].call_id)]
+
+    # Streamed: the call's events, its arguments in deltas that add up to the whole.
+    kinds: list[str] = []
+    deltas: dict[str, list[str]] = {}  # item id -> its argument pieces (a model may call more than once)
+    final = None
+    stream = await c.responses.create(
+        model="tiny-tools",
+        input="What is the weather in Rome?",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "weather"},
+        max_output_tokens=120,
+        stream=True,
+        **steady,
+    )
+    async for event in stream:
+        kinds.append(event.type)
+        if event.type == "response.function_call_arguments.delta":
+            deltas.setdefault(event.item_id, []).append(event.delta)
+        if event.type == "response.completed":
+            final = event.response
+    assert final is not None and kinds[-1] == "response.completed"
+    assert {"response.output_item.added", "response.function_call_arguments.done", "response.output_item.done"} <= set(
+        kinds
+    )
+    streamed = [item for item in final.output if item.type == "function_call"]
+    assert streamed and {c.id: c.arguments for c in streamed} == {i: "".join(d) for i, d in deltas.items()}
+    for call in streamed:
+        _city(call)
+    assert (await c.responses.retrieve(final.id)).output[-1].call_id == streamed[-1].call_id
+
+
+@pytest.mark.asyncio
+async def test_the_openai_agents_sdk_runs_an_agent_with_a_function_tool_over_the_gateways_responses_api(
+    gw_tools: Fleet, tool_model: Path
+) -> None:
+    gw = gw_tools  # noqa: F811
+    tenant = await make_tenant(gw.store)
+    key, _ = await make_key(gw.store, tenant)
+    await gw.router_caught_up()
+    cities: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"sunny in {city}"
+
+    agent = agents.Agent(
+        name="forecaster",
+        instructions="Answer with the weather tool.",
+        tools=[get_weather],
+        model=agents.OpenAIResponsesModel("tiny-tools", client(gw, key)),
+        model_settings=agents.ModelSettings(
+            tool_choice="required",
+            max_tokens=120,
+            temperature=0,  # the noise model's one answer, every run
+            parallel_tool_calls=False,  # one call, then the answer ends (else the noise calls on to max_tokens)
+            extra_body={"logit_bias": _leaning_to_a_call(tool_model)},
+        ),
+        tool_use_behavior="stop_on_first_tool",  # the tool's answer is the agent's: no second turn to guess at
+    )
+    result = await agents.Runner.run(
+        agent, "What is the weather in Paris?", run_config=agents.RunConfig(tracing_disabled=True)
+    )
+    assert len(cities) == 1 and result.final_output == f"sunny in {cities[0]}"
+    called = [item.raw_item for item in result.new_items if item.type == "tool_call_item"]
+    assert len(called) == 1 and called[0].name == "get_weather"  # type: ignore[union-attr]
