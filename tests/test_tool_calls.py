@@ -286,3 +286,24 @@ async def test_a_streamed_tool_call_arrives_as_deltas_that_assemble_into_one_cal
     record = (await recorded())[-1]
     assert record.status == 200 and record.tokens_out == usage.completion_tokens
     assert record.tokens_in == usage.prompt_tokens
+
+
+async def test_parallel_tool_calls_come_back_as_several_calls_each_with_its_own_id(gw: Fleet, tool_model: Path) -> None:
+    c, _ = await _client(gw, "parallel")
+    bias = _leaning_to_a_call(tool_model)
+    del bias[next(k for k, v in bias.items() if v == 100)]  # no leaning to end: the model keeps calling
+    answer = await c.chat.completions.create(
+        model="tiny-tools",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=True,
+        max_tokens=300,
+        logit_bias=bias,
+    )
+    calls = answer.choices[0].message.tool_calls or []
+    # Cut at max_tokens mid-call: the calls before the cut are whole.
+    assert answer.choices[0].finish_reason == "length" and len(calls) >= 2, answer.choices[0]
+    assert len({call.id for call in calls}) == len(calls)
+    for call in calls[:-1]:
+        _valid_for({"get_weather": WEATHER, "get_time": TIME}[call.function.name], call.function.arguments)
