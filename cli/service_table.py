@@ -39,9 +39,9 @@ from llmgw.services.backup import service as backup_service
 from llmgw.services.catalog.service import CatalogService
 from llmgw.services.fleet.service import FleetService
 from llmgw.services.identity.service import IdentityService
-from llmgw.services.mcp.service import McpService
 from llmgw.services.jobs.service import JobsConfig, JobsService
 from llmgw.services.lifecycle import Loops, Service
+from llmgw.services.mcp.service import McpService
 from llmgw.services.mirror.service import MirrorConfig, MirrorService
 from llmgw.services.people.bootstrap import PASSWORD_FILE as ADMIN_PASSWORD_FILE
 from llmgw.services.people.bootstrap import ensure_admin
