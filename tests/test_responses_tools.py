@@ -12,12 +12,10 @@ from pathlib import Path
 
 import agents
 import aiohttp
-import gguf
 import openai
 import pytest
 
 from llmgw.events.runtime.store import EventStore
-from llmgw.events.schema import models as M
 from llmgw.services.router.config import RouterConfig
 from llmgw.services.router.response_store import (
     ResponseStore,
@@ -30,9 +28,10 @@ from llmgw.services.router.response_store import (
 from llmgw.services.router.responses import ResponsesError, StreamTranslator, from_chat, to_chat
 from tests.conftest import NatsServer
 from tests.fleet import Fleet
-from tests.gguf_tiny import TOOL_PIECES, write_tool_gguf
+from tests.gguf_tiny import write_tool_gguf
 from tests.support import wait_until
 from tests.test_gateway import FAST_ROUTER, GATEWAY, client, gw, make_key, make_tenant, router_caught_up, tiny  # noqa: F401
+from tests.tool_gateway import leaning_to_a_call, tool_gateway
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -452,24 +451,9 @@ def tool_model(tmp_path: Path) -> Path:
     return write_tool_gguf(tmp_path / "tools.gguf")
 
 
-def _leaning_to_a_call(model: Path) -> dict[str, int]:
-    """``logit_bias`` (sent as the SDKs' extra_body) that makes the noise model open a call at once,
-    keep its strings short and end after it; whether the call is well formed is the engine's grammar's
-    and the gateway's work, not the bias's."""
-    tokens = list(gguf.GGUFReader(str(model)).fields["tokenizer.ggml.tokens"].contents())
-    return {str(tokens.index("</s>")): 100, str(tokens.index(TOOL_PIECES[0])): 50, str(tokens.index("<0x22>")): 40}
-
-
 @pytest.fixture
 async def gw_tools(store: EventStore, nats: NatsServer, tmp_path: Path, tool_model: Path) -> AsyncIterator[Fleet]:
-    f = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=FAST_ROUTER)
-    f.agent("n1")
-    # A longer context than Fleet.add_model gives: the tools' JSON costs about a token per character.
-    profile = M.Profile(engine="llamacpp", cpu_cores=1, min_memory_gb=0.05, ctx_size=8192, parallel=2)
-    spec = M.ModelSpec(name="tiny-tools", source=str(tool_model), scaling=M.Scaling(min=1), profiles=[profile])
-    await f.command("add", M.AddModel(spec=spec))
-    await f.wait_ready("tiny-tools", 1)
-    await f.router_caught_up()
+    f = await tool_gateway(store, nats.url, tmp_path, tool_model)
     yield f
     await f.stop()
 
@@ -491,7 +475,7 @@ async def test_a_function_tool_is_called_its_output_goes_back_by_previous_respon
     c = client(gw, key)
     # The noise model's one answer every run, one call in it (else it calls on until max_output_tokens).
     steady = {
-        "extra_body": {"logit_bias": _leaning_to_a_call(tool_model)},
+        "extra_body": {"logit_bias": leaning_to_a_call(tool_model)},
         "temperature": 0,
         "parallel_tool_calls": False,
     }
@@ -576,7 +560,7 @@ async def test_the_openai_agents_sdk_runs_an_agent_with_a_function_tool_over_the
             max_tokens=120,
             temperature=0,  # the noise model's one answer, every run
             parallel_tool_calls=False,  # one call, then the answer ends (else the noise calls on to max_tokens)
-            extra_body={"logit_bias": _leaning_to_a_call(tool_model)},
+            extra_body={"logit_bias": leaning_to_a_call(tool_model)},
         ),
         tool_use_behavior="stop_on_first_tool",  # the tool's answer is the agent's: no second turn to guess at
     )

@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import gguf
 import openai
 import pytest
 
@@ -29,9 +28,10 @@ from llmgw.events.schema import models as M
 from llmgw.events.schema.replicas import ReplicaPlaced
 from llmgw.services.router.tool_choice import named_tool_as_required
 from tests.fleet import Fleet
-from tests.gguf_tiny import TOOL_PIECES, write_tool_gguf
+from tests.gguf_tiny import write_tool_gguf
 from tests.support import NatsServer, usage_records, wait_until
-from tests.test_gateway import FAST_ROUTER, GATEWAY, make_key, make_tenant
+from tests.test_gateway import make_key, make_tenant
+from tests.tool_gateway import leaning_to_a_call, tool_gateway
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -145,23 +145,9 @@ def tool_model(tmp_path: Path) -> Path:
     return write_tool_gguf(tmp_path / "tools.gguf")
 
 
-def _leaning_to_a_call(model: Path) -> dict[str, int]:
-    """``logit_bias`` that makes the noise model open a call at once, keep its strings short and end
-    after it (``</s>`` only counts once the grammar lets the answer end)."""
-    tokens = list(gguf.GGUFReader(str(model)).fields["tokenizer.ggml.tokens"].contents())
-    return {str(tokens.index("</s>")): 100, str(tokens.index(TOOL_PIECES[0])): 50, str(tokens.index("<0x22>")): 40}
-
-
 @pytest.fixture
 async def gw(store: Any, nats: NatsServer, tmp_path: Path, tool_model: Path) -> AsyncIterator[Fleet]:
-    f = await Fleet(store, nats.url, tmp_path).start(services=GATEWAY, router=FAST_ROUTER)
-    f.agent("n1")
-    # A longer context than Fleet.add_model gives: the tools' JSON costs about a token per character.
-    profile = M.Profile(engine="llamacpp", cpu_cores=1, min_memory_gb=0.05, ctx_size=8192, parallel=2)
-    spec = M.ModelSpec(name="tiny-tools", source=str(tool_model), scaling=M.Scaling(min=1), profiles=[profile])
-    await f.command("add", M.AddModel(spec=spec))
-    await f.wait_ready("tiny-tools", 1)
-    await f.router_caught_up()
+    f = await tool_gateway(store, nats.url, tmp_path, tool_model)
     yield f
     await f.stop()
 
@@ -188,7 +174,7 @@ async def test_tool_choice_required_and_a_named_function_give_a_parsable_call_an
     gw: Fleet, tool_model: Path
 ) -> None:
     c, _ = await _client(gw)
-    bias = _leaning_to_a_call(tool_model)
+    bias = leaning_to_a_call(tool_model)
 
     required = await c.chat.completions.create(
         model="tiny-tools",
@@ -253,7 +239,7 @@ async def test_a_streamed_tool_call_arrives_as_deltas_that_assemble_into_one_cal
         tool_choice="required",
         parallel_tool_calls=False,
         max_tokens=120,
-        logit_bias=_leaning_to_a_call(tool_model),
+        logit_bias=leaning_to_a_call(tool_model),
         stream=True,
         stream_options={"include_usage": True},
     )
@@ -290,7 +276,7 @@ async def test_a_streamed_tool_call_arrives_as_deltas_that_assemble_into_one_cal
 
 async def test_parallel_tool_calls_come_back_as_several_calls_each_with_its_own_id(gw: Fleet, tool_model: Path) -> None:
     c, _ = await _client(gw, "parallel")
-    bias = _leaning_to_a_call(tool_model)
+    bias = leaning_to_a_call(tool_model)
     del bias[next(k for k, v in bias.items() if v == 100)]  # no leaning to end: the model keeps calling
     answer = await c.chat.completions.create(
         model="tiny-tools",
