@@ -3,6 +3,7 @@ and the sign-in of an outside identity end to end on a real bus."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,7 +26,7 @@ from llmgw.services.identity.mapping import grants_for, matches, no_role_refusal
 from llmgw.services.people import rules as people_rules
 from llmgw.services.people.passwords import hash_password
 from tests.fleet import Fleet
-from tests.support import NatsServer
+from tests.support import NatsServer, wait_until
 
 NOW = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)
 OIDC = I.OidcSettings(issuer="https://id.example.com", client_id="llmgw", client_secret_env="CORP_SECRET")
@@ -268,6 +269,20 @@ async def whoami(fleet: Fleet, token: str) -> tuple[int, dict]:
         return r.status, await r.json()
 
 
+async def answered(fleet: Fleet, token: str, status: int) -> tuple[int, dict]:
+    """whoami with ``token`` once the admin API answers ``status``: it folds the log itself, a moment after
+    the tests' own sign-in has (the last answer is returned when the deadline passes, for the assertion)."""
+    last: list[tuple[int, dict]] = []
+
+    async def attempt() -> bool:
+        last[:] = [await whoami(fleet, token)]
+        return last[0][0] == status
+
+    with contextlib.suppress(TimeoutError, AssertionError):
+        await wait_until(attempt, what=f"the admin API to answer {status}")
+    return last[0]
+
+
 async def provider_with_mapping(fleet: Fleet) -> str:
     await fleet.client.send(
         I.SERVICE, "idp.set", I.SetProvider(name="corp", kind="oidc", oidc=OIDC), actor="user:tester"
@@ -290,7 +305,7 @@ async def test_a_person_a_provider_vouches_for_is_made_given_their_mapped_roles_
     )
     token, _, name = await signin.sign_in_external(alice, "oidc:corp", "127.0.0.1")
     assert name == "alice"
-    status, me = await whoami(fleet, token)
+    status, me = await answered(fleet, token, 200)
     assert status == 200 and me["user"] == "alice"
 
     events = await fleet.store.read(event_subject(P.AGGREGATE, "alice"))
@@ -384,7 +399,7 @@ async def test_a_person_disabled_at_the_provider_is_not_let_back_in_by_a_sign_in
         actor="svc:scim",
     )
     await signin.folded(lambda: signin.people.by_name["dave"].disabled)
-    assert (await whoami(fleet, token))[0] == 403
+    assert (await answered(fleet, token, 403))[0] == 403
     with pytest.raises(Refused) as caught:
         await signin.sign_in_external(dave, "oidc:corp", "x")
     assert caught.value.code == "user_disabled"
@@ -414,7 +429,7 @@ async def test_a_local_password_still_signs_in_beside_the_providers_and_the_log_
     signin = fleet.signin
     await signin.folded(lambda: "root" in signin.people.by_name and bool(signin.identity.providers))
     token, _, name = await signin.login("root", password, "10.9.8.7")
-    assert name == "root" and (await whoami(fleet, token))[0] == 200
+    assert name == "root" and (await answered(fleet, token, 200))[0] == 200
     issued = [
         e for e in await fleet.store.read(event_subject(P.AGGREGATE, "root")) if isinstance(e.payload, P.TokenIssued)
     ]
