@@ -21,7 +21,7 @@ after a fetch is). No service keeps sequences of its own: the shell's fold knows
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
@@ -32,6 +32,7 @@ from llmgw.events.commands.auth import CommandVerifier
 from llmgw.events.commands.command import Command
 from llmgw.events.commands.processor import Accepted, CommandProcessor
 from llmgw.events.commands.roles import Need, cluster_admin
+from llmgw.events.runtime.follower import FollowerRegistry
 from llmgw.events.runtime.followers import Followers, NotCaughtUp
 from llmgw.events.runtime.store import AppendConflict, AppendResult, EventStore, NewEvent
 from llmgw.events.schema.envelope import utc_now
@@ -226,3 +227,49 @@ def busy_message(what: str, command: Command, attempts: int, subject: str) -> st
         f"{what} changed {attempts} times while this {command.kind} command was being decided (other writers are "
         f"busy on it): nothing was written; send the command again in a moment{where}"
     )
+
+
+class FoldedService:
+    """A command service whose state is one fold of some subjects and whose rules are ``decide`` and
+    ``need`` (pure): the followers, the shell, start, close and processor, once. A service that shares a
+    fold or gathers from outside builds its own around :class:`CommandShell` instead."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        *,
+        service: str,
+        what: str,
+        state: Any,
+        subjects: Mapping[str, str],
+        decide: Callable[[Any, Any, datetime], Decision],
+        payload_type: Any,
+        need: Callable[[Any], Need | None],
+        folds: FollowerRegistry | None = None,
+        verifier: CommandVerifier | None = None,
+        clock: Callable[[], datetime] = utc_now,
+    ) -> None:
+        self.store = store
+        self.state = state
+        self.fold = Followers(store, subjects, state.apply, registry=folds)
+        self.shell = CommandShell(
+            store,
+            service=service,
+            what=what,
+            fold=self.fold,
+            state=state,
+            decide=decide,
+            payload_type=payload_type,
+            authorize=lambda command, payload: need(payload),
+            verifier=verifier,
+            clock=clock,
+        )
+
+    def start(self) -> None:
+        self.fold.start()
+
+    async def close(self) -> None:
+        await self.fold.close()
+
+    def processor(self) -> CommandProcessor:
+        return self.shell.processor()
